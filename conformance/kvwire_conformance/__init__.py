@@ -1,0 +1,1 @@
+"""kvwire transport conformance suite."""

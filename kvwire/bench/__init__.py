@@ -1,0 +1,1 @@
+"""Benchmark suites for ``kvwire bench``; one module per suite, each ``run(opts) -> Report``."""

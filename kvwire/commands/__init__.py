@@ -1,0 +1,1 @@
+"""One module per ``kvwire`` subcommand: ``add_arguments(parser)`` and ``run(args) -> int``."""

@@ -1,0 +1,263 @@
+"""The block-move interface every kvwire transport adapter implements.
+
+The shape follows NIXL's agent API, because that is what serving engines already speak:
+register memory, exchange an opaque metadata blob, post one-sided READs and WRITEs of
+descriptor arrays with an optional notification, poll, release. The core never imports an
+adapter; adapters are found through the ``kvwire.transports`` entry-point group, so a
+third-party transport installs and loads exactly like ours.
+
+Contract (the conformance suite enforces it):
+
+* A notification attached to a transfer is delivered to the peer only after all of that
+  transfer's bytes are visible in the peer's memory.
+* ``poll`` returning ``DONE`` means every byte of the transfer has landed; ``FAILED`` is
+  reported, never dropped; a transfer never goes from a terminal state back to ``PENDING``.
+* ``release`` of a running transfer is safe (it aborts or detaches); releasing twice is an
+  error only in the sense of raising ``TransportError``, never a crash.
+* Every method raises :class:`kvwire.errors.TransportError` subclasses, never a backend's
+  raw exception.
+* After ``close()`` no thread, file descriptor or mapping of the transport remains.
+
+Descriptors are ``(N, 3)`` ``int64`` numpy arrays of ``(address, length, device_id)``; the
+local and remote arrays of one transfer pair up row by row and must have equal lengths.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from importlib import metadata as importlib_metadata
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+import numpy.typing as npt
+
+from kvwire.errors import DescriptorError, TransportUnavailableError
+
+ENTRY_POINT_GROUP = "kvwire.transports"
+
+Descs = npt.NDArray[np.int64]
+"""An ``(N, 3)`` int64 array of ``(address, length, device_id)`` rows."""
+
+
+class MemKind(str, enum.Enum):
+    """Where a region lives; the string values are the ones vLLM puts on the wire."""
+
+    DRAM = "DRAM"
+    VRAM = "VRAM"
+
+
+class XferState(enum.Enum):
+    """The state ``poll`` reports for a posted transfer."""
+
+    PENDING = "PENDING"
+    DONE = "DONE"
+    FAILED = "FAILED"
+
+
+@dataclass(frozen=True)
+class Region:
+    """A span of memory to register: host memory (DRAM) or a device's (VRAM)."""
+
+    addr: int
+    length: int
+    device_id: int = 0
+    kind: MemKind = MemKind.DRAM
+
+    def __post_init__(self) -> None:
+        if self.addr < 0 or self.length <= 0:
+            raise DescriptorError(
+                f"region needs a non-negative address and a positive length, "
+                f"got addr={self.addr} length={self.length}"
+            )
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What an adapter can do; the conformance suite skips what is absent, with a reason."""
+
+    read: bool = True
+    write: bool = True
+    notifications: bool = True
+    mem_kinds: frozenset[MemKind] = field(default_factory=lambda: frozenset({MemKind.DRAM}))
+    cross_process: bool = True
+    cross_host: bool = False
+    max_descriptors: int | None = None
+    ordered_notifications: bool = False
+    """Notifications from one peer arrive in the order they were sent."""
+
+
+@runtime_checkable
+class Transport(Protocol):
+    """One agent of a transport: a process's endpoint for moving registered memory."""
+
+    @property
+    def name(self) -> str:
+        """This agent's name, unique among the agents that talk to each other."""
+        ...
+
+    @property
+    def capabilities(self) -> Capabilities: ...
+
+    def register(self, regions: Sequence[Region]) -> object:
+        """Register memory for transfers; returns an opaque handle for ``deregister``."""
+        ...
+
+    def deregister(self, handle: object) -> None: ...
+
+    def local_metadata(self) -> bytes:
+        """The blob a peer passes to ``add_peer``; carried in ``AgentMetadata.agent_metadata``.
+
+        Must describe every region registered so far.
+        """
+        ...
+
+    def add_peer(self, blob: bytes) -> str:
+        """Make a peer known from its metadata blob; returns the peer's name."""
+        ...
+
+    def remove_peer(self, peer: str) -> None: ...
+
+    def read(
+        self, peer: str, local: Descs, remote: Descs, notify: bytes | None = None
+    ) -> object:
+        """Post a one-sided READ of ``remote`` (peer memory) into ``local``; returns a handle."""
+        ...
+
+    def write(
+        self, peer: str, local: Descs, remote: Descs, notify: bytes | None = None
+    ) -> object:
+        """Post a one-sided WRITE of ``local`` into ``remote`` (peer memory)."""
+        ...
+
+    def poll(self, handle: object) -> XferState: ...
+
+    def release(self, handle: object) -> None:
+        """Forget a transfer; aborts it if still running."""
+        ...
+
+    def notify(self, peer: str, message: bytes) -> None:
+        """Send a notification that is not attached to a transfer."""
+        ...
+
+    def drain_notifications(self) -> list[tuple[str, bytes]]:
+        """Every notification received since the last call, as ``(peer name, message)``."""
+        ...
+
+    def wait(self, timeout: float) -> None:
+        """Block until a transfer may have finished or a notification may have arrived.
+
+        Returns early on activity, otherwise after ``timeout`` seconds. Lets a driver sleep
+        instead of spinning; an adapter with nothing better may simply sleep briefly.
+        """
+        ...
+
+    def close(self) -> None: ...
+
+
+TransportFactory = Callable[..., Transport]
+"""``factory(name: str, **options) -> Transport``; what the entry point names."""
+
+
+def available() -> dict[str, str]:
+    """Installed transports: entry-point name -> ``module:attr``."""
+    eps = importlib_metadata.entry_points(group=ENTRY_POINT_GROUP)
+    return {ep.name: ep.value for ep in eps}
+
+
+def load(name: str) -> TransportFactory:
+    """The factory of a transport, by entry-point name or ``module:attr``.
+
+    The adapter's module is imported only here, so ``import kvwire`` never pulls in NIXL or
+    UCX. A missing optional dependency surfaces as :class:`TransportUnavailableError` that
+    names the extra to install.
+    """
+    if ":" in name:
+        module_name, _, attr = name.partition(":")
+        try:
+            module = __import__(module_name, fromlist=[attr])
+            factory: TransportFactory = getattr(module, attr)
+        except (ImportError, AttributeError) as exc:
+            raise TransportUnavailableError(f"cannot load transport {name!r}: {exc}") from exc
+        return factory
+    for ep in importlib_metadata.entry_points(group=ENTRY_POINT_GROUP):
+        if ep.name == name:
+            try:
+                loaded: TransportFactory = ep.load()
+            except ImportError as exc:
+                raise TransportUnavailableError(
+                    f"transport {name!r} is installed but cannot be imported ({exc}); "
+                    f"install its extra: pip install 'kvwire[{name}]'"
+                ) from exc
+            return loaded
+    known = ", ".join(sorted(available())) or "none"
+    raise TransportUnavailableError(f"no transport named {name!r} (installed: {known})")
+
+
+def create(transport: str, name: str, **options: Any) -> Transport:
+    """Load a transport by name and start one agent of it."""
+    return load(transport)(name, **options)
+
+
+def as_descs(descs: npt.ArrayLike) -> Descs:
+    """Validate and normalise a descriptor array to C-contiguous ``(N, 3)`` int64."""
+    arr = np.ascontiguousarray(descs, dtype=np.int64)
+    if arr.ndim != 2 or arr.shape[1] != 3:
+        raise DescriptorError(f"descriptors must have shape (N, 3), got {arr.shape}")
+    if arr.shape[0] and ((arr[:, 0] < 0).any() or (arr[:, 1] < 0).any()):
+        raise DescriptorError("descriptors must have non-negative addresses and lengths")
+    return arr
+
+
+def check_pair(local: Descs, remote: Descs) -> None:
+    """Raise unless two descriptor arrays pair up row by row with equal lengths."""
+    if local.shape != remote.shape:
+        raise DescriptorError(
+            f"local and remote descriptor counts differ: {local.shape[0]} vs {remote.shape[0]}"
+        )
+    if local.shape[0] and not np.array_equal(local[:, 1], remote[:, 1]):
+        bad = int(np.flatnonzero(local[:, 1] != remote[:, 1])[0])
+        raise DescriptorError(
+            f"descriptor {bad}: local length {int(local[bad, 1])} != "
+            f"remote length {int(remote[bad, 1])}"
+        )
+
+
+def region_of_array(array: npt.NDArray[Any]) -> Region:
+    """The host region a C-contiguous numpy array occupies."""
+    if not array.flags.c_contiguous:
+        raise DescriptorError("only C-contiguous arrays can be registered")
+    return Region(addr=int(array.ctypes.data), length=int(array.nbytes), device_id=0)
+
+
+def region_of_tensor(tensor: Any) -> Region:
+    """The region a contiguous torch tensor occupies, on the CPU (DRAM) or a GPU (VRAM).
+
+    Takes the tensor duck-typed so this module never imports torch.
+    """
+    if not tensor.is_contiguous():
+        raise DescriptorError("only contiguous tensors can be registered")
+    nbytes = int(tensor.numel()) * int(tensor.element_size())
+    device = tensor.device
+    if device.type == "cuda":
+        return Region(int(tensor.data_ptr()), nbytes, int(device.index or 0), MemKind.VRAM)
+    if device.type != "cpu":
+        raise DescriptorError(f"tensors on {device.type!r} cannot be registered")
+    return Region(int(tensor.data_ptr()), nbytes, 0, MemKind.DRAM)
+
+
+def wait_for(
+    transport: Transport, handle: object, timeout: float, *, clock: Callable[[], float] = time.monotonic
+) -> XferState:
+    """Poll ``handle`` until it leaves PENDING or ``timeout`` seconds pass; the last state."""
+    deadline = clock() + timeout
+    state = transport.poll(handle)
+    while state is XferState.PENDING:
+        remaining = deadline - clock()
+        if remaining <= 0:
+            break
+        transport.wait(min(remaining, 0.01))
+        state = transport.poll(handle)
+    return state

@@ -1,0 +1,1 @@
+"""kvwire nixl transport (placeholder)."""

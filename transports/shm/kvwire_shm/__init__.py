@@ -1,0 +1,1 @@
+"""kvwire shm transport (placeholder)."""

@@ -1,0 +1,1 @@
+"""kvwire ucx transport (placeholder)."""
