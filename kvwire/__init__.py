@@ -6,6 +6,7 @@ pluggable adapters found through the ``kvwire.transports`` entry-point group.
 
 from __future__ import annotations
 
+from kvwire.compat import CompatFactors, SpeculativeFactors, compatibility_hash, explain
 from kvwire.errors import (
     ConfigError,
     DescriptorError,
@@ -25,10 +26,75 @@ from kvwire.errors import (
     WireDecodeError,
     WireEncodeError,
 )
+from kvwire.wire import (
+    AgentMetadata,
+    ClockReply,
+    Completion,
+    HandshakePayload,
+    HandshakeRequest,
+    Heartbeat,
+    KVTransferParams,
+    Notification,
+    Protocol,
+    PushRegistration,
+    RemoteMeta,
+    ReqMeta,
+    decode,
+    decode_clock_reply,
+    decode_handshake,
+    decode_handshake_payload,
+    decode_handshake_request,
+    decode_notification,
+    encode,
+    encode_clock_reply,
+    encode_completion,
+    encode_handshake_payload,
+    encode_handshake_request,
+    encode_heartbeat,
+    encode_notification,
+    encode_push_registration,
+    parse_kv_transfer_params,
+    protocol,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
+    # wire
+    "AgentMetadata",
+    "ClockReply",
+    "Completion",
+    "HandshakePayload",
+    "HandshakeRequest",
+    "Heartbeat",
+    "KVTransferParams",
+    "Notification",
+    "Protocol",
+    "PushRegistration",
+    "RemoteMeta",
+    "ReqMeta",
+    "decode",
+    "decode_clock_reply",
+    "decode_handshake",
+    "decode_handshake_payload",
+    "decode_handshake_request",
+    "decode_notification",
+    "encode",
+    "encode_clock_reply",
+    "encode_completion",
+    "encode_handshake_payload",
+    "encode_handshake_request",
+    "encode_heartbeat",
+    "encode_notification",
+    "encode_push_registration",
+    "parse_kv_transfer_params",
+    "protocol",
+    # compat
+    "CompatFactors",
+    "SpeculativeFactors",
+    "compatibility_hash",
+    "explain",
+    # errors
     "ConfigError",
     "DescriptorError",
     "HandshakeError",

@@ -1,0 +1,265 @@
+"""The side-channel handshake's messages and its two-phase decode.
+
+Phase 1 decodes only the envelope (hash + opaque metadata bytes); the hash is compared
+before phase 2 decodes the metadata with this version's schema. A peer on another version
+or configuration is thus refused with :class:`IncompatiblePeerError`, which names both
+versions and the differing factors whenever they can be known: a kvwire peer states them in
+the payload's ``kvwire`` field, and for a plain vLLM peer the common single-factor changes
+(version, vLLM release, transfer mode) are recognised by recomputing the hash.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from typing import Any, Literal, overload
+
+import msgspec
+
+from kvwire.compat import CompatFactors, compatibility_hash, explain, format_differences
+from kvwire.errors import IncompatiblePeerError, WireDecodeError, WireEncodeError
+from kvwire.wire.codec import DEFAULT_MAX_SIZE, decode_struct, encode_struct
+from kvwire.wire.schemas import (
+    AgentMetadataV13,
+    AgentMetadataV14,
+    AnyAgentMetadata,
+    HandshakePayload,
+    HandshakeRequest,
+    KVWireHello,
+)
+from kvwire.wire.versions import DEFAULT_VERSION, SUPPORTED_VERSIONS, VLLM_RELEASES, protocol
+
+GET_META_MSG = b"get_meta_msg"
+MAX_REQUEST_SIZE = 64
+"""A handshake request is 17 bytes or so; anything much larger is not one."""
+MAX_CLOCK_REPLY_SIZE = 16
+
+
+def encode_handshake_request(pp_rank: int, tp_rank: int) -> bytes:
+    """``msgpack([b"get_meta_msg", pp_rank, tp_rank])`` (the tag as msgpack bin)."""
+    for name, rank in (("pp_rank", pp_rank), ("tp_rank", tp_rank)):
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+            raise WireEncodeError(f"{name} must be a non-negative int, got {rank!r}")
+    return encode_struct((GET_META_MSG, pp_rank, tp_rank))
+
+
+def decode_handshake_request(
+    data: bytes | bytearray | memoryview, *, max_size: int = MAX_REQUEST_SIZE
+) -> HandshakeRequest:
+    """The (pp_rank, tp_rank) a consumer asks for; a wrong tag or shape is a WireDecodeError."""
+    tag, pp_rank, tp_rank = decode_struct(
+        data, tuple[bytes, int, int], max_size=max_size, what="handshake request"
+    )
+    if tag != GET_META_MSG:
+        raise WireDecodeError(f"handshake request: unknown tag {tag[:32]!r}")
+    if pp_rank < 0 or tp_rank < 0:
+        raise WireDecodeError(f"handshake request: negative rank ({pp_rank}, {tp_rank})")
+    return HandshakeRequest(pp_rank=pp_rank, tp_rank=tp_rank)
+
+
+def encode_clock_reply(timestamp: float) -> bytes:
+    """The producer's clock (``perf_counter()``) as a bare msgpack float64."""
+    if isinstance(timestamp, bool) or not isinstance(timestamp, int | float):
+        raise WireEncodeError(f"clock reply must be a float, got {timestamp!r}")
+    if not math.isfinite(timestamp):
+        raise WireEncodeError(f"clock reply must be finite, got {timestamp!r}")
+    return encode_struct(float(timestamp))
+
+
+def decode_clock_reply(
+    data: bytes | bytearray | memoryview, *, max_size: int = MAX_CLOCK_REPLY_SIZE
+) -> float:
+    """The producer's clock; NaN or infinity would poison every lease, so they are refused."""
+    value = decode_struct(data, float, max_size=max_size, what="clock reply")
+    if not math.isfinite(value):
+        raise WireDecodeError(f"clock reply is not finite: {value!r}")
+    return value
+
+
+def encode_handshake_payload(
+    metadata: AnyAgentMetadata | bytes,
+    *,
+    compatibility_hash: str,
+    factors: CompatFactors | None = None,
+) -> bytes:
+    """The listener's answer frame: the hash and the encoded metadata.
+
+    Without ``factors`` the bytes are exactly vLLM's. With them, the payload also carries
+    kvwire's ``kvwire`` field (our version and factors), which vLLM skips and a kvwire
+    consumer uses to explain a mismatch. Encode once per rank and reuse the bytes.
+    """
+    inner = metadata if isinstance(metadata, bytes) else encode_struct(metadata)
+    hello = None
+    if factors is not None:
+        hello = KVWireHello(
+            connector_version=factors.nixl_connector_version, factors=factors.as_dict()
+        )
+    return encode_struct(
+        HandshakePayload(
+            compatibility_hash=compatibility_hash, agent_metadata_bytes=inner, kvwire=hello
+        )
+    )
+
+
+def decode_handshake_payload(
+    data: bytes | bytearray | memoryview, *, max_size: int = DEFAULT_MAX_SIZE
+) -> HandshakePayload:
+    """Phase 1 only: the envelope, with the metadata still opaque bytes."""
+    return decode_struct(data, HandshakePayload, max_size=max_size, what="handshake payload")
+
+
+def check_peer(
+    payload: HandshakePayload,
+    *,
+    local_hash: str | None,
+    version: int = DEFAULT_VERSION,
+    local_factors: CompatFactors | None = None,
+) -> None:
+    """Refuse a peer whose hash differs from ``local_hash`` (``None``: do not check).
+
+    Raises :class:`IncompatiblePeerError` carrying both hashes, both versions when the
+    remote one can be known, and the differing factors when they can be known.
+    """
+    hello = payload.kvwire
+    remote_version = hello.connector_version if hello is not None else None
+    if local_hash is None or payload.compatibility_hash == local_hash:
+        if local_hash is not None and remote_version not in (None, version):
+            _refuse(payload, local_hash, version, remote_version, {})
+        return
+    differing: dict[str, tuple[Any, Any]] = {}
+    if local_factors is not None and hello is not None and hello.factors is not None:
+        differing = explain(local_factors, hello.factors)
+    elif local_factors is not None:
+        guess = _guess_remote_factors(local_factors, payload.compatibility_hash)
+        if guess is not None:
+            differing = explain(local_factors, guess)
+            remote_version = remote_version or guess.nixl_connector_version
+    _refuse(payload, local_hash, version, remote_version, differing)
+
+
+# Looked up on every handshake, so kept out of protocol()'s error handling.
+_METADATA_TYPES: dict[int, type[AnyAgentMetadata]] = {
+    v: protocol(v).AgentMetadata for v in SUPPORTED_VERSIONS
+}
+
+
+@overload
+def decode_handshake(
+    data: bytes | bytearray | memoryview,
+    *,
+    local_hash: str | None,
+    version: Literal[13] = ...,
+    local_factors: CompatFactors | None = ...,
+    max_size: int = ...,
+) -> AgentMetadataV13: ...
+
+
+@overload
+def decode_handshake(
+    data: bytes | bytearray | memoryview,
+    *,
+    local_hash: str | None,
+    version: Literal[14, 15],
+    local_factors: CompatFactors | None = ...,
+    max_size: int = ...,
+) -> AgentMetadataV14: ...
+
+
+@overload
+def decode_handshake(
+    data: bytes | bytearray | memoryview,
+    *,
+    local_hash: str | None,
+    version: int,
+    local_factors: CompatFactors | None = ...,
+    max_size: int = ...,
+) -> AnyAgentMetadata: ...
+
+
+def decode_handshake(
+    data: bytes | bytearray | memoryview,
+    *,
+    local_hash: str | None,
+    version: int = DEFAULT_VERSION,
+    local_factors: CompatFactors | None = None,
+    max_size: int = DEFAULT_MAX_SIZE,
+) -> AnyAgentMetadata:
+    """Two-phase decode of a handshake payload into this version's ``AgentMetadata``.
+
+    ``local_hash=None`` skips the hash check (vLLM's ``enforce_handshake_compat=false``).
+    ``local_factors``, when given, lets the error name the factors that differ.
+    Returns ``protocol(version).AgentMetadata``.
+    """
+    md_type: type[AnyAgentMetadata] = (
+        _METADATA_TYPES.get(version) or protocol(version).AgentMetadata
+    )
+    payload = decode_struct(data, HandshakePayload, max_size=max_size, what="handshake payload")
+    if local_hash is not None and (
+        payload.compatibility_hash != local_hash or payload.kvwire is not None
+    ):
+        check_peer(payload, local_hash=local_hash, version=version, local_factors=local_factors)
+    return decode_struct(
+        payload.agent_metadata_bytes, md_type, max_size=max_size, what="agent metadata"
+    )
+
+
+def peer_version(payload: HandshakePayload) -> int | None:
+    """The version a kvwire peer states in its payload; ``None`` for a plain vLLM peer."""
+    return payload.kvwire.connector_version if payload.kvwire is not None else None
+
+
+def _guess_remote_factors(local: CompatFactors, remote_hash: str) -> CompatFactors | None:
+    """Recognise a plain vLLM peer that differs from us only in version or transfer mode."""
+    modes = ("pull", "push")
+    for ver, mode in itertools.product(SUPPORTED_VERSIONS, modes):
+        releases = dict.fromkeys((local.vllm_version, VLLM_RELEASES[ver]))
+        for release in releases:
+            candidate = msgspec.structs.replace(
+                local, nixl_connector_version=ver, vllm_version=release, transfer_mode=mode
+            )
+            if candidate != local and compatibility_hash(candidate) == remote_hash:
+                return candidate
+    return None
+
+
+def _version_hint(payload: HandshakePayload) -> str:
+    """What a plain vLLM peer's metadata reveals about its version, without trusting it.
+
+    Only the key set is read (values stay undecoded), so this cannot fail on a schema change.
+    """
+    try:
+        keys = decode_struct(
+            payload.agent_metadata_bytes, dict[str, msgspec.Raw], what="agent metadata"
+        )
+    except WireDecodeError:
+        return "unknown"
+    if "ple_block_len" in keys:
+        return "unknown, 14 or later (its metadata has ple_block_len)"
+    if "packed_member_layouts" in keys:
+        return "unknown, 13 or a later one with the v13 metadata schema"
+    return "unknown, older than 13"
+
+
+def _refuse(
+    payload: HandshakePayload,
+    local_hash: str,
+    version: int,
+    remote_version: int | None,
+    differing: dict[str, tuple[Any, Any]],
+) -> None:
+    remote_hash = payload.compatibility_hash
+    if remote_version is not None and remote_version != version:
+        head = f"peer speaks protocol version {remote_version}, we speak version {version}"
+    else:
+        theirs = str(remote_version) if remote_version is not None else _version_hint(payload)
+        head = f"compatibility hash mismatch (our version {version}, peer version {theirs})"
+    detail = f"; differing factors: {format_differences(differing)}" if differing else ""
+    raise IncompatiblePeerError(
+        f"incompatible peer: {head}; local hash {local_hash[:16]}, remote hash "
+        f"{remote_hash[:16]}{detail}",
+        local_hash=local_hash,
+        remote_hash=remote_hash,
+        differing=differing,
+        local_version=version,
+        remote_version=remote_version,
+    )

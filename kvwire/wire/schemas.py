@@ -1,0 +1,166 @@
+"""The message classes of every protocol version kvwire speaks, as msgspec Structs.
+
+Field names, order, types and defaults *are* the wire format: msgspec writes a Struct as a
+msgpack map keyed by field name, every field present, in declaration order, exactly as it
+writes vLLM's dataclasses. A new version therefore gets a new class whenever a field is added
+anywhere but the end; classes that did not change are shared between versions.
+
+Structs instead of dataclasses because they decode faster and validate types on the way in;
+``frozen`` because a decoded message is a fact about the peer and must not be edited in place
+(use :func:`msgspec.structs.replace`); ``gc=False`` where instances only hold primitives and
+containers of primitives, which cannot form reference cycles.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import msgspec
+
+NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
+PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
+Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
+BlockIds = list[list[NonNegInt]]
+"""Block ids per KV-cache group: one list per group."""
+
+
+class AgentMetadataV13(msgspec.Struct, frozen=True, gc=False):
+    """What a rank publishes about its KV cache (vLLM 0.31.0 ``NixlAgentMetadata``)."""
+
+    engine_id: str
+    agent_metadata: bytes
+    kv_caches_base_addr: list[int]
+    device_id: int
+    num_blocks: int
+    block_lens: list[int]
+    block_strides: list[int]
+    kv_cache_layout: str
+    block_size: int
+    ssm_sizes: tuple[int, int]
+    attn_backend_name: str
+    physical_blocks_per_logical_kv_block: int
+    region_num_blocks: list[int] | None = None
+    region_group_ids: list[int] | None = None
+    region_names: list[str] | None = None
+    region_mem_types: list[str] | None = None
+    dcp_size: int = 1
+    pcp_size: int = 1
+    region_members: list[list[str]] = []
+    packed_member_layouts: dict[str, tuple[int, int]] = {}
+
+
+class AgentMetadataV14(msgspec.Struct, frozen=True, gc=False):
+    """v13 plus ``ple_block_len``, inserted before ``region_members`` (vLLM 0.32.0).
+
+    A separate class rather than a subclass: msgspec appends subclass fields at the end, and
+    vLLM put the new field in the middle, so the byte order differs.
+    """
+
+    engine_id: str
+    agent_metadata: bytes
+    kv_caches_base_addr: list[int]
+    device_id: int
+    num_blocks: int
+    block_lens: list[int]
+    block_strides: list[int]
+    kv_cache_layout: str
+    block_size: int
+    ssm_sizes: tuple[int, int]
+    attn_backend_name: str
+    physical_blocks_per_logical_kv_block: int
+    region_num_blocks: list[int] | None = None
+    region_group_ids: list[int] | None = None
+    region_names: list[str] | None = None
+    region_mem_types: list[str] | None = None
+    dcp_size: int = 1
+    pcp_size: int = 1
+    ple_block_len: int | None = None
+    region_members: list[list[str]] = []
+    packed_member_layouts: dict[str, tuple[int, int]] = {}
+
+
+AnyAgentMetadata = AgentMetadataV13 | AgentMetadataV14
+
+# Values a compatibility factor can take: scalars, or one level of nesting for the
+# speculative-decoding sub-factors. Spelled out so decoding a peer's factors stays bounded.
+FactorScalar = str | int | float | bool | None
+FactorValue = FactorScalar | list[int] | dict[str, FactorScalar | list[int]]
+
+
+class KVWireHello(msgspec.Struct, frozen=True, gc=False, omit_defaults=True):
+    """kvwire's addition to the handshake payload, invisible to vLLM.
+
+    vLLM's decoder skips map keys it does not know, so a kvwire producer can say which
+    protocol version it speaks and which factors went into its hash. A kvwire consumer then
+    explains a hash mismatch factor by factor instead of only reporting two digests.
+    """
+
+    connector_version: int
+    factors: dict[str, FactorValue] | None = None
+
+
+class HandshakePayload(msgspec.Struct, frozen=True, gc=False, omit_defaults=True):
+    """The side-channel answer: a hash to check before the metadata is even decoded.
+
+    ``kvwire`` is absent unless set, so a plain payload is byte-identical to vLLM's.
+    """
+
+    compatibility_hash: str
+    agent_metadata_bytes: bytes
+    kvwire: KVWireHello | None = None
+
+
+class HandshakeRequest(msgspec.Struct, frozen=True, gc=False):
+    """D asking P's listener for one rank's metadata.
+
+    On the wire this is the msgpack array ``[b"get_meta_msg", pp_rank, tp_rank]`` (the tag is
+    msgpack bin); the codec writes and checks the tag.
+    """
+
+    pp_rank: NonNegInt
+    tp_rank: NonNegInt
+
+
+class ClockReply(msgspec.Struct, frozen=True, gc=False):
+    """The second reply frame: the producer's ``perf_counter()``, a bare msgpack float."""
+
+    timestamp: float
+
+
+class PushRegistration(msgspec.Struct, frozen=True, gc=False):
+    """D announcing, in push mode, where P should WRITE a request's blocks.
+
+    Sent as ``b"PUSH_REG:" + msgpack(map)``; field order is vLLM's.
+    """
+
+    request_id: str
+    decode_engine_id: str
+    decode_host: str
+    decode_port: Port
+    decode_tp_size: PositiveInt
+    local_block_ids: BlockIds
+    remote_engine_id: str
+    remote_host: str
+    remote_port: Port
+    remote_tp_size: PositiveInt
+    remote_pp_size: PositiveInt
+
+
+class Completion(msgspec.Struct, frozen=True, gc=False):
+    """``f"{request_id}:{count}"``: one consumer rank is done with a request's blocks.
+
+    ``count`` is the sender's world size; the receiver frees once it has seen enough of them.
+    The id may itself contain ':' (the count follows the last one).
+    """
+
+    request_id: str
+    count: int
+
+
+class Heartbeat(msgspec.Struct, frozen=True, gc=False):
+    """``"HB:" + ",".join(ids)``: the consumer still wants these leases kept alive."""
+
+    request_ids: tuple[str, ...]
+
+
+Notification = Completion | Heartbeat | PushRegistration

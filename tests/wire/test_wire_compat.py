@@ -1,0 +1,96 @@
+"""Compatibility factors: normalisation, explain, and strict loading."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+import kvwire
+from kvwire.compat import CompatFactors, SpeculativeFactors, explain
+
+BASE = CompatFactors.build(
+    vllm_version="0.31.0",
+    model="m",
+    dtype="torch.bfloat16",
+    num_kv_heads=8,
+    head_size=128,
+    num_hidden_layers=32,
+    attn_backend_name="FLASH_ATTN",
+    cache_dtype="fp8",
+)
+
+
+def test_dtype_spellings_hash_alike() -> None:
+    short = msgspec.structs.replace(BASE, dtype="torch.bfloat16")
+    built = CompatFactors.build(**{**_settings(BASE), "dtype": "bfloat16"})
+    assert built.hash() == short.hash() == BASE.hash()
+
+
+def test_speculative_kv_dtype_inherits_target_cache_dtype() -> None:
+    spec = SpeculativeFactors(method="eagle3", model="draft")
+    inherited = CompatFactors.build(**_settings(BASE), speculative=spec)
+    explicit = CompatFactors.build(
+        **_settings(BASE), speculative=SpeculativeFactors("eagle3", "draft", kv_cache_dtype="fp8")
+    )
+    assert inherited.speculative_config is not None
+    assert inherited.speculative_config.kv_cache_dtype == "fp8"
+    assert inherited.hash() == explicit.hash()
+
+
+def test_every_factor_changes_the_hash() -> None:
+    changes = {
+        "vllm_version": "0.31.1",
+        "nixl_connector_version": 14,
+        "model": "n",
+        "dtype": "torch.float16",
+        "num_kv_heads": 4,
+        "head_size": 64,
+        "num_hidden_layers": 31,
+        "attn_backend_name": "FLASHINFER",
+        "cache_dtype": "auto",
+        "is_hma_enabled": True,
+        "speculative_config": SpeculativeFactors("eagle", "d"),
+        "transfer_mode": "push",
+    }
+    assert set(changes) == set(CompatFactors.__struct_fields__)
+    for name, value in changes.items():
+        other = msgspec.structs.replace(BASE, **{name: value})
+        assert other.hash() != BASE.hash(), name
+        assert list(explain(BASE, other)) == [name] or name == "speculative_config"
+
+
+def test_explain_nested_and_json_semantics() -> None:
+    a = CompatFactors.build(**_settings(BASE), speculative=SpeculativeFactors("eagle3", "d"))
+    b = CompatFactors.build(
+        **_settings(BASE),
+        speculative=SpeculativeFactors("eagle3", "d", auxiliary_layer_ids=(1, 2)),
+    )
+    assert explain(a, b) == {"speculative_config.auxiliary_layer_ids": (None, [1, 2])}
+    assert explain(a, a) == {}
+    # True and 1 are equal in Python but hash differently, so they differ.
+    assert explain({"x": True}, {"x": 1}) == {"x": (True, 1)}
+    assert explain({"x": 1}, {}) == {"x": (1, None)}
+    assert explain({"x": (1, 2)}, {"x": [1, 2]}) == {}
+
+
+def test_from_dict_refuses_unknown_and_mistyped_factors() -> None:
+    good = BASE.as_dict()
+    assert CompatFactors.from_dict(good) == BASE
+    with pytest.raises(kvwire.ConfigError):
+        CompatFactors.from_dict({**good, "modle": "typo"})
+    with pytest.raises(kvwire.ConfigError):
+        CompatFactors.from_dict({**good, "num_kv_heads": "8"})
+
+
+def test_mapping_hash_matches_struct_hash_and_accepts_tuples() -> None:
+    plain = BASE.as_dict()
+    assert kvwire.compatibility_hash(plain) == BASE.hash()
+    with pytest.raises(kvwire.ConfigError):
+        kvwire.compatibility_hash({"x": object()})
+
+
+def _settings(factors: CompatFactors) -> dict[str, object]:
+    plain = factors.as_dict()
+    plain.pop("speculative_config")
+    plain["connector_version"] = plain.pop("nixl_connector_version")
+    return plain

@@ -1,0 +1,252 @@
+"""Property tests: valid messages round-trip; arbitrary bytes only raise WireDecodeError."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import typing
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import kvwire
+from kvwire.wire import codec, handshake
+
+SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+u64 = st.integers(min_value=0, max_value=2**64 - 1)
+small = st.integers(min_value=0, max_value=2**31)
+text = st.text(max_size=24)
+ints = st.lists(u64, max_size=6)
+
+
+def metadata_strategy(version: int) -> st.SearchStrategy[Any]:
+    cls = kvwire.protocol(version).AgentMetadata
+    fields: dict[str, st.SearchStrategy[Any]] = {
+        "engine_id": text,
+        "agent_metadata": st.binary(max_size=64),
+        "kv_caches_base_addr": ints,
+        "device_id": small,
+        "num_blocks": small,
+        "block_lens": ints,
+        "block_strides": ints,
+        "kv_cache_layout": st.sampled_from(["HND", "NHD"]),
+        "block_size": small,
+        "ssm_sizes": st.tuples(small, small),
+        "attn_backend_name": text,
+        "physical_blocks_per_logical_kv_block": small,
+        "region_num_blocks": st.none() | ints,
+        "region_group_ids": st.none() | ints,
+        "region_names": st.none() | st.lists(text, max_size=4),
+        "region_mem_types": st.none() | st.lists(st.sampled_from(["VRAM", "DRAM"]), max_size=4),
+        "dcp_size": small,
+        "pcp_size": small,
+        "region_members": st.lists(st.lists(text, max_size=3), max_size=3),
+        "packed_member_layouts": st.dictionaries(text, st.tuples(small, small), max_size=3),
+    }
+    if version >= 14:
+        fields["ple_block_len"] = st.none() | small
+    return st.builds(cls, **fields)
+
+
+def vllm_style_dataclass(struct_type: type[Any]) -> type[Any]:
+    """A plain dataclass with the Struct's fields, order and defaults: how vLLM declares it."""
+    info = msgspec.inspect.type_info(struct_type)
+    assert isinstance(info, msgspec.inspect.StructType)
+    hints = typing.get_type_hints(struct_type)
+    spec: list[Any] = []
+    for f in info.fields:
+        if f.required:
+            spec.append((f.name, hints[f.name]))
+        elif isinstance(f.default, list | dict):
+            factory = type(f.default)
+            spec.append((f.name, hints[f.name], dataclasses.field(default_factory=factory)))
+        else:
+            spec.append((f.name, hints[f.name], dataclasses.field(default=f.default)))
+    return dataclasses.make_dataclass(f"Vllm{struct_type.__name__}", spec)
+
+
+@pytest.mark.parametrize("version", [13, 14])
+def test_metadata_bytes_equal_a_dataclass_encoding(version: int) -> None:
+    cls = kvwire.protocol(version).AgentMetadata
+    twin = vllm_style_dataclass(cls)
+
+    @SETTINGS
+    @given(metadata_strategy(version))
+    def check(md: Any) -> None:
+        wire = kvwire.encode(md)
+        assert kvwire.decode(wire, cls) == md
+        as_dataclass = twin(**{name: getattr(md, name) for name in cls.__struct_fields__})
+        assert msgspec.msgpack.encode(as_dataclass) == wire
+        assert msgspec.msgpack.decode(wire, type=twin) == as_dataclass
+
+    check()
+
+
+request_ids = st.text(min_size=1, max_size=40).filter(
+    lambda s: not s.startswith("HB:") and not s.startswith("PUSH_REG:")
+)
+heartbeat_ids = st.text(min_size=1, max_size=20).filter(lambda s: "," not in s)
+registrations = st.builds(
+    kvwire.PushRegistration,
+    request_id=text,
+    decode_engine_id=text,
+    decode_host=text,
+    decode_port=st.integers(0, 65535),
+    decode_tp_size=st.integers(1, 64),
+    local_block_ids=st.lists(st.lists(small, max_size=8), max_size=3),
+    remote_engine_id=text,
+    remote_host=text,
+    remote_port=st.integers(0, 65535),
+    remote_tp_size=st.integers(1, 64),
+    remote_pp_size=st.integers(1, 64),
+)
+notifications = (
+    st.builds(kvwire.Completion, request_id=request_ids, count=st.integers(1, 10**9 - 1))
+    | st.builds(kvwire.Heartbeat, request_ids=st.lists(heartbeat_ids, max_size=8).map(tuple))
+    | registrations
+)
+
+
+@SETTINGS
+@given(notifications)
+def test_notifications_round_trip(msg: Any) -> None:
+    assert kvwire.decode_notification(kvwire.encode(msg)) == msg
+
+
+@SETTINGS
+@given(st.integers(0, 2**32), st.integers(0, 2**32))
+def test_handshake_request_round_trip(pp: int, tp: int) -> None:
+    wire = kvwire.encode_handshake_request(pp, tp)
+    assert kvwire.decode_handshake_request(wire) == kvwire.HandshakeRequest(pp, tp)
+
+
+@SETTINGS
+@given(st.floats(allow_nan=False, allow_infinity=False))
+def test_clock_reply_round_trip(ts: float) -> None:
+    assert kvwire.decode_clock_reply(kvwire.encode_clock_reply(ts)) == ts
+
+
+@SETTINGS
+@given(
+    st.fixed_dictionaries(
+        {"do_remote_prefill": st.booleans(), "do_remote_decode": st.booleans()},
+        optional={
+            "remote_block_ids": st.lists(st.lists(small, max_size=5), max_size=3),
+            "remote_engine_id": text,
+            "remote_request_id": text,
+            "remote_host": text,
+            "remote_port": st.integers(0, 65535),
+            "tp_size": st.integers(1, 64),
+            "dcp_size": st.integers(1, 64),
+            "pp_size": st.integers(1, 64),
+            "remote_block_size": st.integers(1, 1024),
+            "remote_blocks_expiry_time": st.floats(allow_nan=False, allow_infinity=False),
+            "remote_num_tokens": small,
+            "transfer_mode": st.sampled_from(["pull", "push"]),
+            "remote_registration_generation": small,
+        },
+    )
+)
+def test_kv_transfer_params_round_trip(params: dict[str, Any]) -> None:
+    view = kvwire.parse_kv_transfer_params(params, version=15)
+    assert view.as_dict() == params
+    assert kvwire.decode(kvwire.encode(view), type(view)) == view
+
+
+@SETTINGS
+@given(metadata_strategy(13), st.text(max_size=64))
+def test_handshake_round_trip(md: Any, compat_hash: str) -> None:
+    wire = kvwire.encode_handshake_payload(md, compatibility_hash=compat_hash)
+    assert kvwire.decode_handshake(wire, local_hash=compat_hash) == md
+
+
+# -- every decoder, fed garbage, raises WireDecodeError or returns a message ---------------
+
+DECODERS: dict[str, Callable[[bytes], Any]] = {
+    "notification": kvwire.decode_notification,
+    "handshake": lambda b: kvwire.decode_handshake(b, local_hash=None),
+    "handshake_v14": lambda b: kvwire.decode_handshake(b, local_hash=None, version=14),
+    "handshake_checked": lambda b: kvwire.decode_handshake(b, local_hash="x" * 64),
+    "handshake_payload": kvwire.decode_handshake_payload,
+    "handshake_request": kvwire.decode_handshake_request,
+    "clock_reply": kvwire.decode_clock_reply,
+    "agent_metadata": lambda b: kvwire.decode(b, kvwire.AgentMetadata),
+    "agent_metadata_v14": lambda b: kvwire.decode(b, kvwire.protocol(14).AgentMetadata),
+    "push_reg": lambda b: kvwire.decode(b, kvwire.PushRegistration),
+    "kv_transfer_params": kvwire.parse_kv_transfer_params,
+    "kv_transfer_params_v15": lambda b: kvwire.parse_kv_transfer_params(b, version=15),
+    "untyped": codec.decode_untyped,
+}
+
+
+def _only_decode_errors(data: bytes) -> None:
+    for name, decoder in DECODERS.items():
+        try:
+            decoder(data)
+        except kvwire.WireDecodeError:
+            pass
+        except kvwire.IncompatiblePeerError:
+            assert name == "handshake_checked"
+        except Exception as exc:  # pragma: no cover - the failure being tested for
+            raise AssertionError(f"{name} raised {type(exc).__name__}: {exc}") from exc
+
+
+def _valid_samples() -> list[bytes]:
+    vectors = Path(__file__).resolve().parent.parent / "vectors"
+    samples: list[bytes] = []
+    for path in sorted(vectors.glob("*.json")):
+        doc = json.loads(path.read_text())
+        samples += [bytes.fromhex(c["msgpack"]) for c in doc["agent_metadata"][:3]]
+        samples += [bytes.fromhex(c["msgpack"]) for c in doc["handshake_payload"][:2]]
+        samples += [bytes.fromhex(c["msgpack"]) for c in doc["handshake_request"]]
+        samples += [bytes.fromhex(c["notif"]) for c in doc["push_reg"]]
+        samples += [bytes.fromhex(c["notif"]) for c in doc["completion_notif"]]
+        samples.append(bytes.fromhex(doc["heartbeat_notif"]["notif"]))
+        samples.append(bytes.fromhex(doc["handshake_clock"]["msgpack"]))
+        samples += [
+            msgspec.msgpack.encode(c["kv_transfer_params"]) for c in doc["kv_transfer_params"]
+        ]
+    return samples
+
+
+VALID = _valid_samples()
+
+
+@SETTINGS
+@given(st.binary(max_size=256))
+def test_random_bytes_only_raise_wire_decode_error(data: bytes) -> None:
+    _only_decode_errors(data)
+
+
+@st.composite
+def mutated(draw: st.DrawFn) -> bytes:
+    data = bytearray(draw(st.sampled_from(VALID)))
+    for _ in range(draw(st.integers(1, 4))):
+        op = draw(st.sampled_from(["flip", "truncate", "insert", "delete"]))
+        pos = draw(st.integers(0, max(0, len(data) - 1)))
+        if op == "flip" and data:
+            data[pos] = draw(st.integers(0, 255))
+        elif op == "truncate":
+            del data[pos:]
+        elif op == "insert":
+            data[pos:pos] = draw(st.binary(min_size=1, max_size=8))
+        elif data:
+            del data[pos]
+    return bytes(data)
+
+
+@settings(max_examples=400, deadline=None)
+@given(mutated())
+def test_mutated_messages_only_raise_wire_decode_error(data: bytes) -> None:
+    _only_decode_errors(data)
+
+
+def test_decoder_table_covers_the_public_decoders() -> None:
+    assert handshake.decode_handshake is kvwire.decode_handshake
+    assert len(DECODERS) >= 10
