@@ -1,0 +1,333 @@
+"""Pair local regions with a peer's and check, at handshake time, that the pair can move KV.
+
+Two engines of the same model lay their caches out in the same region order, so regions pair
+by index. When either side groups layers differently (a pipeline stage holding a slice of
+the layers, or v13 rows that pack several layers' pages together), both advertise the layer
+names of each region (v12) and regions pair by name instead; a packed member narrows its
+region to the member's page (v13).
+
+Every check that fails adds one line naming the region, the expected and the actual value;
+all of them are raised together as one :class:`~kvwire.errors.IncompatiblePeerError`, so an
+operator fixes a deployment in one round.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from kvwire.errors import IncompatiblePeerError
+from kvwire.geometry import (
+    VALID_MEM_KINDS,
+    KVGeometry,
+    KVLayout,
+    RegionKind,
+    RemoteGeometry,
+    heads_per_rank,
+)
+
+Mode = Literal["pull", "push"]
+
+
+@dataclass(frozen=True)
+class RegionView:
+    """The part of one region's blocks a transfer touches: ``block_len`` bytes at
+    ``base + b * stride`` for block ``b``."""
+
+    index: int
+    label: str
+    base: int
+    block_len: int
+    stride: int
+    num_blocks: int
+    device_id: int
+    group_id: int
+
+
+@dataclass(frozen=True)
+class RegionPair:
+    """A local view and the remote view holding the same layers' KV."""
+
+    local: RegionView
+    remote: RegionView
+    kind: RegionKind
+
+
+@dataclass(frozen=True)
+class PeerPolicy:
+    """Which of vLLM's restrictions to enforce on top of what kvwire can actually move.
+
+    kvwire moves any pair of HND/NHD layouts, TP sizes and block sizes that divide one
+    another; ``vllm_strict`` rejects what vLLM 0.31.0 rejects (mixed layouts, head slicing of
+    NHD, producer blocks larger than consumer blocks, block-size ratios when producer TP >
+    consumer TP), for deployments that must behave exactly like vLLM.
+    """
+
+    vllm_strict: bool = False
+
+
+class _Problems:
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def add(self, where: str, expected: object, actual: object, note: str = "") -> None:
+        tail = f" ({note})" if note else ""
+        self.lines.append(f"{where}: expected {expected}, got {actual}{tail}")
+
+    def raise_if_any(self) -> None:
+        if self.lines:
+            raise IncompatiblePeerError("incompatible KV geometry: " + "; ".join(self.lines))
+
+
+def _local_view(geometry: KVGeometry, index: int, member: str | None) -> RegionView:
+    region = geometry.regions[index]
+    offset, length = 0, region.block_len
+    label = geometry.region_label(index)
+    if member is not None and member in region.packed_members:
+        offset, length = region.packed_members[member]
+        label = f"{label}[{member}]"
+    return RegionView(
+        index=index,
+        label=label,
+        base=region.base_addr + offset,
+        block_len=length,
+        stride=region.block_stride,
+        num_blocks=region.num_blocks,
+        device_id=geometry.region_device(index),
+        group_id=region.group_id,
+    )
+
+
+def _remote_view(
+    remote: RemoteGeometry, index: int, member: str | None, default_group: int
+) -> RegionView:
+    region = remote.regions[index]
+    offset, length = 0, region.block_len
+    label = region.label(index)
+    if member is not None and member in region.packed_members:
+        offset, length = region.packed_members[member]
+        label = f"{label}[{member}]"
+    return RegionView(
+        index=index,
+        label=label,
+        base=region.base_addr + offset,
+        block_len=length,
+        stride=region.block_stride,
+        num_blocks=region.num_blocks,
+        device_id=remote.device_id,
+        group_id=default_group if region.group_id is None else region.group_id,
+    )
+
+
+def _needs_name_routing(local: KVGeometry, remote: RemoteGeometry) -> bool:
+    local_members = [r.members for r in local.regions]
+    if not remote.advertises_members or not any(local_members):
+        return False
+    if any(r.packed_members for r in local.regions) or any(
+        r.packed_members for r in remote.regions
+    ):
+        return True
+    return local_members != [r.members for r in remote.regions]
+
+
+def _pair_by_index(
+    local: KVGeometry, remote: RemoteGeometry, problems: _Problems
+) -> list[tuple[RegionView, RegionView]]:
+    if len(local.regions) != len(remote.regions):
+        problems.add(
+            "region count",
+            len(local.regions),
+            len(remote.regions),
+            "regions pair by index when layer names are not advertised by both sides",
+        )
+        return []
+    pairs = []
+    for i, region in enumerate(local.regions):
+        remote_name = remote.regions[i].name
+        if region.name and remote_name is not None and remote_name != region.name:
+            problems.add(f"region {i} name", repr(region.name), repr(remote_name))
+        pairs.append((_local_view(local, i, None), _remote_view(remote, i, None, region.group_id)))
+    return pairs
+
+
+def _pair_by_name(
+    local: KVGeometry, remote: RemoteGeometry, problems: _Problems
+) -> list[tuple[RegionView, RegionView]]:
+    owner: dict[str, int] = {}
+    for j, remote_region in enumerate(remote.regions):
+        for member in remote_region.members:
+            if member in owner:
+                problems.add(
+                    f"remote layer {member!r}",
+                    f"one region, got regions {owner[member]} and",
+                    j,
+                )
+            owner[member] = j
+    local_layers = {m for r in local.regions for m in r.members}
+    unowned = sorted(local_layers - set(owner))
+    if unowned and remote.pp_size == 1:
+        problems.add("remote layers", f"every local layer including {unowned}", "none")
+    extra = sorted(set(owner) - local_layers)
+    if extra and local.pp_size == 1:
+        problems.add("local layers", f"every remote layer including {extra}", "none")
+    pairs: list[tuple[RegionView, RegionView]] = []
+    for i, region in enumerate(local.regions):
+        if not region.members:
+            problems.add(f"region {local.region_label(i)} members", "layer names", "none")
+            continue
+        # A packed local row pairs member by member; a plain region pairs as one unit.
+        units = list(region.members) if region.packed_members else [region.members[0]]
+        for unit in units:
+            if unit not in owner:
+                continue
+            j = owner[unit]
+            if not region.packed_members:
+                strays = [m for m in region.members if owner.get(m, j) != j]
+                if strays:
+                    problems.add(
+                        f"region {local.region_label(i)} layers {list(region.members)}",
+                        f"all in remote region {j}",
+                        f"{strays} elsewhere",
+                    )
+                    continue
+                if remote.regions[j].packed_members and len(region.members) > 1:
+                    problems.add(
+                        f"region {local.region_label(i)}",
+                        "one layer per region when the remote packs rows",
+                        f"{len(region.members)} layers",
+                    )
+                    continue
+            remote_member = unit if unit in remote.regions[j].packed_members else None
+            local_member = unit if region.packed_members else None
+            pairs.append(
+                (
+                    _local_view(local, i, local_member),
+                    _remote_view(remote, j, remote_member, region.group_id),
+                )
+            )
+    if not pairs and not problems.lines:
+        problems.add("shared layers", "at least one", "none")
+    return pairs
+
+
+def _check_globals(
+    local: KVGeometry, remote: RemoteGeometry, mode: Mode, policy: PeerPolicy, problems: _Problems
+) -> None:
+    try:
+        remote_layout = KVLayout(remote.kv_cache_layout)
+    except ValueError:
+        problems.add("kv_cache_layout", "HND or NHD", repr(remote.kv_cache_layout))
+        remote_layout = None
+    lk, rk = local.kernel_block_size, remote.kernel_block_size
+    if rk <= 0 or remote.physical_blocks_per_logical <= 0:
+        problems.add(
+            "block_size",
+            "positive kernel block size and blocks per logical block",
+            f"{rk} and {remote.physical_blocks_per_logical}",
+        )
+    elif max(lk, rk) % min(lk, rk):
+        problems.add("kernel block size", f"a divisor or multiple of {lk}", rk)
+    lt, rt, heads = local.tp_size, remote.tp_size, local.total_kv_heads
+    tp_ok = rt > 0 and max(lt, rt) % min(lt, rt) == 0
+    if not tp_ok:
+        problems.add("tp_size", f"a divisor or multiple of {lt}", rt)
+    elif not 0 <= remote.tp_rank < rt:
+        problems.add("tp_rank", f"in [0, {rt})", remote.tp_rank)
+    elif max(rt, heads) % min(rt, heads):
+        problems.add("tp_size", f"a divisor or multiple of {heads} KV heads", rt)
+    if remote.dcp_size != local.dcp_size:
+        problems.add("dcp_size", local.dcp_size, remote.dcp_size, "DCP must match")
+    has_ssm = any(local.kind_of(i) is RegionKind.SSM for i in range(len(local.regions)))
+    if has_ssm:
+        if rt != lt:
+            problems.add("tp_size", lt, rt, "SSM state moves only between equal TP sizes")
+        if tuple(remote.ssm_sizes) != tuple(local.ssm_sizes):
+            problems.add("ssm_sizes", tuple(local.ssm_sizes), tuple(remote.ssm_sizes))
+    if not policy.vllm_strict or remote_layout is None or not tp_ok:
+        return
+    split = any(local.kind_of(i) is RegionKind.ATTENTION for i in range(len(local.regions)))
+    if split and remote_layout is not local.layout:
+        problems.add("kv_cache_layout", local.layout.value, remote_layout.value, "vLLM rule")
+    hetero_tp = lt != rt and not (lt > heads and rt > heads)
+    if split and hetero_tp and KVLayout.NHD in (local.layout, remote_layout):
+        problems.add("kv_cache_layout", "HND for heterogeneous TP", "NHD", "vLLM rule")
+    producer_k, consumer_k = (rk, lk) if mode == "pull" else (lk, rk)
+    producer_tp, consumer_tp = (rt, lt) if mode == "pull" else (lt, rt)
+    if producer_k > consumer_k:
+        problems.add(
+            "kernel block size",
+            f"producer <= consumer {consumer_k}",
+            producer_k,
+            "vLLM rule",
+        )
+    if producer_k != consumer_k and producer_tp > consumer_tp and split:
+        problems.add(
+            "kernel block size",
+            f"equal sizes when producer TP {producer_tp} > consumer TP {consumer_tp}",
+            f"{producer_k} vs {consumer_k}",
+            "vLLM rule",
+        )
+
+
+def _check_pair(
+    local: KVGeometry,
+    remote: RemoteGeometry,
+    pair: RegionPair,
+    problems: _Problems,
+) -> None:
+    lv, rv, kind = pair.local, pair.remote, pair.kind
+    region = remote.regions[rv.index]
+    where = f"region {lv.label} <-> remote {rv.label}"
+    if region.block_stride < region.block_len:
+        problems.add(
+            f"remote region {rv.label} block_stride", f">= {region.block_len}", region.block_stride
+        )
+    if region.mem_kind not in VALID_MEM_KINDS:
+        problems.add(f"remote region {rv.label} mem type", "VRAM or DRAM", repr(region.mem_kind))
+    if region.num_blocks < 0:
+        problems.add(f"remote region {rv.label} num_blocks", ">= 0", region.num_blocks)
+    if kind is RegionKind.SSM:
+        if rv.block_len != lv.block_len:
+            problems.add(f"{where} block_len", lv.block_len, rv.block_len, "SSM pages move whole")
+        return
+    if remote.kernel_block_size <= 0 or remote.tp_size <= 0:
+        return
+    local_heads = 1 if kind is RegionKind.REPLICATED else len(local.heads)
+    content = lv.block_len // (local_heads * local.kernel_block_size)
+    remote_heads = (
+        1 if kind is RegionKind.REPLICATED else heads_per_rank(remote.tp_size, local.total_kv_heads)
+    )
+    expected = remote_heads * remote.kernel_block_size * content
+    if rv.block_len != expected:
+        problems.add(
+            f"{where} block_len",
+            expected,
+            rv.block_len,
+            f"{remote_heads} heads x {remote.kernel_block_size} tokens x {content} bytes",
+        )
+
+
+def validate_peer(
+    local: KVGeometry,
+    remote: RemoteGeometry,
+    *,
+    mode: Mode = "pull",
+    policy: PeerPolicy | None = None,
+) -> tuple[RegionPair, ...]:
+    """Check a peer's geometry against ours and pair the regions.
+
+    ``mode`` says who produces: in ``"pull"`` the local side is the consumer (D), in
+    ``"push"`` the producer (P). Raises :class:`IncompatiblePeerError` listing every problem.
+    """
+    policy = policy or PeerPolicy()
+    problems = _Problems()
+    _check_globals(local, remote, mode, policy, problems)
+    if _needs_name_routing(local, remote):
+        views = _pair_by_name(local, remote, problems)
+    else:
+        views = _pair_by_index(local, remote, problems)
+    pairs = tuple(RegionPair(lv, rv, local.kind_of(lv.index)) for lv, rv in views)
+    for pair in pairs:
+        _check_pair(local, remote, pair, problems)
+    problems.raise_if_any()
+    return pairs

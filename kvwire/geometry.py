@@ -1,0 +1,499 @@
+"""What a rank's KV cache looks like in memory, described once by the engine.
+
+A KV cache is a list of *regions*: one registered tensor (or one view of a shared tensor)
+holding ``num_blocks`` equally spaced blocks. Block ``b`` of a region starts at
+``base_addr + b * block_stride`` and its first ``block_len`` bytes are the payload. Inside an
+attention block the bytes are ``heads x tokens x content`` (``HND``) or
+``tokens x heads x content`` (``NHD``), where *content* is everything one head stores for one
+token (K and V packed side by side when they share a region, the key alone when they do
+not). Replicated (MLA) regions hold the same bytes on every TP rank; SSM regions hold one
+state page per logical block.
+
+:class:`KVGeometry` is the local description; it produces the geometry fields of
+``AgentMetadata``. :class:`RemoteGeometry` is what a peer's ``AgentMetadata`` tells us, plus
+the TP/PP coordinates that travel in ``kv_transfer_params``. The model-level facts a peer does
+not advertise (total KV heads, MLA) are covered by the compatibility hash, so the local
+geometry supplies them when the two are paired.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+import numpy.typing as npt
+
+from kvwire.errors import ConfigError, IncompatiblePeerError
+
+SHARED_GROUP_ID = -1
+"""``region_group_ids`` value of a region whose blocks every KV-cache group indexes."""
+
+VALID_MEM_KINDS = ("VRAM", "DRAM")
+
+
+class KVLayout(str, enum.Enum):
+    """Order of the axes inside one attention block (the block axis is always outermost)."""
+
+    HND = "HND"
+    """heads, tokens, content: one head's tokens are contiguous, so TP head slices are too."""
+    NHD = "NHD"
+    """tokens, heads, content: one token's heads are contiguous."""
+
+
+class RegionKind(str, enum.Enum):
+    """How a region's bytes are spread across tensor-parallel ranks."""
+
+    ATTENTION = "attention"
+    """Heads are sharded across TP ranks (capped at one head per rank)."""
+    REPLICATED = "replicated"
+    """Every TP rank holds the same bytes (MLA latent caches); read once, never sliced."""
+    SSM = "ssm"
+    """One state page per logical block; never split by tokens."""
+
+
+def parse_layout(value: str | KVLayout, *, who: str = "local") -> KVLayout:
+    """The layout named by ``value``; an unknown name is an incompatible peer, not a crash."""
+    try:
+        return KVLayout(value)
+    except ValueError:
+        raise IncompatiblePeerError(
+            f"{who} kv_cache_layout: expected one of HND, NHD, got {value!r}"
+        ) from None
+
+
+def rank_heads(tp_rank: int, tp_size: int, total_kv_heads: int) -> npt.NDArray[np.int64]:
+    """Global KV head ids held by one TP rank, in storage order.
+
+    With more ranks than heads every rank holds exactly one head (GQA replication), the
+    head ``tp_rank * total // tp_size``; otherwise the heads are split evenly in order.
+    """
+    if tp_size >= total_kv_heads:
+        return np.array([tp_rank * total_kv_heads // tp_size], dtype=np.int64)
+    per_rank = total_kv_heads // tp_size
+    return np.arange(tp_rank * per_rank, (tp_rank + 1) * per_rank, dtype=np.int64)
+
+
+def heads_per_rank(tp_size: int, total_kv_heads: int) -> int:
+    """``max(1, total_kv_heads // tp_size)``: the GQA cap on heads stored per rank."""
+    return max(1, total_kv_heads // tp_size)
+
+
+@dataclass(frozen=True)
+class Region:
+    """One registered span of equally spaced KV blocks.
+
+    ``num_blocks`` counts *kernel* blocks for attention regions and logical blocks for SSM
+    regions. ``members`` names the model layers whose KV lives here (v12); a region that
+    packs several layers' pages into one row lists them in ``packed_members`` as
+    ``layer -> (byte offset inside the block, bytes per page)`` (v13).
+    """
+
+    base_addr: int
+    block_len: int
+    num_blocks: int
+    block_stride: int = 0
+    """Bytes from one block to the next; 0 means ``block_len`` (blocks abut)."""
+    group_id: int = 0
+    mem_kind: str = "VRAM"
+    name: str = ""
+    members: tuple[str, ...] = ()
+    packed_members: Mapping[str, tuple[int, int]] = field(default_factory=dict)
+    kind: RegionKind = RegionKind.ATTENTION
+    device_id: int | None = None
+    """Device of this region's descriptors; ``None`` takes the geometry's ``device_id``."""
+
+    def __post_init__(self) -> None:
+        if self.block_stride == 0:
+            object.__setattr__(self, "block_stride", self.block_len)
+        object.__setattr__(self, "members", tuple(self.members))
+        object.__setattr__(
+            self,
+            "packed_members",
+            {k: (int(v[0]), int(v[1])) for k, v in dict(self.packed_members).items()},
+        )
+        label = self.name or f"at {self.base_addr:#x}"
+        if self.base_addr < 0 or self.block_len <= 0 or self.num_blocks < 0:
+            raise ConfigError(
+                f"region {label}: needs base_addr >= 0, block_len > 0, num_blocks >= 0, "
+                f"got {self.base_addr}, {self.block_len}, {self.num_blocks}"
+            )
+        if self.block_stride < self.block_len:
+            raise ConfigError(
+                f"region {label}: block_stride {self.block_stride} < block_len {self.block_len}"
+            )
+        if self.mem_kind not in VALID_MEM_KINDS:
+            raise ConfigError(
+                f"region {label}: mem_kind must be VRAM or DRAM, got {self.mem_kind!r}"
+            )
+        for member, (offset, page) in self.packed_members.items():
+            if not 0 <= offset < offset + page <= self.block_len:
+                raise ConfigError(
+                    f"region {label}: packed member {member!r} (offset {offset}, page {page}) "
+                    f"escapes block_len {self.block_len}"
+                )
+
+
+@dataclass(frozen=True)
+class KVGeometry:
+    """The local KV cache of one rank, as an engine describes it once at registration.
+
+    ``block_size`` is the *logical* block size the scheduler hands out ids for; the kernel
+    stores ``physical_blocks_per_logical`` smaller blocks per logical block, so region
+    blocks hold ``block_size // physical_blocks_per_logical`` tokens.
+    """
+
+    regions: Sequence[Region]
+    kv_cache_layout: KVLayout | str = KVLayout.HND
+    block_size: int = 16
+    physical_blocks_per_logical: int = 1
+    total_kv_heads: int = 1
+    tp_rank: int = 0
+    tp_size: int = 1
+    pp_rank: int = 0
+    pp_size: int = 1
+    dcp_rank: int = 0
+    dcp_size: int = 1
+    pcp_size: int = 1
+    is_mla: bool = False
+    """Every attention region is replicated (the model uses MLA)."""
+    ssm_sizes: tuple[int, int] = (0, 0)
+    """(conv state bytes, SSM state bytes) per logical block, advertised for SSM models."""
+    device_id: int = 0
+    attn_backend_name: str = "FLASH_ATTN"
+    num_blocks: int | None = None
+    """Kernel blocks per attention region; ``None`` takes the largest attention region."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "regions", tuple(self.regions))
+        object.__setattr__(self, "kv_cache_layout", parse_layout(self.kv_cache_layout))
+        if not self.regions:
+            raise ConfigError("a KV geometry needs at least one region")
+        if self.block_size <= 0 or self.physical_blocks_per_logical <= 0:
+            raise ConfigError("block_size and physical_blocks_per_logical must be positive")
+        if self.block_size % self.physical_blocks_per_logical:
+            raise ConfigError(
+                f"block_size {self.block_size} is not a multiple of "
+                f"physical_blocks_per_logical {self.physical_blocks_per_logical}"
+            )
+        for rank, size, what in (
+            (self.tp_rank, self.tp_size, "tp"),
+            (self.pp_rank, self.pp_size, "pp"),
+            (self.dcp_rank, self.dcp_size, "dcp"),
+        ):
+            if size <= 0 or not 0 <= rank < size:
+                raise ConfigError(f"{what}_rank {rank} is outside {what}_size {size}")
+        if self.total_kv_heads <= 0:
+            raise ConfigError(f"total_kv_heads must be positive, got {self.total_kv_heads}")
+        big, small = max(self.tp_size, self.total_kv_heads), min(self.tp_size, self.total_kv_heads)
+        if big % small:
+            raise ConfigError(
+                f"tp_size {self.tp_size} and total_kv_heads {self.total_kv_heads} "
+                "must divide one another"
+            )
+        seen: dict[str, int] = {}
+        for index, region in enumerate(self.regions):
+            for member in region.members:
+                if member in seen:
+                    raise ConfigError(
+                        f"layer {member!r} is a member of regions {seen[member]} and {index}"
+                    )
+                seen[member] = index
+            missing = set(region.packed_members) - set(region.members)
+            if missing:
+                raise ConfigError(
+                    f"region {self.region_label(index)}: packed members {sorted(missing)} "
+                    "are not listed in members"
+                )
+            if self.kind_of(index) is RegionKind.SSM:
+                continue
+            if region.packed_members:
+                pages = [page for _, page in region.packed_members.values()]
+            else:
+                pages = [region.block_len]
+            unit = self.heads_in_region(index) * self.kernel_block_size
+            for page in pages:
+                if page % unit:
+                    raise ConfigError(
+                        f"region {self.region_label(index)}: block_len {page} is not a multiple "
+                        f"of heads x kernel tokens = {unit}"
+                    )
+
+    @property
+    def layout(self) -> KVLayout:
+        return KVLayout(self.kv_cache_layout)
+
+    @property
+    def kernel_block_size(self) -> int:
+        """Tokens per region block (what vLLM advertises as ``block_size``)."""
+        return self.block_size // self.physical_blocks_per_logical
+
+    @property
+    def heads(self) -> npt.NDArray[np.int64]:
+        """Global KV head ids this rank stores, in storage order."""
+        return rank_heads(self.tp_rank, self.tp_size, self.total_kv_heads)
+
+    def kind_of(self, index: int) -> RegionKind:
+        """Region ``index``'s kind; MLA models replicate every attention region."""
+        kind = self.regions[index].kind
+        if kind is RegionKind.ATTENTION and self.is_mla:
+            return RegionKind.REPLICATED
+        return kind
+
+    def heads_in_region(self, index: int) -> int:
+        return 1 if self.kind_of(index) is not RegionKind.ATTENTION else len(self.heads)
+
+    def region_label(self, index: int) -> str:
+        name = self.regions[index].name
+        return f"{index} ({name})" if name else str(index)
+
+    def region_device(self, index: int) -> int:
+        device = self.regions[index].device_id
+        return self.device_id if device is None else device
+
+    def advertised_num_blocks(self) -> int:
+        if self.num_blocks is not None:
+            return self.num_blocks
+        counts = [
+            r.num_blocks
+            for i, r in enumerate(self.regions)
+            if self.kind_of(i) is not RegionKind.SSM
+        ]
+        return max(counts or [r.num_blocks for r in self.regions])
+
+    def agent_metadata_fields(self) -> dict[str, Any]:
+        """Every geometry field of ``AgentMetadata`` (all but ``engine_id`` and the blob).
+
+        ``AgentMetadata(engine_id=..., agent_metadata=blob, **geometry.agent_metadata_fields())``
+        builds the message; ``block_size`` is the kernel block size, as vLLM advertises it.
+        """
+        regions = self.regions
+        members = [list(r.members) for r in regions]
+        packed: dict[str, tuple[int, int]] = {}
+        for r in regions:
+            packed.update(r.packed_members)
+        return {
+            "kv_caches_base_addr": [r.base_addr for r in regions],
+            "device_id": self.device_id,
+            "num_blocks": self.advertised_num_blocks(),
+            "block_lens": [r.block_len for r in regions],
+            "block_strides": [r.block_stride for r in regions],
+            "kv_cache_layout": self.layout.value,
+            "block_size": self.kernel_block_size,
+            "ssm_sizes": (int(self.ssm_sizes[0]), int(self.ssm_sizes[1])),
+            "attn_backend_name": self.attn_backend_name,
+            "physical_blocks_per_logical_kv_block": self.physical_blocks_per_logical,
+            "region_num_blocks": [r.num_blocks for r in regions],
+            "region_group_ids": [r.group_id for r in regions],
+            "region_names": [r.name or f"region{i}" for i, r in enumerate(regions)],
+            "region_mem_types": [r.mem_kind for r in regions],
+            "dcp_size": self.dcp_size,
+            "pcp_size": self.pcp_size,
+            "region_members": members if any(members) else [],
+            "packed_member_layouts": packed,
+        }
+
+
+class AgentMetadataLike(Protocol):
+    """The ``AgentMetadata`` fields geometry reads (any wire version has them)."""
+
+    @property
+    def engine_id(self) -> str: ...
+    @property
+    def kv_caches_base_addr(self) -> Sequence[int]: ...
+    @property
+    def device_id(self) -> int: ...
+    @property
+    def num_blocks(self) -> int: ...
+    @property
+    def block_lens(self) -> Sequence[int]: ...
+    @property
+    def block_strides(self) -> Sequence[int]: ...
+    @property
+    def kv_cache_layout(self) -> str: ...
+    @property
+    def block_size(self) -> int: ...
+    @property
+    def ssm_sizes(self) -> Sequence[int]: ...
+    @property
+    def attn_backend_name(self) -> str: ...
+    @property
+    def physical_blocks_per_logical_kv_block(self) -> int: ...
+    @property
+    def region_num_blocks(self) -> Sequence[int] | None: ...
+    @property
+    def region_group_ids(self) -> Sequence[int] | None: ...
+    @property
+    def region_names(self) -> Sequence[str] | None: ...
+    @property
+    def region_mem_types(self) -> Sequence[str] | None: ...
+    @property
+    def dcp_size(self) -> int: ...
+    @property
+    def pcp_size(self) -> int: ...
+    @property
+    def region_members(self) -> Sequence[Sequence[str]]: ...
+    @property
+    def packed_member_layouts(self) -> Mapping[str, Sequence[int]]: ...
+
+
+@dataclass(frozen=True)
+class RemoteRegion:
+    """One region as a peer advertised it; its kind comes from the local region it pairs."""
+
+    base_addr: int
+    block_len: int
+    block_stride: int
+    num_blocks: int
+    group_id: int | None
+    mem_kind: str
+    name: str | None
+    members: tuple[str, ...]
+    packed_members: Mapping[str, tuple[int, int]]
+
+    def label(self, index: int) -> str:
+        return f"{index} ({self.name})" if self.name else str(index)
+
+
+@dataclass(frozen=True)
+class RemoteGeometry:
+    """A peer rank's KV cache, read back from its ``AgentMetadata``.
+
+    ``tp_rank``/``tp_size``/``pp_rank``/``pp_size`` are not in the metadata: the runtime
+    knows them from the handshake target and ``kv_transfer_params``.
+    """
+
+    engine_id: str
+    regions: tuple[RemoteRegion, ...]
+    kv_cache_layout: str
+    kernel_block_size: int
+    physical_blocks_per_logical: int
+    num_blocks: int
+    device_id: int
+    tp_rank: int = 0
+    tp_size: int = 1
+    pp_rank: int = 0
+    pp_size: int = 1
+    dcp_size: int = 1
+    pcp_size: int = 1
+    ssm_sizes: tuple[int, int] = (0, 0)
+    attn_backend_name: str = ""
+    advertises_members: bool = False
+
+    @property
+    def block_size(self) -> int:
+        """The peer's logical block size (kernel block size x blocks per logical block)."""
+        return self.kernel_block_size * self.physical_blocks_per_logical
+
+    @classmethod
+    def from_agent_metadata(
+        cls,
+        md: AgentMetadataLike,
+        *,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        pp_rank: int = 0,
+        pp_size: int = 1,
+    ) -> RemoteGeometry:
+        """Read a peer's geometry; lists whose lengths disagree are an incompatible peer."""
+        bases = [int(a) for a in md.kv_caches_base_addr]
+        count = len(bases)
+        if count == 0:
+            raise IncompatiblePeerError("remote regions: expected at least one, got 0")
+
+        def per_region(name: str, values: Sequence[Any] | None, default: Any) -> list[Any]:
+            if values is None:
+                return [default] * count
+            if len(values) != count:
+                raise IncompatiblePeerError(
+                    f"remote {name}: expected {count} entries (one per region), got {len(values)}"
+                )
+            return list(values)
+
+        lens = per_region("block_lens", md.block_lens, None)
+        strides = per_region("block_strides", md.block_strides, None)
+        nums = per_region("region_num_blocks", md.region_num_blocks, int(md.num_blocks))
+        groups = per_region("region_group_ids", md.region_group_ids, None)
+        names = per_region("region_names", md.region_names, None)
+        kinds = per_region("region_mem_types", md.region_mem_types, "VRAM")
+        members_raw = list(md.region_members or [])
+        members = per_region("region_members", members_raw or None, [])
+        packed_all = {
+            str(k): (int(v[0]), int(v[1])) for k, v in dict(md.packed_member_layouts).items()
+        }
+        regions = []
+        for i in range(count):
+            member_names = tuple(str(m) for m in members[i])
+            regions.append(
+                RemoteRegion(
+                    base_addr=bases[i],
+                    block_len=int(lens[i]),
+                    block_stride=int(strides[i]),
+                    num_blocks=int(nums[i]),
+                    group_id=None if groups[i] is None else int(groups[i]),
+                    mem_kind=str(kinds[i]),
+                    name=None if names[i] is None else str(names[i]),
+                    members=member_names,
+                    packed_members={m: packed_all[m] for m in member_names if m in packed_all},
+                )
+            )
+        for i, region in enumerate(regions):
+            for member, (offset, page) in region.packed_members.items():
+                if not 0 <= offset < offset + page <= region.block_len:
+                    raise IncompatiblePeerError(
+                        f"remote region {region.label(i)} packed layer {member!r}: expected "
+                        f"0 <= offset < offset + page <= {region.block_len}, "
+                        f"got offset {offset} page {page}"
+                    )
+        unplaced = set(packed_all) - {m for r in regions for m in r.members}
+        if unplaced:
+            raise IncompatiblePeerError(
+                f"remote packed_member_layouts: expected every packed layer in region_members, "
+                f"got unlisted {sorted(unplaced)}"
+            )
+        ssm = tuple(int(x) for x in md.ssm_sizes)
+        if len(ssm) != 2:
+            raise IncompatiblePeerError(f"remote ssm_sizes: expected 2 values, got {len(ssm)}")
+        return cls(
+            engine_id=str(md.engine_id),
+            regions=tuple(regions),
+            kv_cache_layout=str(md.kv_cache_layout),
+            kernel_block_size=int(md.block_size),
+            physical_blocks_per_logical=int(md.physical_blocks_per_logical_kv_block),
+            num_blocks=int(md.num_blocks),
+            device_id=int(md.device_id),
+            tp_rank=tp_rank,
+            tp_size=tp_size,
+            pp_rank=pp_rank,
+            pp_size=pp_size,
+            dcp_size=int(md.dcp_size),
+            pcp_size=int(md.pcp_size),
+            ssm_sizes=(ssm[0], ssm[1]),
+            attn_backend_name=str(md.attn_backend_name),
+            advertises_members=bool(members_raw),
+        )
+
+    @classmethod
+    def from_local(cls, geometry: KVGeometry, *, engine_id: str = "") -> RemoteGeometry:
+        """How a peer sees ``geometry`` (tests and in-process pairs skip the wire this way)."""
+        fields = geometry.agent_metadata_fields()
+        md = _FieldView(engine_id=engine_id, **fields)
+        return cls.from_agent_metadata(
+            md,
+            tp_rank=geometry.tp_rank,
+            tp_size=geometry.tp_size,
+            pp_rank=geometry.pp_rank,
+            pp_size=geometry.pp_size,
+        )
+
+
+class _FieldView:
+    """Attribute access over a dict of AgentMetadata fields."""
+
+    def __init__(self, **fields: Any) -> None:
+        self.__dict__.update(fields)
+
+    def __getattr__(self, name: str) -> Any:  # pragma: no cover - only for mypy's benefit
+        raise AttributeError(name)

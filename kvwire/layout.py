@@ -1,0 +1,736 @@
+"""From block ids to descriptor arrays: the byte ranges one transfer moves.
+
+Entry points (what the runtime calls):
+
+* :class:`PeerLayout` — built once per remote rank at handshake time. It validates the
+  peer's geometry (raising :class:`~kvwire.errors.IncompatiblePeerError`), pairs the regions
+  and precomputes the per-region byte patterns. ``PeerLayout.plan(local_ids, remote_ids)``
+  then turns one request's block ids into a :class:`TransferPlan`.
+* :func:`plan_read` / :func:`plan_write` — the same in one call (validation included), for
+  pull (the local consumer READs from the remote producer) and push (the local producer
+  WRITEs into the remote consumer).
+
+A :class:`TransferPlan` holds ``local_descs`` and ``remote_descs``, two ``(N, 3)`` int64
+arrays of absolute ``(address, length, device_id)`` rows that pair up row by row, ready for
+``Transport.read`` / ``Transport.write``; and the consumer's ranges the transfer leaves
+unwritten, to be zeroed (``local_zero`` in pull, ``remote_zero`` in push).
+
+How the math works (see docs/layout.md): both sides' logical block ids are expanded to
+kernel blocks with their own ratio; both lists end with the sequence, so a shorter list is
+a tail (the consumer's prefix-cache hits, or a sliding window). The covered token range is cut
+into *chunks* of ``min(producer kernel, consumer kernel)`` tokens, each chunk being one
+(producer block, consumer block) pair with a sub-position in the larger block. Within a
+chunk the bytes that move form a small fixed *pattern* of (producer offset, consumer offset,
+length) segments that depends only on the layouts, the heads each rank holds and the heads
+this producer rank supplies; it is computed once per region shape. Descriptors are the
+broadcast ``base + block * stride + sub * shift + pattern`` over regions x chunks x segments,
+in region-major order (attention regions, then SSM), optionally coalesced.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Literal
+
+import numpy as np
+import numpy.typing as npt
+
+from kvwire import topology
+from kvwire.alignment import PeerPolicy, RegionPair, RegionView, validate_peer
+from kvwire.errors import ConfigError, LocalProtocolError, RemoteProtocolError
+from kvwire.geometry import (
+    SHARED_GROUP_ID,
+    KVGeometry,
+    KVLayout,
+    Region,
+    RegionKind,
+    RemoteGeometry,
+    rank_heads,
+)
+
+Descs = npt.NDArray[np.int64]
+"""``(N, 3)`` int64 rows of ``(address, length, device_id)``."""
+IntArray = npt.NDArray[np.int64]
+BlockIds = Sequence[Sequence[int]] | Sequence[npt.NDArray[np.integer]]
+"""Logical block ids per KV-cache group (``kv_transfer_params["remote_block_ids"]`` shape)."""
+Mode = Literal["pull", "push"]
+
+__all__ = [
+    "BlockIds",
+    "Descs",
+    "KVGeometry",
+    "KVLayout",
+    "PeerLayout",
+    "PeerPolicy",
+    "Region",
+    "RegionKind",
+    "RemoteGeometry",
+    "TransferPlan",
+    "coalesce",
+    "coalesce_ranges",
+    "descriptor_ids",
+    "empty_descs",
+    "expand_to_kernel_blocks",
+    "plan_read",
+    "plan_write",
+    "validate_peer",
+]
+
+
+def empty_descs() -> Descs:
+    return np.zeros((0, 3), dtype=np.int64)
+
+
+@dataclass(frozen=True)
+class TransferPlan:
+    """One request's transfer between this rank and one remote rank.
+
+    ``local_descs[i]`` and ``remote_descs[i]`` have the same length. Zero ranges are
+    consumer memory the transfer does not write (the untransferred tail of a partially
+    covered block, and blocks past what the producer holds); they are identical in every
+    per-source plan of a consumer rank, so zeroing them once is enough.
+    """
+
+    local_descs: Descs
+    remote_descs: Descs
+    local_zero: Descs
+    remote_zero: Descs
+
+    @property
+    def num_descs(self) -> int:
+        return int(self.local_descs.shape[0])
+
+    @property
+    def num_bytes(self) -> int:
+        return int(self.local_descs[:, 1].sum()) if self.num_descs else 0
+
+    @property
+    def is_empty(self) -> bool:
+        """Nothing to move: the caller sends its notification only."""
+        return self.num_descs == 0
+
+
+# ---------------------------------------------------------------------------------------
+# Block id helpers
+# ---------------------------------------------------------------------------------------
+
+
+def expand_to_kernel_blocks(logical_ids: npt.ArrayLike, ratio: int) -> IntArray:
+    """Kernel block ids of logical blocks: ``id * ratio + k`` for ``k`` in ``range(ratio)``."""
+    ids = np.asarray(logical_ids, dtype=np.int64).reshape(-1)
+    if ratio == 1:
+        return ids
+    return (ids[:, None] * ratio + np.arange(ratio, dtype=np.int64)[None, :]).reshape(-1)
+
+
+def descriptor_ids(
+    kernel_block_ids: BlockIds,
+    region_num_blocks: Sequence[int],
+    region_group_ids: Sequence[int] | None = None,
+) -> IntArray:
+    """vLLM-style descriptor ids of region-major descriptor lists: ``offset[r] + block``.
+
+    ``offset[r]`` is the cumulative capacity of the regions before ``r``; a region takes
+    the ids of its KV-cache group, or of every group when shared. Useful to transports that
+    pre-register one descriptor per block and address them by index.
+    """
+    groups = [np.asarray(g, dtype=np.int64).reshape(-1) for g in kernel_block_ids]
+    every = np.concatenate(groups) if groups else np.zeros(0, dtype=np.int64)
+    offsets = np.concatenate(([0], np.cumsum(region_num_blocks[:-1]))).astype(np.int64)
+    group_ids = list(region_group_ids) if region_group_ids is not None else None
+    if group_ids is None or len(set(group_ids)) <= 1:
+        return (offsets[:, None] + every[None, :]).reshape(-1)
+    parts = [
+        offsets[r] + (every if g == SHARED_GROUP_ID else groups[g]) for r, g in enumerate(group_ids)
+    ]
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+
+
+# ---------------------------------------------------------------------------------------
+# Coalescing
+# ---------------------------------------------------------------------------------------
+
+
+def coalesce(local: Descs, remote: Descs) -> tuple[Descs, Descs]:
+    """Merge consecutive rows that continue each other on *both* sides into one row."""
+    n = local.shape[0]
+    if n <= 1:
+        return local, remote
+    ll = local[:, 1]
+    joins = (
+        (local[1:, 0] == local[:-1, 0] + ll[:-1])
+        & (remote[1:, 0] == remote[:-1, 0] + ll[:-1])
+        & (local[1:, 2] == local[:-1, 2])
+        & (remote[1:, 2] == remote[:-1, 2])
+    )
+    if not joins.any():
+        return local, remote
+    starts = np.flatnonzero(np.concatenate(([True], ~joins)))
+    lengths = np.add.reduceat(ll, starts)
+    new_local = local[starts]
+    new_remote = remote[starts]
+    new_local[:, 1] = lengths
+    new_remote[:, 1] = lengths
+    return new_local, new_remote
+
+
+_coalesce_pairs = coalesce  # ``plan`` has a parameter of the same name
+
+
+def coalesce_ranges(ranges: Descs) -> Descs:
+    """Merge consecutive ``(address, length, device)`` rows that continue each other."""
+    n = ranges.shape[0]
+    if n <= 1:
+        return ranges
+    joins = (ranges[1:, 0] == ranges[:-1, 0] + ranges[:-1, 1]) & (ranges[1:, 2] == ranges[:-1, 2])
+    if not joins.any():
+        return ranges
+    starts = np.flatnonzero(np.concatenate(([True], ~joins)))
+    out = ranges[starts]
+    out[:, 1] = np.add.reduceat(ranges[:, 1], starts)
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# Byte patterns inside one chunk
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Side:
+    """What the chunk math needs to know about one end of the transfer."""
+
+    layout: KVLayout
+    kernel: int
+    ppl: int
+    logical: int
+    tp_rank: int
+    tp_size: int
+    heads: tuple[int, ...]
+
+
+def _row_offsets(
+    layout: KVLayout, head_pos: IntArray, tokens: IntArray, num_heads: int, kernel: int
+) -> IntArray:
+    """Row index (in units of one head-token content) of (head position, token) pairs."""
+    if layout is KVLayout.HND:
+        return head_pos * kernel + tokens
+    return tokens * num_heads + head_pos
+
+
+def _merge(first: IntArray, second: IntArray, unit: int) -> IntArray:
+    """Segments ``(first, second, length)`` of unit rows sorted by ``second``, merged where
+    both sides continue."""
+    order = np.lexsort((first, second))
+    a, b = first[order] * unit, second[order] * unit
+    if a.size == 0:
+        return np.zeros((0, 3), dtype=np.int64)
+    joins = (a[1:] == a[:-1] + unit) & (b[1:] == b[:-1] + unit)
+    starts = np.flatnonzero(np.concatenate(([True], ~joins)))
+    lengths = np.diff(np.concatenate((starts, [a.size]))) * unit
+    return np.stack((a[starts], b[starts], lengths), axis=1).astype(np.int64)
+
+
+@dataclass(frozen=True)
+class _Pattern:
+    """Segments of one chunk at sub-position 0, and how a sub-position shifts them."""
+
+    segments: IntArray  # (M, 3): producer offset, consumer offset, length
+    producer_shift: int  # bytes per sub-position on the producer side
+    consumer_shift: int
+    zero_segments: IntArray  # (Mz, 2): consumer offset, length (all consumer heads)
+    zero_shift: int  # bytes per consumer sub-position for zeroing
+
+
+@lru_cache(maxsize=1024)
+def _attention_pattern(
+    producer: _Side,
+    consumer: _Side,
+    producer_heads: tuple[int, ...],
+    consumer_heads: tuple[int, ...],
+    moved_heads: tuple[int, ...],
+    content: int,
+) -> _Pattern:
+    unit = min(producer.kernel, consumer.kernel)
+    tokens = np.arange(unit, dtype=np.int64)
+    p_index = {h: i for i, h in enumerate(producer_heads)}
+    c_index = {h: i for i, h in enumerate(consumer_heads)}
+    moved_p = np.array([p_index[h] for h in moved_heads], dtype=np.int64)
+    moved_c = np.array([c_index[h] for h in moved_heads], dtype=np.int64)
+    hp = np.repeat(moved_p, unit)
+    hc = np.repeat(moved_c, unit)
+    tt = np.tile(tokens, len(moved_heads))
+    rows_p = _row_offsets(producer.layout, hp, tt, len(producer_heads), producer.kernel)
+    rows_c = _row_offsets(consumer.layout, hc, tt, len(consumer_heads), consumer.kernel)
+    segments = _merge(rows_p, rows_c, content)
+
+    all_c = np.repeat(np.arange(len(consumer_heads), dtype=np.int64), unit)
+    all_t = np.tile(tokens, len(consumer_heads))
+    zero_rows = _row_offsets(consumer.layout, all_c, all_t, len(consumer_heads), consumer.kernel)
+    zero = _merge(zero_rows, zero_rows, content)[:, 1:]
+
+    def shift(side: _Side, heads: int) -> int:
+        per_token = content if side.layout is KVLayout.HND else content * heads
+        return unit * per_token
+
+    return _Pattern(
+        segments=segments,
+        producer_shift=shift(producer, len(producer_heads)),
+        consumer_shift=shift(consumer, len(consumer_heads)),
+        zero_segments=zero,
+        zero_shift=shift(consumer, len(consumer_heads)),
+    )
+
+
+def _whole_block_pattern(length: int) -> _Pattern:
+    return _Pattern(
+        segments=np.array([[0, 0, length]], dtype=np.int64),
+        producer_shift=0,
+        consumer_shift=0,
+        zero_segments=np.array([[0, length]], dtype=np.int64),
+        zero_shift=0,
+    )
+
+
+# ---------------------------------------------------------------------------------------
+# Chunks: which (producer block, consumer block, sub-position) pairs a request covers
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Chunks:
+    producer_blocks: IntArray
+    consumer_blocks: IntArray
+    producer_sub: IntArray
+    consumer_sub: IntArray
+    zero_blocks: IntArray  # consumer blocks (or sub-positions of them) left unwritten
+    zero_sub: IntArray
+
+
+def _group_ids(block_ids: Sequence[IntArray], group: int, who: str) -> IntArray:
+    if not block_ids:  # vLLM's way of saying "nothing": a full prefix-cache hit
+        return np.zeros(0, dtype=np.int64)
+    if group == SHARED_GROUP_ID:
+        return np.concatenate(block_ids) if block_ids else np.zeros(0, dtype=np.int64)
+    if not 0 <= group < len(block_ids):
+        error = LocalProtocolError if who == "local" else RemoteProtocolError
+        raise error(
+            f"{who} block ids: expected a list for KV-cache group {group}, "
+            f"got {len(block_ids)} groups"
+        )
+    return block_ids[group]
+
+
+def _list_start(num_tokens: int, logical: int, count: int) -> int:
+    """First token of a list of ``count`` logical blocks that ends with the sequence.
+
+    A list shorter than the sequence needs is its tail: the blocks before it are prefix-cache
+    hits (consumer) or outside a sliding window (either side).
+    """
+    needed = -(-num_tokens // logical)
+    return max(0, needed - count) * logical
+
+
+def _attention_chunks(
+    producer: _Side,
+    consumer: _Side,
+    p_logical: IntArray,
+    c_logical: IntArray,
+    num_tokens: int | None,
+) -> _Chunks:
+    pk = expand_to_kernel_blocks(p_logical, producer.ppl)
+    ck = expand_to_kernel_blocks(c_logical, consumer.ppl)
+    unit = min(producer.kernel, consumer.kernel)
+    # Where each list starts in the sequence: both end with it.
+    if num_tokens is not None:
+        p_start = _list_start(num_tokens, producer.logical, len(p_logical))
+        c_start = _list_start(num_tokens, consumer.logical, len(c_logical))
+    elif producer.logical == consumer.logical:
+        p_start = 0
+        c_start = max(0, len(p_logical) - len(c_logical)) * producer.logical
+    else:
+        p_start = c_start = 0
+    c_end = c_start + len(ck) * consumer.kernel
+    lo = max(p_start, c_start)
+    hi = min(p_start + len(pk) * producer.kernel, c_end)
+    if num_tokens is not None:
+        hi = min(hi, -(-num_tokens // unit) * unit)
+    hi = max(hi, lo)
+    tokens = np.arange(lo, hi, unit, dtype=np.int64)
+    p_rel = tokens - p_start
+    c_rel = tokens - c_start
+    # Consumer slots no producer byte lands in: before the producer's list, after the end.
+    zero_rel = np.concatenate(
+        (
+            np.arange(0, min(lo, c_end) - c_start, unit, dtype=np.int64),
+            np.arange(hi - c_start, c_end - c_start, unit, dtype=np.int64),
+        )
+    )
+    return _Chunks(
+        producer_blocks=pk[p_rel // producer.kernel],
+        consumer_blocks=ck[c_rel // consumer.kernel],
+        producer_sub=(p_rel % producer.kernel) // unit,
+        consumer_sub=(c_rel % consumer.kernel) // unit,
+        zero_blocks=ck[zero_rel // consumer.kernel],
+        zero_sub=(zero_rel % consumer.kernel) // unit,
+    )
+
+
+def _state_chunks(p_ids: IntArray, c_ids: IntArray) -> _Chunks:
+    """SSM state pages pair by position from the end of the producer's list: a longer
+    producer list carries states the consumer already has."""
+    n = min(len(p_ids), len(c_ids))
+    zeros = np.zeros(n, dtype=np.int64)
+    return _Chunks(
+        producer_blocks=p_ids[len(p_ids) - n :],
+        consumer_blocks=c_ids[:n],
+        producer_sub=zeros,
+        consumer_sub=zeros,
+        zero_blocks=np.zeros(0, dtype=np.int64),
+        zero_sub=np.zeros(0, dtype=np.int64),
+    )
+
+
+# ---------------------------------------------------------------------------------------
+# PeerLayout
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Cluster:
+    """Region pairs sharing one pattern and one pair of KV-cache groups."""
+
+    order: IntArray  # position of each pair in the region-major output
+    p_base: IntArray
+    p_stride: IntArray
+    p_dev: IntArray
+    p_limit: int
+    c_base: IntArray
+    c_stride: IntArray
+    c_dev: IntArray
+    c_limit: int
+    p_group: int
+    c_group: int
+    state: bool
+    pattern: _Pattern
+    labels: tuple[str, ...]
+
+
+def _join(parts: list[Descs]) -> Descs:
+    if len(parts) == 1:
+        return parts[0]
+    return np.concatenate(parts) if parts else empty_descs()
+
+
+def _as_groups(block_ids: BlockIds) -> list[IntArray]:
+    return [np.asarray(g, dtype=np.int64).reshape(-1) for g in block_ids]
+
+
+class PeerLayout:
+    """A validated pairing of this rank's KV cache with one remote rank's.
+
+    Build it once per remote rank at handshake time; :meth:`plan` is the per-request hot
+    path and does no Python work per block or per descriptor.
+    """
+
+    def __init__(
+        self,
+        local: KVGeometry,
+        remote: RemoteGeometry,
+        *,
+        mode: Mode = "pull",
+        policy: PeerPolicy | None = None,
+        coalesce: bool = True,
+    ) -> None:
+        if mode not in ("pull", "push"):
+            raise ConfigError(f"mode must be 'pull' or 'push', got {mode!r}")
+        self.local = local
+        self.remote = remote
+        self.mode: Mode = mode
+        self.coalesce = coalesce
+        self.pairs: tuple[RegionPair, ...] = validate_peer(local, remote, mode=mode, policy=policy)
+        total = local.total_kv_heads
+        local_side = _Side(
+            layout=local.layout,
+            kernel=local.kernel_block_size,
+            ppl=local.physical_blocks_per_logical,
+            logical=local.block_size,
+            tp_rank=local.tp_rank,
+            tp_size=local.tp_size,
+            heads=tuple(int(h) for h in local.heads),
+        )
+        remote_side = _Side(
+            layout=KVLayout(remote.kv_cache_layout),
+            kernel=remote.kernel_block_size,
+            ppl=remote.physical_blocks_per_logical,
+            logical=remote.block_size,
+            tp_rank=remote.tp_rank,
+            tp_size=remote.tp_size,
+            heads=tuple(int(h) for h in rank_heads(remote.tp_rank, remote.tp_size, total)),
+        )
+        self._producer, self._consumer = (
+            (remote_side, local_side) if mode == "pull" else (local_side, remote_side)
+        )
+        self._clusters = self._build_clusters()
+
+    # -- handshake-time preparation ----------------------------------------------------
+
+    def _moved_heads(self) -> tuple[int, ...]:
+        """Consumer heads this producer rank supplies (empty: notification only)."""
+        p, c = self._producer, self._consumer
+        sources = topology.head_sources(c.tp_rank, c.tp_size, p.tp_size, self.local.total_kv_heads)
+        return tuple(h for h, src in zip(c.heads, sources, strict=True) if src == p.tp_rank)
+
+    def _replicated_moves(self) -> bool:
+        p, c = self._producer, self._consumer
+        return topology.replicated_source(c.tp_rank, c.tp_size, p.tp_size) == p.tp_rank
+
+    def _pattern(self, pair: RegionPair) -> _Pattern:
+        if pair.kind is RegionKind.SSM:
+            return _whole_block_pattern(pair.local.block_len)
+        local_view = pair.local
+        local_heads = self._consumer.heads if self.mode == "pull" else self._producer.heads
+        if pair.kind is RegionKind.REPLICATED:
+            p_heads: tuple[int, ...] = (0,)
+            c_heads: tuple[int, ...] = (0,)
+            moved: tuple[int, ...] = (0,) if self._replicated_moves() else ()
+            heads_here = 1
+        else:
+            p_heads, c_heads = self._producer.heads, self._consumer.heads
+            moved = self._moved_heads()
+            heads_here = len(local_heads)
+        content = local_view.block_len // (heads_here * self.local.kernel_block_size)
+        return _attention_pattern(self._producer, self._consumer, p_heads, c_heads, moved, content)
+
+    def _build_clusters(self) -> list[_Cluster]:
+        buckets: dict[tuple[int, int, int, bool], list[tuple[int, RegionPair, _Pattern]]] = {}
+        attention = [p for p in self.pairs if p.kind is not RegionKind.SSM]
+        states = [p for p in self.pairs if p.kind is RegionKind.SSM]
+        for position, pair in enumerate(attention + states):
+            pattern = self._pattern(pair)
+            pv, cv = self._sides(pair)
+            key = (id(pattern), pv.group_id, cv.group_id, pair.kind is RegionKind.SSM)
+            buckets.setdefault(key, []).append((position, pair, pattern))
+        clusters = []
+        for (_, p_group, c_group, state), members in buckets.items():
+            views = [self._sides(pair) for _, pair, _ in members]
+            clusters.append(
+                _Cluster(
+                    order=np.array([pos for pos, _, _ in members], dtype=np.int64),
+                    p_base=np.array([pv.base for pv, _ in views], dtype=np.int64),
+                    p_stride=np.array([pv.stride for pv, _ in views], dtype=np.int64),
+                    p_dev=np.array([pv.device_id for pv, _ in views], dtype=np.int64),
+                    p_limit=min(pv.num_blocks for pv, _ in views),
+                    c_base=np.array([cv.base for _, cv in views], dtype=np.int64),
+                    c_stride=np.array([cv.stride for _, cv in views], dtype=np.int64),
+                    c_dev=np.array([cv.device_id for _, cv in views], dtype=np.int64),
+                    c_limit=min(cv.num_blocks for _, cv in views),
+                    p_group=p_group,
+                    c_group=c_group,
+                    state=state,
+                    pattern=members[0][2],
+                    labels=tuple(pair.local.label for _, pair, _ in members),
+                )
+            )
+        return clusters
+
+    def _sides(self, pair: RegionPair) -> tuple[RegionView, RegionView]:
+        """(producer view, consumer view) of a pair."""
+        return (pair.remote, pair.local) if self.mode == "pull" else (pair.local, pair.remote)
+
+    # -- the hot path ----------------------------------------------------------------------
+
+    def plan(
+        self,
+        local_block_ids: BlockIds,
+        remote_block_ids: BlockIds,
+        *,
+        num_tokens: int | None = None,
+        coalesce: bool | None = None,
+    ) -> TransferPlan:
+        """Descriptors moving one request between this rank and the remote rank.
+
+        Block ids are *logical* ids per KV-cache group, each side's own. The producer's
+        lists are the request's full lists; the consumer's hold only the uncomputed suffix
+        (its prefix-cache hits stay local), so the producer's tail is used. ``num_tokens``
+        (``remote_num_tokens``) pins the token range exactly; without it, equal block sizes
+        trim by block count and unequal ones assume no prefix hit.
+        """
+        merge = self.coalesce if coalesce is None else coalesce
+        local_groups = _as_groups(local_block_ids)
+        remote_groups = _as_groups(remote_block_ids)
+        if self.mode == "pull":
+            c_groups, p_groups = local_groups, remote_groups
+            c_who, p_who = "local", "remote"
+        else:
+            p_groups, c_groups = local_groups, remote_groups
+            p_who, c_who = "local", "remote"
+        p_parts: list[IntArray] = []
+        c_parts: list[IntArray] = []
+        z_parts: list[IntArray] = []
+        order_parts: list[IntArray] = []
+        chunk_cache: dict[tuple[int, int, bool], _Chunks] = {}
+        for cluster in self._clusters:
+            key = (cluster.p_group, cluster.c_group, cluster.state)
+            chunks = chunk_cache.get(key)
+            if chunks is None:
+                p_ids = _group_ids(p_groups, cluster.p_group, p_who)
+                c_ids = _group_ids(c_groups, cluster.c_group, c_who)
+                if cluster.state:
+                    chunks = _state_chunks(p_ids, c_ids)
+                else:
+                    chunks = _attention_chunks(
+                        self._producer, self._consumer, p_ids, c_ids, num_tokens
+                    )
+                chunk_cache[key] = chunks
+            self._check_bounds(cluster, chunks, p_who, c_who)
+            p_rows, c_rows, z_rows = _emit(cluster, chunks)
+            p_parts.append(p_rows)
+            c_parts.append(c_rows)
+            z_parts.append(z_rows)
+            if len(self._clusters) > 1:
+                segs = cluster.pattern.segments.shape[0] * chunks.producer_blocks.size
+                order_parts.append(np.repeat(cluster.order, segs))
+        producer = _join(p_parts)
+        consumer = _join(c_parts)
+        zero = _join(z_parts)
+        if len(self._clusters) > 1:
+            order = np.argsort(np.concatenate(order_parts), kind="stable")
+            producer, consumer = producer[order], consumer[order]
+        if merge:
+            producer, consumer = _coalesce_pairs(producer, consumer)
+            zero = coalesce_ranges(zero)
+        if self.mode == "pull":
+            return TransferPlan(consumer, producer, zero, empty_descs())
+        return TransferPlan(producer, consumer, empty_descs(), zero)
+
+    @staticmethod
+    def _check_bounds(cluster: _Cluster, chunks: _Chunks, p_who: str, c_who: str) -> None:
+        for blocks, limit, who in (
+            (chunks.producer_blocks, cluster.p_limit, p_who),
+            (chunks.consumer_blocks, cluster.c_limit, c_who),
+            (chunks.zero_blocks, cluster.c_limit, c_who),
+        ):
+            if blocks.size and (int(blocks.min()) < 0 or int(blocks.max()) >= limit):
+                error = LocalProtocolError if who == "local" else RemoteProtocolError
+                raise error(
+                    f"{who} block ids for region {cluster.labels[0]}: expected kernel ids in "
+                    f"[0, {limit}), got [{int(blocks.min())}, {int(blocks.max())}]"
+                )
+
+
+def _fill(
+    out: Descs,
+    base: IntArray,
+    stride: IntArray,
+    blocks: IntArray,
+    sub: IntArray,
+    shift: int,
+    offsets: IntArray,
+    lengths: IntArray,
+    devices: IntArray,
+) -> None:
+    """Write the rows ``(base + block * stride + sub * shift + offset, length, device)`` of
+    every (region, chunk, segment) into ``out``.
+
+    Each column is computed in place through a strided ``(regions, chunks, segments)`` view
+    of ``out``: no temporary as large as the output, because on big requests fresh pages
+    cost more than the arithmetic.
+    """
+    regions, chunks, m = base.size, blocks.size, offsets.size
+    addr = out[:, 0].reshape(regions, chunks, m)
+    np.multiply(blocks[None, :, None], stride[:, None, None], out=addr)
+    addr += base[:, None, None]
+    if shift:
+        addr += (sub * shift)[None, :, None]
+    if m > 1 or offsets[0]:
+        addr += offsets[None, None, :]
+    np.copyto(out[:, 1].reshape(regions, chunks, m), lengths[None, None, :])
+    np.copyto(out[:, 2].reshape(regions, chunks * m), devices[:, None])
+
+
+def _emit(cluster: _Cluster, chunks: _Chunks) -> tuple[Descs, Descs, Descs]:
+    """Region-major rows of one cluster: regions x chunks x pattern segments."""
+    pattern = cluster.pattern
+    seg = pattern.segments
+    regions, n, m = cluster.p_base.size, chunks.producer_blocks.size, seg.shape[0]
+    # One allocation for both sides: two separate ~MB arrays tend to come back from the
+    # allocator as fresh pages on every call, and faulting them in costs more than the math.
+    both = np.empty((2, regions * n * m, 3), dtype=np.int64)
+    producer, consumer = both[0], both[1]
+    if producer.size:
+        _fill(
+            producer,
+            cluster.p_base,
+            cluster.p_stride,
+            chunks.producer_blocks,
+            chunks.producer_sub,
+            pattern.producer_shift,
+            seg[:, 0],
+            seg[:, 2],
+            cluster.p_dev,
+        )
+        _fill(
+            consumer,
+            cluster.c_base,
+            cluster.c_stride,
+            chunks.consumer_blocks,
+            chunks.consumer_sub,
+            pattern.consumer_shift,
+            seg[:, 1],
+            seg[:, 2],
+            cluster.c_dev,
+        )
+    zseg = pattern.zero_segments
+    zn, zm = chunks.zero_blocks.size, zseg.shape[0]
+    zero = np.empty((regions * zn * zm, 3), dtype=np.int64)
+    if zero.size:
+        _fill(
+            zero,
+            cluster.c_base,
+            cluster.c_stride,
+            chunks.zero_blocks,
+            chunks.zero_sub,
+            pattern.zero_shift,
+            zseg[:, 0],
+            zseg[:, 1],
+            cluster.c_dev,
+        )
+    return producer, consumer, zero
+
+
+def plan_read(
+    local: KVGeometry,
+    remote: RemoteGeometry,
+    local_block_ids: BlockIds,
+    remote_block_ids: BlockIds,
+    *,
+    num_tokens: int | None = None,
+    coalesce: bool = True,
+    policy: PeerPolicy | None = None,
+) -> TransferPlan:
+    """Pull: the local consumer (D) READs ``remote_block_ids`` of the producer ``remote``.
+
+    Validates the pair every call; keep a :class:`PeerLayout` per remote rank instead on a
+    hot path.
+    """
+    layout = PeerLayout(local, remote, mode="pull", policy=policy, coalesce=coalesce)
+    return layout.plan(local_block_ids, remote_block_ids, num_tokens=num_tokens)
+
+
+def plan_write(
+    local: KVGeometry,
+    remote: RemoteGeometry,
+    local_block_ids: BlockIds,
+    remote_block_ids: BlockIds,
+    *,
+    num_tokens: int | None = None,
+    coalesce: bool = True,
+    policy: PeerPolicy | None = None,
+) -> TransferPlan:
+    """Push: the local producer (P) WRITEs its ``local_block_ids`` into the consumer
+    ``remote``'s ``remote_block_ids`` (the consumer's prefix-trimmed lists)."""
+    layout = PeerLayout(local, remote, mode="push", policy=policy, coalesce=coalesce)
+    return layout.plan(local_block_ids, remote_block_ids, num_tokens=num_tokens)

@@ -1,0 +1,152 @@
+"""Which ranks talk to which, and how many completion notifications close a request.
+
+Pure integer functions of TP/PP sizes and ranks; the state machine calls them with the
+numbers it learned from ``kv_transfer_params`` and the handshake.
+
+Vocabulary: the *consumer* (D) receives KV, the *producer* (P) holds it. In pull mode the
+consumer posts READs; in push mode the producer posts WRITEs. Rank selection is always
+decided from the consumer's point of view, so both modes move the same bytes between the
+same pairs of ranks.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+from kvwire.errors import ConfigError
+
+
+def _check_sizes(local_tp: int, remote_tp: int) -> None:
+    if local_tp <= 0 or remote_tp <= 0:
+        raise ConfigError(f"TP sizes must be positive, got {local_tp} and {remote_tp}")
+    if max(local_tp, remote_tp) % min(local_tp, remote_tp):
+        raise ConfigError(f"TP sizes {local_tp} and {remote_tp} must divide one another")
+
+
+def tp_ratio(local_tp: int, remote_tp: int) -> int:
+    """``local // remote`` when local >= remote, else ``-(remote // local)`` (vLLM's sign)."""
+    _check_sizes(local_tp, remote_tp)
+    if local_tp >= remote_tp:
+        return local_tp // remote_tp
+    return -(remote_tp // local_tp)
+
+
+def remote_tp_ranks(local_tp_rank: int, local_tp: int, remote_tp: int) -> list[int]:
+    """The remote TP ranks a local rank handshakes with and notifies.
+
+    A positive ratio maps several local ranks onto one remote rank; a negative one gives each
+    local rank ``|ratio|`` consecutive remote ranks. Symmetric: it serves D looking at P and
+    P looking at D alike.
+    """
+    ratio = tp_ratio(local_tp, remote_tp)
+    if not 0 <= local_tp_rank < local_tp:
+        raise ConfigError(f"tp_rank {local_tp_rank} is outside tp_size {local_tp}")
+    if ratio > 0:
+        return [local_tp_rank // ratio]
+    width = -ratio
+    return [local_tp_rank * width + i for i in range(width)]
+
+
+def remote_ranks(
+    local_tp_rank: int, local_tp: int, remote_tp: int, remote_pp: int = 1
+) -> list[tuple[int, int]]:
+    """``(pp_rank, tp_rank)`` of every remote worker a local rank talks to (pp-major)."""
+    if remote_pp <= 0:
+        raise ConfigError(f"pp_size must be positive, got {remote_pp}")
+    tps = remote_tp_ranks(local_tp_rank, local_tp, remote_tp)
+    return [(pp, tp) for pp in range(remote_pp) for tp in tps]
+
+
+def _heads(tp_rank: int, tp_size: int, total_kv_heads: int) -> range:
+    if tp_size >= total_kv_heads:
+        head = tp_rank * total_kv_heads // tp_size
+        return range(head, head + 1)
+    per_rank = total_kv_heads // tp_size
+    return range(tp_rank * per_rank, (tp_rank + 1) * per_rank)
+
+
+@lru_cache(maxsize=4096)
+def head_sources(
+    consumer_tp_rank: int, consumer_tp: int, producer_tp: int, total_kv_heads: int
+) -> tuple[int, ...]:
+    """For each KV head the consumer rank stores (in its storage order), the producer rank
+    whose copy it receives.
+
+    Among the producer ranks the consumer talks to, the first one holding a head wins; when
+    several producer ranks hold the same head (producer TP > KV heads), the others send no
+    data for it, only their completion notification.
+    """
+    if total_kv_heads <= 0:
+        raise ConfigError(f"total_kv_heads must be positive, got {total_kv_heads}")
+    peers = remote_tp_ranks(consumer_tp_rank, consumer_tp, producer_tp)
+    sources = []
+    for head in _heads(consumer_tp_rank, consumer_tp, total_kv_heads):
+        holder = next((p for p in peers if head in _heads(p, producer_tp, total_kv_heads)), None)
+        if holder is None:
+            raise ConfigError(
+                f"no producer rank among {peers} holds KV head {head} "
+                f"(consumer rank {consumer_tp_rank}/{consumer_tp}, producer TP {producer_tp}, "
+                f"{total_kv_heads} heads)"
+            )
+        sources.append(holder)
+    return tuple(sources)
+
+
+def replicated_source(consumer_tp_rank: int, consumer_tp: int, producer_tp: int) -> int:
+    """The one producer rank a consumer rank reads a replicated (MLA) region from."""
+    return remote_tp_ranks(consumer_tp_rank, consumer_tp, producer_tp)[0]
+
+
+def read_source_ranks(
+    consumer_tp_rank: int,
+    consumer_tp: int,
+    producer_tp: int,
+    total_kv_heads: int,
+    *,
+    is_mla: bool = False,
+) -> list[int]:
+    """Producer TP ranks that send data to this consumer rank (a subset of its peers).
+
+    The other peers of :func:`remote_tp_ranks` get a notification only, so they can free.
+    """
+    if is_mla:
+        return [replicated_source(consumer_tp_rank, consumer_tp, producer_tp)]
+    sources = head_sources(consumer_tp_rank, consumer_tp, producer_tp, total_kv_heads)
+    return sorted(set(sources))
+
+
+def producer_expected_notifications(producer_tp: int, consumer_tp: int) -> int:
+    """Completion notifications a producer rank waits for before freeing (pull mode).
+
+    ``consumer_tp // producer_tp`` consumer ranks share a producer rank when the consumer
+    has more ranks; otherwise exactly one consumer rank notifies each producer rank (with
+    MLA and producer TP > consumer TP the consumer reads one rank and notifies the rest).
+    """
+    _check_sizes(producer_tp, consumer_tp)
+    return consumer_tp // producer_tp if consumer_tp > producer_tp else 1
+
+
+def consumer_expected_notifications(
+    producer_tp: int, consumer_tp: int, producer_pp: int = 1
+) -> int:
+    """Completion notifications a consumer rank waits for in push mode.
+
+    Every producer pipeline stage writes, and ``producer_tp // consumer_tp`` producer ranks
+    share a consumer rank when the producer has more ranks.
+    """
+    _check_sizes(producer_tp, consumer_tp)
+    if producer_pp <= 0:
+        raise ConfigError(f"pp_size must be positive, got {producer_pp}")
+    return producer_pp * max(1, producer_tp // consumer_tp)
+
+
+def notified_producer_ranks(consumer_tp_rank: int, consumer_tp: int, producer_tp: int) -> list[int]:
+    """Producer TP ranks a consumer rank sends its completion notification to (pull)."""
+    return remote_tp_ranks(consumer_tp_rank, consumer_tp, producer_tp)
+
+
+def consumer_ranks_of_producer(
+    producer_tp_rank: int, producer_tp: int, consumer_tp: int
+) -> list[int]:
+    """Consumer TP ranks a producer rank serves (writes to in push mode)."""
+    return remote_tp_ranks(producer_tp_rank, producer_tp, consumer_tp)
