@@ -1,0 +1,107 @@
+"""The transfer state machines, sans-IO: no sockets, threads or clock reads inside.
+
+A driver (the runtime, the simulator, a test) feeds events with the current time and
+executes the actions that come back::
+
+    machine = ConsumerMachine(MachineConfig(engine_id="decode-0", tp_size=2, tp_rank=1))
+    actions = machine.handle(RequestAdded("req-1", remote=RemotePrefill(...)), now)
+    ...
+    deadline = machine.next_deadline()      # call handle(Timer(), now) once now >= deadline
+
+Every legal transition is listed in :mod:`kvwire.machine.table`.
+"""
+
+from __future__ import annotations
+
+from kvwire.machine._core import InvariantViolation, MachineStats, rebase_deadline
+from kvwire.machine.actions import (
+    ACTION_TYPES,
+    Action,
+    ArmTimer,
+    CancelTransfer,
+    EvictEngine,
+    FailReason,
+    FreeBlocks,
+    FreeReason,
+    PeerMisbehaved,
+    PostRead,
+    PostWrite,
+    ReleaseTransfer,
+    RemoteRank,
+    RequestDone,
+    RequestFailed,
+    SendNotification,
+    StartHandshake,
+)
+from kvwire.machine.config import MachineConfig, TransferMode
+from kvwire.machine.consumer import ConsumerMachine
+from kvwire.machine.events import (
+    EVENT_TYPES,
+    Abort,
+    AllocationDone,
+    BlockIds,
+    Event,
+    HandshakeDone,
+    HandshakeFailed,
+    NotificationReceived,
+    PeerLost,
+    PrefillFinished,
+    ReleaseFailed,
+    RemotePrefill,
+    RequestAdded,
+    Timer,
+    TransferDone,
+    TransferFailed,
+    TransferPosted,
+)
+from kvwire.machine.producer import ProducerMachine, base_request_id
+from kvwire.machine.table import ConsumerState, EngineState, ProducerState, TransferState
+
+__all__ = [
+    "ACTION_TYPES",
+    "EVENT_TYPES",
+    "Abort",
+    "Action",
+    "AllocationDone",
+    "ArmTimer",
+    "BlockIds",
+    "CancelTransfer",
+    "ConsumerMachine",
+    "ConsumerState",
+    "EngineState",
+    "Event",
+    "EvictEngine",
+    "FailReason",
+    "FreeBlocks",
+    "FreeReason",
+    "HandshakeDone",
+    "HandshakeFailed",
+    "InvariantViolation",
+    "MachineConfig",
+    "MachineStats",
+    "NotificationReceived",
+    "PeerLost",
+    "PeerMisbehaved",
+    "PostRead",
+    "PostWrite",
+    "PrefillFinished",
+    "ProducerMachine",
+    "ProducerState",
+    "ReleaseFailed",
+    "ReleaseTransfer",
+    "RemotePrefill",
+    "RemoteRank",
+    "RequestAdded",
+    "RequestDone",
+    "RequestFailed",
+    "SendNotification",
+    "StartHandshake",
+    "Timer",
+    "TransferDone",
+    "TransferFailed",
+    "TransferMode",
+    "TransferPosted",
+    "TransferState",
+    "base_request_id",
+    "rebase_deadline",
+]

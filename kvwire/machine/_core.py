@@ -1,0 +1,436 @@
+"""The parts both machines share: the timer heap, remote engines, transfers and self-checks.
+
+Nothing here reads a clock or touches I/O. Per-event work is O(1) apart from the actions an
+event genuinely causes (one per queued request when a handshake ends, one per due deadline
+when the timer fires).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Callable
+from typing import Any
+
+from kvwire.errors import KVWireError, LocalProtocolError
+from kvwire.machine.actions import (
+    Action,
+    ArmTimer,
+    EvictEngine,
+    ReleaseTransfer,
+    StartHandshake,
+)
+from kvwire.machine.config import MachineConfig
+from kvwire.machine.events import (
+    Event,
+    HandshakeDone,
+    HandshakeFailed,
+    PeerLost,
+    Timer,
+)
+from kvwire.machine.table import ENGINE, TRANSFER, EngineState, TransferState, successors
+
+# Timer kinds; an entry is (deadline, seq, kind, subject, token) and is stale (skipped) when
+# the subject is no longer the live object the entry was armed for.
+T_LEASE = 0
+T_WATCHDOG = 1
+T_HANDSHAKE = 2
+T_HEARTBEAT = 3
+T_IDLE = 4
+T_RELEASE = 5
+T_REGISTRATION = 6
+
+
+class InvariantViolation(KVWireError):
+    """The machine caught itself breaking one of its own guarantees (a bug in kvwire)."""
+
+
+class MachineStats:
+    """Counters a driver can export as metrics; plain ints, cheap to bump."""
+
+    __slots__ = (
+        "aborts_ignored",
+        "actions",
+        "completions_duplicate",
+        "completions_unknown",
+        "engines_evicted",
+        "events",
+        "handshakes_failed",
+        "handshakes_started",
+        "heartbeats_received",
+        "heartbeats_sent",
+        "lease_extensions",
+        "leases_expired",
+        "notifications_malformed",
+        "notifications_unexpected",
+        "reads_declined_expiry",
+        "registrations_duplicate",
+        "registrations_expired",
+        "registrations_malformed",
+        "release_failures",
+        "remote_errors",
+        "stale_handshake_answers",
+        "transfers_failed",
+        "transfers_posted",
+    )
+
+    def __init__(self) -> None:
+        self.aborts_ignored = 0
+        self.actions = 0
+        self.completions_duplicate = 0
+        self.completions_unknown = 0
+        self.engines_evicted = 0
+        self.events = 0
+        self.handshakes_failed = 0
+        self.handshakes_started = 0
+        self.heartbeats_received = 0
+        self.heartbeats_sent = 0
+        self.lease_extensions = 0
+        self.leases_expired = 0
+        self.notifications_malformed = 0
+        self.notifications_unexpected = 0
+        self.reads_declined_expiry = 0
+        self.registrations_duplicate = 0
+        self.registrations_expired = 0
+        self.registrations_malformed = 0
+        self.release_failures = 0
+        self.remote_errors = 0
+        self.stale_handshake_answers = 0
+        self.transfers_failed = 0
+        self.transfers_posted = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return {name: getattr(self, name) for name in self.__slots__}
+
+
+class Engine:
+    """One remote engine as this rank sees it: handshake state plus who depends on it."""
+
+    __slots__ = (
+        "attempt",
+        "clock_offset",
+        "engine_id",
+        "hb_armed",
+        "hb_ids",
+        "host",
+        "idle_armed",
+        "last_active",
+        "notes",
+        "port",
+        "pp_size",
+        "refs",
+        "state",
+        "tp_size",
+        "waiting",
+    )
+
+    def __init__(self, engine_id: str, host: str, port: int, tp_size: int, pp_size: int) -> None:
+        self.engine_id = engine_id
+        self.state = EngineState.ABSENT
+        self.attempt = 0
+        self.host = host
+        self.port = port
+        self.tp_size = tp_size
+        self.pp_size = pp_size
+        self.clock_offset = 0.0
+        self.waiting: dict[str, None] = {}
+        """Requests queued behind the handshake, in arrival order."""
+        self.refs = 0
+        """Live requests that name this engine; it is never evicted while > 0."""
+        self.last_active = 0.0
+        self.notes: list[bytes] = []
+        """Completion messages to send once the handshake is done (abort / nothing to read)."""
+        self.hb_ids: dict[str, int] = {}
+        """Remote request ids to heartbeat, with how many local requests want each."""
+        self.hb_armed = False
+        self.idle_armed = False
+
+
+class Transfer:
+    """One READ or WRITE the machine asked for, until its handle is released."""
+
+    __slots__ = ("cancel_wanted", "failed", "owner", "state", "xfer_id")
+
+    def __init__(self, xfer_id: int, owner: Any) -> None:
+        self.xfer_id = xfer_id
+        self.owner = owner
+        self.state = TransferState.REQUESTED
+        self.cancel_wanted = False
+        self.failed = False
+
+
+class MachineCore:
+    """Timers, engines, transfers and invariant plumbing; subclasses add request logic."""
+
+    role = "machine"
+
+    def __init__(self, config: MachineConfig) -> None:
+        if not isinstance(config, MachineConfig):
+            raise TypeError("config must be a MachineConfig")
+        self.config = config
+        self.stats = MachineStats()
+        self._check = config.check_invariants
+        self._heap: list[tuple[float, int, int, Any, Any]] = []
+        self._seq = 0
+        self._engines: dict[str, Engine] = {}
+        self._xfers: dict[int, Transfer] = {}
+        self._next_xfer = 1
+        self._attempts = 0
+        self._last_now = float("-inf")
+        self._handlers: dict[type[Event], Callable[[Any, float, list[Action]], None]] = {}
+
+    # ----------------------------------------------------------------- public surface
+
+    def handle(self, event: Event, now: float) -> list[Action]:
+        """Feed one event at time ``now`` (seconds, this process's clock); get the actions.
+
+        Raises :class:`LocalProtocolError` for an event the current state does not accept
+        (nothing changed in that case) or for time running backwards.
+        """
+        handler = self._handlers.get(type(event))
+        if handler is None:
+            raise LocalProtocolError(f"{self.role} does not accept {type(event).__name__}")
+        if now < self._last_now:
+            raise LocalProtocolError(f"time went backwards: {now} < {self._last_now}")
+        self._last_now = now
+        heap = self._heap
+        before = heap[0][0] if heap else None
+        out: list[Action] = []
+        handler(event, now, out)
+        if out and self._check:
+            self._verify(out)
+        if heap and (before is None or heap[0][0] < before):
+            out.append(ArmTimer(heap[0][0]))
+        stats = self.stats
+        stats.events += 1
+        stats.actions += len(out)
+        return out
+
+    def next_deadline(self) -> float | None:
+        """When the machine next needs ``handle(Timer(), now)``; None if nothing is armed.
+
+        May be earlier than strictly needed (a lazily deleted entry): a Timer event with
+        nothing due is harmless. Never later than a real deadline.
+        """
+        return self._heap[0][0] if self._heap else None
+
+    def engine_state(self, engine_id: str) -> EngineState:
+        engine = self._engines.get(engine_id)
+        return EngineState.ABSENT if engine is None else engine.state
+
+    def transfer_state(self, xfer_id: int) -> TransferState:
+        xfer = self._xfers.get(xfer_id)
+        return TransferState.ABSENT if xfer is None else xfer.state
+
+    def transfers_in_flight(self) -> int:
+        return len(self._xfers)
+
+    # ----------------------------------------------------------------- timers
+
+    def _arm(self, deadline: float, kind: int, subject: Any, token: Any = None) -> None:
+        self._seq += 1
+        heapq.heappush(self._heap, (deadline, self._seq, kind, subject, token))
+
+    def _on_timer(self, event: Timer, now: float, out: list[Action]) -> None:
+        """Pop every entry that is due. An entry whose deadline was pushed back (a lease
+        extended by a heartbeat) is re-armed at its current deadline rather than kept in
+        place, so the heap holds exactly one live entry per lease with a key no later than
+        that lease's deadline: popping until the top is in the future therefore reaches
+        *every* expired lease, whatever order they were armed or extended in."""
+        heap = self._heap
+        while heap and heap[0][0] <= now:
+            _, _, kind, subject, token = heapq.heappop(heap)
+            self._fire(kind, subject, token, now, out)
+
+    def _fire(self, kind: int, subject: Any, token: Any, now: float, out: list[Action]) -> None:
+        if kind == T_HANDSHAKE:
+            engine: Engine = subject
+            if (
+                self._engines.get(engine.engine_id) is engine
+                and engine.state is EngineState.HANDSHAKING
+                and engine.attempt == token
+            ):
+                self._handshake_failed(engine, now, out, "handshake timed out")
+        elif kind == T_HEARTBEAT:
+            self._heartbeat(subject, now, out)
+        elif kind == T_IDLE:
+            self._idle_check(subject, now, out)
+        elif kind == T_RELEASE:
+            xfer: Transfer = subject
+            if self._xfers.get(xfer.xfer_id) is xfer and xfer.state is TransferState.RELEASE_FAILED:
+                if self._check:
+                    successors(TRANSFER, xfer.state, Timer, "transfer")
+                xfer.state = TransferState.RELEASING
+                out.append(ReleaseTransfer(xfer.xfer_id, xfer.owner.rid))
+        else:
+            self._fire_request(kind, subject, token, now, out)
+
+    def _fire_request(
+        self, kind: int, subject: Any, token: Any, now: float, out: list[Action]
+    ) -> None:
+        raise NotImplementedError
+
+    # ----------------------------------------------------------------- engines
+
+    def _engine(self, engine_id: str, host: str, port: int, tp: int, pp: int) -> Engine:
+        engine = self._engines.get(engine_id)
+        if engine is None:
+            engine = Engine(engine_id, host, port, tp, pp)
+            self._engines[engine_id] = engine
+        return engine
+
+    def _ensure_handshake(self, engine: Engine, now: float, out: list[Action]) -> None:
+        """Start a handshake unless one is in flight or done: one in flight per engine."""
+        if engine.state is not EngineState.ABSENT:
+            return
+        self._attempts += 1
+        engine.attempt = self._attempts
+        engine.state = EngineState.HANDSHAKING
+        self.stats.handshakes_started += 1
+        out.append(
+            StartHandshake(
+                engine.engine_id,
+                engine.attempt,
+                engine.host,
+                engine.port,
+                engine.tp_size,
+                engine.pp_size,
+            )
+        )
+        self._arm(now + self.config.handshake_timeout_s, T_HANDSHAKE, engine, engine.attempt)
+
+    def _handshake_event(self, event: HandshakeDone | HandshakeFailed, now: float) -> Engine | None:
+        """The engine the answer belongs to, or None for a stale answer (ignored)."""
+        if type(event.attempt) is not int or not 0 < event.attempt <= self._attempts:
+            raise LocalProtocolError(f"handshake attempt {event.attempt!r} was never started")
+        engine = self._engines.get(event.engine_id)
+        if engine is None or engine.attempt != event.attempt:
+            self.stats.stale_handshake_answers += 1
+            return None
+        if engine.state is not EngineState.HANDSHAKING:
+            self.stats.stale_handshake_answers += 1
+            return None
+        successors(ENGINE, engine.state, type(event), "engine")
+        return engine
+
+    def _on_handshake_done(self, event: HandshakeDone, now: float, out: list[Action]) -> None:
+        engine = self._handshake_event(event, now)
+        if engine is None:
+            return
+        engine.tp_size = event.remote_tp_size
+        engine.pp_size = event.remote_pp_size
+        engine.clock_offset = event.clock_offset
+        engine.state = EngineState.READY
+        engine.last_active = now
+        self._engine_ready(engine, event, now, out)
+        if engine.state is EngineState.READY and not engine.idle_armed:
+            engine.idle_armed = True
+            self._arm(now + self.config.engine_idle_ttl_s, T_IDLE, engine)
+
+    def _on_handshake_failed(self, event: HandshakeFailed, now: float, out: list[Action]) -> None:
+        engine = self._handshake_event(event, now)
+        if engine is None:
+            return
+        self._handshake_failed(engine, now, out, event.reason or "handshake failed")
+
+    def _handshake_failed(self, engine: Engine, now: float, out: list[Action], why: str) -> None:
+        """Failures are not cached: the engine goes back to ABSENT and the next request
+        starts a new handshake; everything queued behind this one fails with it."""
+        self.stats.handshakes_failed += 1
+        engine.state = EngineState.ABSENT
+        engine.notes.clear()
+        waiting = list(engine.waiting)
+        engine.waiting.clear()
+        self._engine_failed(engine, waiting, now, out, why)
+        self._maybe_forget(engine)
+
+    def _on_peer_lost(self, event: PeerLost, now: float, out: list[Action]) -> None:
+        engine = self._engines.get(event.engine_id)
+        if engine is None:
+            return
+        successors(ENGINE, engine.state, PeerLost, "engine")
+        if engine.state is EngineState.READY:
+            engine.state = EngineState.ABSENT
+            engine.hb_armed = False
+            engine.idle_armed = False
+            self._maybe_forget(engine)
+
+    def _maybe_forget(self, engine: Engine) -> None:
+        if (
+            engine.state is EngineState.ABSENT
+            and engine.refs == 0
+            and not engine.waiting
+            and self._engines.get(engine.engine_id) is engine
+        ):
+            del self._engines[engine.engine_id]
+
+    def _idle_check(self, engine: Engine, now: float, out: list[Action]) -> None:
+        if self._engines.get(engine.engine_id) is not engine:
+            return
+        if engine.state is not EngineState.READY:
+            engine.idle_armed = False
+            return
+        ttl = self.config.engine_idle_ttl_s
+        if engine.refs > 0:
+            self._arm(now + ttl, T_IDLE, engine)
+            return
+        if now < engine.last_active + ttl:
+            self._arm(engine.last_active + ttl, T_IDLE, engine)
+            return
+        successors(ENGINE, engine.state, Timer, "engine")
+        engine.state = EngineState.ABSENT
+        engine.idle_armed = False
+        engine.hb_armed = False
+        del self._engines[engine.engine_id]
+        self.stats.engines_evicted += 1
+        out.append(EvictEngine(engine.engine_id))
+
+    def _engine_ready(
+        self, engine: Engine, event: HandshakeDone, now: float, out: list[Action]
+    ) -> None:
+        raise NotImplementedError
+
+    def _engine_failed(
+        self, engine: Engine, waiting: list[str], now: float, out: list[Action], why: str
+    ) -> None:
+        raise NotImplementedError
+
+    def _heartbeat(self, engine: Engine, now: float, out: list[Action]) -> None:
+        engine.hb_armed = False
+
+    # ----------------------------------------------------------------- transfers
+
+    def _new_transfer(self, owner: Any) -> Transfer:
+        xfer = Transfer(self._next_xfer, owner)
+        self._next_xfer += 1
+        self._xfers[xfer.xfer_id] = xfer
+        self.stats.transfers_posted += 1
+        return xfer
+
+    def _transfer_for(self, xfer_id: int, event_type: type[Event]) -> Transfer:
+        xfer = self._xfers.get(xfer_id)
+        if xfer is None:
+            raise LocalProtocolError(f"transfer {xfer_id!r} is unknown or already ended")
+        successors(TRANSFER, xfer.state, event_type, f"transfer {xfer_id}")
+        return xfer
+
+    def _release_failed(self, xfer: Transfer, now: float) -> None:
+        """The handle could not be released: DMA may still be running, so the owner keeps
+        its blocks; ask again after ``release_retry_s``."""
+        self.stats.release_failures += 1
+        xfer.state = TransferState.RELEASE_FAILED
+        self._arm(now + self.config.release_retry_s, T_RELEASE, xfer)
+
+    def _verify(self, out: list[Action]) -> None:
+        raise NotImplementedError
+
+
+def rebase_deadline(deadline: float, scheduler_clock: float, now_local: float) -> float:
+    """A deadline stamped by another process, moved onto this process's clock.
+
+    The stamping process sent ``deadline`` together with its own clock reading
+    ``scheduler_clock``; what is left of the lease is their difference. ``0`` means the
+    sender's clock is ours (legacy absolute deadline).
+    """
+    if scheduler_clock == 0:
+        return deadline
+    return now_local + (deadline - scheduler_clock)

@@ -1,0 +1,620 @@
+"""The consumer (decode side) machine: one rank of an engine that receives KV.
+
+Pull: the rank READs the producer's blocks, one remote rank at a time (the next READ is
+posted only once the previous one is confirmed, so nothing is posted after a request's first
+failure), with the completion notification attached. Push: the rank registers its blocks
+with every producer rank and counts their write notifications, under a watchdog.
+
+A request ends in exactly one of ``RequestDone`` / ``RequestFailed``, and only once no
+transfer into its blocks is running; after that the machine forgets it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvwire import topology
+from kvwire.errors import KVWireError, LocalProtocolError, RemoteProtocolError
+from kvwire.machine._core import (
+    T_HEARTBEAT,
+    T_WATCHDOG,
+    Engine,
+    InvariantViolation,
+    MachineCore,
+    Transfer,
+)
+from kvwire.machine.actions import (
+    Action,
+    CancelTransfer,
+    FailReason,
+    PeerMisbehaved,
+    PostRead,
+    RemoteRank,
+    RequestDone,
+    RequestFailed,
+    SendNotification,
+)
+from kvwire.machine.config import MachineConfig, TransferMode
+from kvwire.machine.events import (
+    Abort,
+    AllocationDone,
+    BlockIds,
+    HandshakeDone,
+    HandshakeFailed,
+    NotificationReceived,
+    PeerLost,
+    ReleaseFailed,
+    RemotePrefill,
+    RequestAdded,
+    Timer,
+    TransferDone,
+    TransferFailed,
+    TransferPosted,
+)
+from kvwire.machine.table import (
+    CONSUMER,
+    ConsumerState,
+    EngineState,
+    TransferState,
+    successors,
+)
+from kvwire.wire.notifications import (
+    decode_notification,
+    encode_completion,
+    encode_heartbeat,
+    encode_push_registration,
+)
+from kvwire.wire.schemas import Completion, PushRegistration
+
+S = ConsumerState
+_ALL_RANKS: tuple[RemoteRank, ...] = ()
+
+
+class _Req:
+    """One consumer request while it is live."""
+
+    __slots__ = (
+        "engine",
+        "expected",
+        "fail_detail",
+        "fail_reason",
+        "hb",
+        "local",
+        "next_post",
+        "notif",
+        "plan",
+        "remote",
+        "remote_blocks",
+        "rid",
+        "senders",
+        "state",
+        "xfers",
+    )
+
+    def __init__(self, rid: str, remote: RemotePrefill, engine: Engine) -> None:
+        self.rid = rid
+        self.state = S.WAIT_ALLOC
+        self.remote = remote
+        self.engine = engine
+        self.local: BlockIds = ()
+        self.remote_blocks: BlockIds = ()
+        self.notif = b""
+        self.plan: list[RemoteRank] = []
+        self.next_post = 0
+        self.xfers: dict[int, Transfer] = {}
+        self.fail_reason = FailReason.TRANSFER
+        self.fail_detail = ""
+        self.senders: set[str] = set()
+        self.expected = 0
+        self.hb = False
+
+
+class ConsumerMachine(MachineCore):
+    """Sans-IO state of one consumer rank: ``handle(event, now) -> list[Action]``."""
+
+    role = "consumer"
+
+    def __init__(self, config: MachineConfig) -> None:
+        super().__init__(config)
+        self._reqs: dict[str, _Req] = {}
+        self._terminal: set[str] = set()
+        self._ended_now: set[str] = set()
+        self._plans: dict[tuple[int, int], tuple[list[RemoteRank], list[RemoteRank]]] = {}
+        self._handlers = {
+            RequestAdded: self._on_added,
+            AllocationDone: self._on_alloc,
+            Abort: self._on_abort,
+            HandshakeDone: self._on_handshake_done,
+            HandshakeFailed: self._on_handshake_failed,
+            TransferPosted: self._on_xfer,
+            TransferDone: self._on_xfer,
+            TransferFailed: self._on_xfer,
+            ReleaseFailed: self._on_xfer,
+            NotificationReceived: self._on_notification,
+            PeerLost: self._on_peer_lost,
+            Timer: self._on_timer,
+        }
+
+    # ----------------------------------------------------------------- introspection
+
+    def request_state(self, request_id: str) -> ConsumerState:
+        req = self._reqs.get(request_id)
+        return S.ABSENT if req is None else req.state
+
+    def live_requests(self) -> int:
+        return len(self._reqs)
+
+    # ----------------------------------------------------------------- request events
+
+    def _on_added(self, event: RequestAdded, now: float, out: list[Action]) -> None:
+        rid = event.request_id
+        if rid in self._reqs:
+            successors(CONSUMER, self._reqs[rid].state, RequestAdded, f"request {rid!r}")
+        if self._check and rid in self._terminal:
+            raise LocalProtocolError(f"request {rid!r} was added twice")
+        remote = event.remote
+        if remote is None:
+            raise LocalProtocolError("a consumer request needs its producer (remote)")
+        problem = _check_remote(remote, self.config)
+        notif = b""
+        if problem is None and self.config.mode is TransferMode.PULL:
+            try:
+                notif = encode_completion(remote.request_id, self.config.tp_size)
+            except KVWireError as exc:
+                problem = str(exc)
+        if problem is not None:
+            out.append(PeerMisbehaved(problem, remote.engine_id or None, rid))
+            self.stats.remote_errors += 1
+            self._terminal_out(rid, RequestFailed(rid, (), FailReason.PROTOCOL, problem), out)
+            return
+        engine = self._engine(
+            remote.engine_id, remote.host, remote.port, remote.tp_size, remote.pp_size
+        )
+        req = _Req(rid, remote, engine)
+        req.notif = notif
+        self._reqs[rid] = req
+        engine.refs += 1
+        engine.last_active = now
+        self._hb_add(req, now)
+        # Handshake early: it overlaps the engine's allocation, and heartbeats need it.
+        self._ensure_handshake(engine, now, out)
+
+    def _on_alloc(self, event: AllocationDone, now: float, out: list[Action]) -> None:
+        req = self._req(event.request_id, AllocationDone)
+        req.local = event.block_ids
+        engine = req.engine
+        if not any(event.block_ids):
+            # Nothing to move: tell the producer it may free, and finish at once. The
+            # message is best effort (the lease reclaims the blocks if it is lost), so the
+            # request never waits on it.
+            self._release_producer(req, out)
+            self._finish(req, out)
+            return
+        if self.config.mode is TransferMode.PULL:
+            problem = _trim_check(event.block_ids, req.remote.block_ids)
+            if problem is not None:
+                self._protocol_failure(req, problem, out)
+                return
+            req.remote_blocks = _tail(event.block_ids, req.remote.block_ids)
+        if engine.state is EngineState.READY:
+            self._start(req, now, out)
+        else:
+            req.state = S.WAIT_PEER
+            engine.waiting[req.rid] = None
+            self._ensure_handshake(engine, now, out)
+
+    def _on_abort(self, event: Abort, now: float, out: list[Action]) -> None:
+        req = self._reqs.get(event.request_id)
+        if req is None:
+            # Aborts race with completion: an id that already ended (or never started) is
+            # nothing to do.
+            self.stats.aborts_ignored += 1
+            return
+        successors(CONSUMER, req.state, Abort, f"request {req.rid!r}")
+        state = req.state
+        if state is S.WAIT_ALLOC:
+            self._fail_now(req, FailReason.ABORTED, "aborted", out)
+        elif state is S.WAIT_PEER:
+            req.engine.waiting.pop(req.rid, None)
+            self._fail_now(req, FailReason.ABORTED, "aborted", out)
+        elif state is S.AWAIT_WRITES:
+            self._fail_now(req, FailReason.ABORTED, "aborted", out)
+        elif state is S.TRANSFERRING:
+            self._begin_failure(req, FailReason.ABORTED, "aborted", out)
+        # DRAINING: already on its way out; keep the first reason.
+
+    # ----------------------------------------------------------------- engines
+
+    def _engine_ready(
+        self, engine: Engine, event: HandshakeDone, now: float, out: list[Action]
+    ) -> None:
+        if engine.notes:
+            ranks = self._notify_ranks(engine)
+            for data in engine.notes:
+                out.append(SendNotification(engine.engine_id, ranks, data, None))
+            engine.notes.clear()
+        waiting = list(engine.waiting)
+        engine.waiting.clear()
+        for rid in waiting:
+            req = self._reqs[rid]
+            successors(CONSUMER, req.state, HandshakeDone, f"request {rid!r}")
+            self._start(req, now, out)
+        if engine.hb_ids and not engine.hb_armed:
+            self._heartbeat(engine, now, out)
+
+    def _engine_failed(
+        self, engine: Engine, waiting: list[str], now: float, out: list[Action], why: str
+    ) -> None:
+        for rid in waiting:
+            req = self._reqs[rid]
+            successors(CONSUMER, req.state, HandshakeFailed, f"request {rid!r}")
+            self._fail_now(req, FailReason.HANDSHAKE, why, out)
+
+    def _heartbeat(self, engine: Engine, now: float, out: list[Action]) -> None:
+        """Keep the producer's leases alive: ``HB:`` with every remote id still wanted."""
+        engine.hb_armed = False
+        if self._engines.get(engine.engine_id) is not engine:
+            return
+        if engine.state is not EngineState.READY or not engine.hb_ids:
+            return
+        out.append(
+            SendNotification(engine.engine_id, _ALL_RANKS, encode_heartbeat(list(engine.hb_ids)))
+        )
+        self.stats.heartbeats_sent += 1
+        engine.hb_armed = True
+        self._arm(now + self.config.heartbeat_s, T_HEARTBEAT, engine)
+
+    def _hb_add(self, req: _Req, now: float) -> None:
+        engine = req.engine
+        pid = req.remote.request_id
+        engine.hb_ids[pid] = engine.hb_ids.get(pid, 0) + 1
+        req.hb = True
+        if engine.state is EngineState.READY and not engine.hb_armed:
+            engine.hb_armed = True
+            self._arm(now + self.config.heartbeat_s, T_HEARTBEAT, engine)
+
+    def _hb_drop(self, req: _Req) -> None:
+        if not req.hb:
+            return
+        req.hb = False
+        ids = req.engine.hb_ids
+        pid = req.remote.request_id
+        left = ids[pid] - 1
+        if left:
+            ids[pid] = left
+        else:
+            del ids[pid]
+
+    # ----------------------------------------------------------------- starting a request
+
+    def _start(self, req: _Req, now: float, out: list[Action]) -> None:
+        """The engine is READY: read (pull) or register (push)."""
+        engine = req.engine
+        if self.config.mode is TransferMode.PUSH:
+            self._register(req, now, out)
+            return
+        expiry = req.remote.blocks_expiry_time
+        if expiry is not None and now + self.config.expiry_margin_s >= expiry - engine.clock_offset:
+            self.stats.reads_declined_expiry += 1
+            self._fail_now(req, FailReason.EXPIRED, "remote blocks expire too soon to read", out)
+            return
+        try:
+            plan, _ = self._plan(engine)
+        except KVWireError as exc:
+            self._protocol_failure(req, str(exc), out)
+            return
+        req.plan = plan
+        req.next_post = 0
+        req.state = S.TRANSFERRING
+        self._post_next(req, out)
+
+    def _plan(self, engine: Engine) -> tuple[list[RemoteRank], list[RemoteRank]]:
+        """(ranks to READ from, every rank to notify) for the engine's TP/PP sizes."""
+        key = (engine.tp_size, engine.pp_size)
+        plan = self._plans.get(key)
+        if plan is None:
+            cfg = self.config
+            try:
+                peers = topology.remote_ranks(cfg.tp_rank, cfg.tp_size, *key)
+                if cfg.mla:
+                    src = [topology.replicated_source(cfg.tp_rank, cfg.tp_size, key[0])]
+                else:
+                    src = topology.remote_tp_ranks(cfg.tp_rank, cfg.tp_size, key[0])
+            except KVWireError as exc:
+                raise RemoteProtocolError(
+                    f"engine {engine.engine_id!r} has TP {key[0]}, incompatible with ours "
+                    f"({cfg.tp_size}): {exc}"
+                ) from None
+            reads = [(pp, tp) for pp in range(key[1]) for tp in src]
+            plan = (reads, peers)
+            self._plans[key] = plan
+        return plan
+
+    def _notify_ranks(self, engine: Engine) -> tuple[RemoteRank, ...]:
+        try:
+            return tuple(self._plan(engine)[1])
+        except KVWireError:
+            return _ALL_RANKS
+
+    def _post_next(self, req: _Req, out: list[Action]) -> None:
+        rank = req.plan[req.next_post]
+        req.next_post += 1
+        xfer = self._new_transfer(req)
+        req.xfers[xfer.xfer_id] = xfer
+        out.append(
+            PostRead(
+                xfer.xfer_id,
+                req.rid,
+                req.engine.engine_id,
+                rank,
+                req.engine.tp_size,
+                req.local,
+                req.remote_blocks,
+                req.notif,
+            )
+        )
+
+    def _register(self, req: _Req, now: float, out: list[Action]) -> None:
+        engine = req.engine
+        try:
+            req.expected = topology.consumer_expected_notifications(
+                engine.tp_size, self.config.tp_size, engine.pp_size
+            )
+        except KVWireError as exc:
+            self._protocol_failure(req, str(exc), out)
+            return
+        out.append(
+            SendNotification(
+                engine.engine_id, _ALL_RANKS, self._registration(req, req.local), req.rid
+            )
+        )
+        req.state = S.AWAIT_WRITES
+        self._arm(now + self.config.registration_timeout_s, T_WATCHDOG, req)
+
+    def _registration(self, req: _Req, blocks: BlockIds) -> bytes:
+        cfg = self.config
+        remote = req.remote
+        reg = PushRegistration(
+            request_id=req.rid,
+            decode_engine_id=cfg.engine_id,
+            decode_host=cfg.host,
+            decode_port=cfg.port,
+            decode_tp_size=cfg.tp_size,
+            local_block_ids=[list(g) for g in blocks],
+            remote_engine_id=remote.engine_id,
+            remote_host=remote.host,
+            remote_port=remote.port,
+            remote_tp_size=remote.tp_size,
+            remote_pp_size=remote.pp_size,
+        )
+        return encode_push_registration(reg)
+
+    # ----------------------------------------------------------------- transfers
+
+    def _on_xfer(
+        self,
+        event: TransferPosted | TransferDone | TransferFailed | ReleaseFailed,
+        now: float,
+        out: list[Action],
+    ) -> None:
+        etype = type(event)
+        xfer = self._transfer_for(event.xfer_id, etype)
+        req: _Req = xfer.owner
+        successors(CONSUMER, req.state, etype, f"request {req.rid!r}")
+        if etype is TransferPosted:
+            if xfer.cancel_wanted or req.state is S.DRAINING:
+                xfer.state = TransferState.CANCELLING
+                out.append(CancelTransfer(xfer.xfer_id, req.rid))
+                return
+            xfer.state = TransferState.POSTED
+            if req.next_post < len(req.plan):
+                self._post_next(req, out)
+            return
+        if etype is ReleaseFailed:
+            self._release_failed(xfer, now)
+            return
+        # Released: the transfer is over either way.
+        xfer.state = TransferState.ENDED
+        del self._xfers[xfer.xfer_id]
+        del req.xfers[xfer.xfer_id]
+        if etype is TransferFailed:
+            self.stats.transfers_failed += 1
+            if req.state is S.TRANSFERRING:
+                reason = event.reason if isinstance(event, TransferFailed) else ""
+                self._begin_failure(req, FailReason.TRANSFER, reason or "transfer failed", out)
+                return
+        if req.state is S.DRAINING:
+            if not req.xfers:
+                self._fail_now(req, req.fail_reason, req.fail_detail, out)
+            return
+        if not req.xfers and req.next_post >= len(req.plan):
+            self._release_producer(req, out, only_unread=True)
+            self._finish(req, out)
+
+    def _begin_failure(self, req: _Req, reason: FailReason, detail: str, out: list[Action]) -> None:
+        """First failure of a request with transfers: post nothing more, cancel what runs,
+        and report only once every handle is released (their DMA may target its blocks)."""
+        req.fail_reason = reason
+        req.fail_detail = detail
+        req.next_post = len(req.plan)
+        self._hb_drop(req)
+        if not req.xfers:
+            self._fail_now(req, reason, detail, out)
+            return
+        req.state = S.DRAINING
+        for xfer in req.xfers.values():
+            if xfer.state is TransferState.POSTED:
+                xfer.state = TransferState.CANCELLING
+                out.append(CancelTransfer(xfer.xfer_id, req.rid))
+            elif xfer.state is TransferState.REQUESTED:
+                xfer.cancel_wanted = True
+
+    # ----------------------------------------------------------------- notifications
+
+    def _on_notification(self, event: NotificationReceived, now: float, out: list[Action]) -> None:
+        try:
+            msg = decode_notification(event.data)
+        except KVWireError:
+            self.stats.notifications_malformed += 1
+            return
+        if not isinstance(msg, Completion) or self.config.mode is not TransferMode.PUSH:
+            self.stats.notifications_unexpected += 1
+            return
+        req = self._reqs.get(msg.request_id)
+        if req is None:
+            self.stats.completions_unknown += 1
+            return
+        if req.state is not S.AWAIT_WRITES:
+            self.stats.notifications_unexpected += 1
+            return
+        successors(CONSUMER, req.state, NotificationReceived, f"request {req.rid!r}")
+        if msg.count != req.engine.tp_size:
+            self._protocol_failure(
+                req,
+                f"write notification says producer world size {msg.count}, "
+                f"handshake said {req.engine.tp_size}",
+                out,
+            )
+            return
+        if event.sender in req.senders:
+            self.stats.completions_duplicate += 1
+            return
+        req.senders.add(event.sender)
+        if len(req.senders) >= req.expected:
+            self._finish(req, out)
+
+    # ----------------------------------------------------------------- timers
+
+    def _fire_request(
+        self, kind: int, subject: Any, token: Any, now: float, out: list[Action]
+    ) -> None:
+        if kind == T_WATCHDOG:
+            req: _Req = subject
+            if self._reqs.get(req.rid) is req and req.state is S.AWAIT_WRITES:
+                successors(CONSUMER, req.state, Timer, f"request {req.rid!r}")
+                self._fail_now(req, FailReason.TIMEOUT, "producer writes did not arrive", out)
+
+    # ----------------------------------------------------------------- endings
+
+    def _release_producer(self, req: _Req, out: list[Action], only_unread: bool = False) -> None:
+        """Tell the producer ranks this rank owes a completion that they may free.
+
+        Completions are counted per sender, so repeating one is harmless. In push mode the
+        producer learns from a registration with no blocks instead.
+        """
+        engine = req.engine
+        if self.config.mode is TransferMode.PUSH:
+            # Before our registration went out, an empty one lets the producer free now;
+            # after it, the producer is (or was) writing and ends on its own.
+            if req.state is S.WAIT_ALLOC or req.state is S.WAIT_PEER:
+                data = self._registration(req, ())
+                if engine.state is EngineState.READY:
+                    out.append(SendNotification(engine.engine_id, _ALL_RANKS, data, req.rid))
+                elif engine.state is EngineState.HANDSHAKING:
+                    engine.notes.append(data)
+            return
+        if engine.state is EngineState.READY:
+            reads, peers = self._plan_or_empty(engine)
+            ranks = [r for r in peers if r not in reads] if only_unread else peers
+            if ranks:
+                out.append(SendNotification(engine.engine_id, tuple(ranks), req.notif, req.rid))
+        elif engine.state is EngineState.HANDSHAKING:
+            engine.notes.append(req.notif)
+
+    def _plan_or_empty(self, engine: Engine) -> tuple[list[RemoteRank], list[RemoteRank]]:
+        try:
+            return self._plan(engine)
+        except KVWireError:
+            return [], []
+
+    def _protocol_failure(self, req: _Req, detail: str, out: list[Action]) -> None:
+        self.stats.remote_errors += 1
+        out.append(PeerMisbehaved(detail, req.engine.engine_id, req.rid))
+        if req.state is S.WAIT_PEER:
+            req.engine.waiting.pop(req.rid, None)
+        self._fail_now(req, FailReason.PROTOCOL, detail, out)
+
+    def _finish(self, req: _Req, out: list[Action]) -> None:
+        self._end(req)
+        self._terminal_out(req.rid, RequestDone(req.rid), out)
+
+    def _fail_now(self, req: _Req, reason: FailReason, detail: str, out: list[Action]) -> None:
+        self._release_producer(req, out)
+        self._end(req)
+        self._terminal_out(req.rid, RequestFailed(req.rid, req.local, reason, detail), out)
+
+    def _end(self, req: _Req) -> None:
+        if self._check and req.xfers:
+            raise InvariantViolation(f"request {req.rid!r} ends with transfers still running")
+        self._hb_drop(req)
+        del self._reqs[req.rid]
+        engine = req.engine
+        engine.refs -= 1
+        engine.last_active = self._last_now
+        self._maybe_forget(engine)
+
+    def _terminal_out(
+        self, rid: str, action: RequestDone | RequestFailed, out: list[Action]
+    ) -> None:
+        if self._check:
+            if rid in self._terminal:
+                raise InvariantViolation(f"request {rid!r} reported a second terminal outcome")
+            self._terminal.add(rid)
+            self._ended_now.add(rid)
+        out.append(action)
+
+    def _verify(self, out: list[Action]) -> None:
+        """No action names a request after the action that ended it (in this call or any
+        earlier one)."""
+        ended_now = self._ended_now
+        terminal = self._terminal
+        seen_end: set[str] = set()
+        for action in out:
+            rid = getattr(action, "request_id", None)
+            if rid is None or rid not in terminal:
+                continue
+            if rid in seen_end or rid not in ended_now:
+                raise InvariantViolation(f"{type(action).__name__} for ended request {rid!r}")
+            if isinstance(action, (RequestDone, RequestFailed)):
+                seen_end.add(rid)
+        ended_now.clear()
+
+    def _req(self, rid: str, etype: type[Any]) -> _Req:
+        req = self._reqs.get(rid)
+        state = S.ABSENT if req is None else req.state
+        successors(CONSUMER, state, etype, f"request {rid!r}")
+        assert req is not None
+        return req
+
+
+def _check_remote(remote: RemotePrefill, config: MachineConfig) -> str | None:
+    """Why the producer's parameters cannot be used, or None. They come from the peer."""
+    if not remote.engine_id or not remote.request_id:
+        return "kv_transfer_params lack the producer's engine or request id"
+    if "," in remote.request_id:
+        return f"producer request id {remote.request_id!r} contains ','"
+    if remote.tp_size < 1 or remote.pp_size < 1:
+        return f"producer sizes tp={remote.tp_size} pp={remote.pp_size} are not positive"
+    big, small = max(remote.tp_size, config.tp_size), min(remote.tp_size, config.tp_size)
+    if big % small:
+        return f"producer TP {remote.tp_size} and ours {config.tp_size} do not divide"
+    return None
+
+
+def _trim_check(local: BlockIds, remote: BlockIds) -> str | None:
+    if len(local) != len(remote):
+        return f"{len(local)} local KV-cache groups but the producer sent {len(remote)}"
+    for lg, rg in zip(local, remote, strict=True):
+        if len(lg) > len(rg):
+            return f"{len(lg)} local blocks to fill but the producer holds only {len(rg)}"
+    return None
+
+
+def _tail(local: BlockIds, remote: BlockIds) -> BlockIds:
+    """The producer's blocks that pair with ours: the tail (our prefix hits stay local)."""
+    if len(local) == 1:
+        lg, rg = local[0], remote[0]
+        return (rg[len(rg) - len(lg) :] if lg else (),)
+    return tuple(
+        rg[len(rg) - len(lg) :] if lg else () for lg, rg in zip(local, remote, strict=True)
+    )

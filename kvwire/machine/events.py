@@ -1,0 +1,240 @@
+"""What a driver tells a machine: the inputs of ``machine.handle(event, now)``.
+
+Events are frozen and checked on construction, so a malformed event fails where it is made,
+not deep inside a transition. Time is never part of an event: the driver passes ``now``
+alongside, in the clock of the process that runs the machine.
+
+Block ids are per KV-cache group: ``((b0, b1, ...), (c0, ...))``, one tuple per group, logical
+ids as the engine's block manager hands them out. The machine never builds descriptors; the
+driver turns block ids plus a remote rank into descriptors with :mod:`kvwire.layout`.
+"""
+
+from __future__ import annotations
+
+from array import array
+
+import msgspec
+
+from kvwire.errors import LocalProtocolError
+
+BlockIds = tuple[tuple[int, ...], ...]
+"""Logical block ids, one tuple per KV-cache group."""
+
+NO_BLOCKS: BlockIds = ()
+
+
+def check_block_ids(block_ids: object, what: str) -> None:
+    """Raise :class:`LocalProtocolError` unless ``block_ids`` is a tuple of int tuples >= 0."""
+    if type(block_ids) is not tuple:
+        raise LocalProtocolError(f"{what} must be a tuple of per-group tuples")
+    for group in block_ids:
+        if type(group) is not tuple:
+            raise LocalProtocolError(f"{what} must be a tuple of per-group tuples")
+        if not group:
+            continue
+        try:
+            ids = array("q", group)  # C-level type check: ints only
+        except (TypeError, OverflowError):
+            raise LocalProtocolError(f"{what} must hold integer block ids") from None
+        if min(ids) < 0:
+            raise LocalProtocolError(f"{what} holds a negative block id")
+
+
+def count_blocks(block_ids: BlockIds) -> int:
+    """How many blocks, over every group."""
+    return sum(len(g) for g in block_ids)
+
+
+def _check_id(value: object, what: str) -> None:
+    if type(value) is not str or not value:
+        raise LocalProtocolError(f"{what} must be a non-empty str, got {value!r}")
+
+
+class Event(msgspec.Struct, frozen=True):
+    """Base of every input."""
+
+
+class RemotePrefill(msgspec.Struct, frozen=True, kw_only=True):
+    """The producer's side of one request, as the consumer learns it from kv_transfer_params.
+
+    ``engine_id``/``request_id`` are the *producer's* (``remote_engine_id``,
+    ``remote_request_id``); ``block_ids`` is ``remote_block_ids`` (empty in push mode);
+    ``blocks_expiry_time`` is in the producer's clock and is converted with the handshake's
+    clock offset. The machine checks the protocol rules (no ',' in the id, sizes >= 1) itself
+    and fails only this request if they are broken, because these values come from the peer.
+    """
+
+    engine_id: str
+    request_id: str
+    host: str
+    port: int
+    block_ids: BlockIds = ()
+    tp_size: int = 1
+    pp_size: int = 1
+    blocks_expiry_time: float | None = None
+
+
+class RequestAdded(Event, frozen=True):
+    """A request this rank takes part in.
+
+    Consumer: ``remote`` is required (where the prompt's KV lives). Producer: ``remote`` is
+    None; the request is being prefilled and its blocks are not held yet.
+    """
+
+    request_id: str
+    remote: RemotePrefill | None = None
+
+    def __post_init__(self) -> None:
+        _check_id(self.request_id, "request_id")
+        if self.remote is not None and not isinstance(self.remote, RemotePrefill):
+            raise LocalProtocolError("remote must be a RemotePrefill or None")
+
+
+class AllocationDone(Event, frozen=True):
+    """Consumer: the engine allocated the blocks to fill (only the uncomputed suffix).
+
+    Empty ``block_ids`` (a full local prefix hit) means nothing to move: the producer is only
+    told it may free.
+    """
+
+    request_id: str
+    block_ids: BlockIds
+
+    def __post_init__(self) -> None:
+        _check_id(self.request_id, "request_id")
+        check_block_ids(self.block_ids, "block_ids")
+
+
+class PrefillFinished(Event, frozen=True):
+    """Producer: the prompt is computed; the machine now holds ``block_ids`` until released.
+
+    ``lease_deadline``/``scheduler_clock`` let a deadline stamped by another process (the
+    scheduler) be rebased onto this process's clock: ``now + (deadline - scheduler_clock)``;
+    ``scheduler_clock == 0`` means the deadline is already absolute in this clock. Without a
+    deadline the lease is ``now + L``.
+    """
+
+    request_id: str
+    block_ids: BlockIds
+    lease_deadline: float | None = None
+    scheduler_clock: float = 0.0
+
+    def __post_init__(self) -> None:
+        _check_id(self.request_id, "request_id")
+        check_block_ids(self.block_ids, "block_ids")
+
+
+class HandshakeDone(Event, frozen=True):
+    """The side-channel handshake with ``engine_id`` (started by ``StartHandshake``) worked.
+
+    ``clock_offset`` is the remote clock minus ours (``remote_ts - (t_send + t_recv) / 2`` of
+    the lowest-RTT sample). ``attempt`` echoes the action's, so a late answer to an abandoned
+    attempt is recognised and ignored.
+    """
+
+    engine_id: str
+    attempt: int
+    remote_tp_size: int
+    remote_pp_size: int = 1
+    clock_offset: float = 0.0
+
+    def __post_init__(self) -> None:
+        _check_id(self.engine_id, "engine_id")
+        if type(self.remote_tp_size) is not int or self.remote_tp_size < 1:
+            raise LocalProtocolError(f"remote_tp_size must be >= 1, got {self.remote_tp_size}")
+        if type(self.remote_pp_size) is not int or self.remote_pp_size < 1:
+            raise LocalProtocolError(f"remote_pp_size must be >= 1, got {self.remote_pp_size}")
+
+
+class HandshakeFailed(Event, frozen=True):
+    """The handshake with ``engine_id`` failed (timeout, refused, incompatible peer)."""
+
+    engine_id: str
+    attempt: int
+    reason: str = ""
+
+    def __post_init__(self) -> None:
+        _check_id(self.engine_id, "engine_id")
+
+
+class TransferPosted(Event, frozen=True):
+    """The READ/WRITE of ``PostRead``/``PostWrite`` number ``xfer_id`` was posted."""
+
+    xfer_id: int
+
+
+class TransferDone(Event, frozen=True):
+    """The transfer completed (every byte landed) and its handle was released."""
+
+    xfer_id: int
+
+
+class TransferFailed(Event, frozen=True):
+    """The transfer failed to post, failed, or was cancelled; its handle was released."""
+
+    xfer_id: int
+    reason: str = ""
+
+
+class ReleaseFailed(Event, frozen=True):
+    """Releasing the transfer's handle failed: DMA may still run, so its blocks stay held.
+
+    The machine asks again with ``ReleaseTransfer`` after ``release_retry_s``; the driver
+    answers that with ``TransferDone``/``TransferFailed`` (released) or ``ReleaseFailed``.
+    """
+
+    xfer_id: int
+    reason: str = ""
+
+
+class NotificationReceived(Event, frozen=True):
+    """Raw notification bytes from the transport; ``sender`` is the sending agent's name.
+
+    The sender lets the machine count completions from distinct ranks, so a duplicated
+    notification can never complete a request early.
+    """
+
+    sender: str
+    data: bytes
+
+
+class Abort(Event, frozen=True):
+    """The engine gave up on the request (at any stage); aborting an unknown id is a no-op."""
+
+    request_id: str
+
+    def __post_init__(self) -> None:
+        _check_id(self.request_id, "request_id")
+
+
+class PeerLost(Event, frozen=True):
+    """The transport says ``engine_id`` went away (crash, restart): forget its handshake.
+
+    Its transfers still end through ``TransferFailed``; the next request handshakes again.
+    """
+
+    engine_id: str
+
+    def __post_init__(self) -> None:
+        _check_id(self.engine_id, "engine_id")
+
+
+class Timer(Event, frozen=True):
+    """``now`` reached ``machine.next_deadline()``: reap leases, fire watchdogs, heartbeat."""
+
+
+EVENT_TYPES: tuple[type[Event], ...] = (
+    RequestAdded,
+    AllocationDone,
+    PrefillFinished,
+    HandshakeDone,
+    HandshakeFailed,
+    TransferPosted,
+    TransferDone,
+    TransferFailed,
+    ReleaseFailed,
+    NotificationReceived,
+    Abort,
+    PeerLost,
+    Timer,
+)

@@ -1,0 +1,607 @@
+"""The producer (prefill side) machine: one rank of an engine that holds KV for consumers.
+
+After a prompt finishes, its blocks are held under a lease. Pull: consumers READ them and
+say so with completion notifications, counted per sender; the blocks are freed when enough
+distinct consumer ranks are done, or when the lease runs out (heartbeats push it back, never
+forward). Push: the consumer's registration and the finished prompt are matched in whichever
+order they arrive (exact id, then the id without its ``-xxxxxxxx`` suffix); the rank then
+WRITEs to the consumer ranks it serves, one post at a time.
+
+Every held block is freed exactly once (``FreeBlocks``), and only when no transfer from it
+is still running.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from kvwire import topology
+from kvwire.errors import KVWireError, LocalProtocolError
+from kvwire.machine._core import (
+    T_LEASE,
+    T_REGISTRATION,
+    Engine,
+    InvariantViolation,
+    MachineCore,
+    Transfer,
+    rebase_deadline,
+)
+from kvwire.machine.actions import (
+    Action,
+    CancelTransfer,
+    FreeBlocks,
+    FreeReason,
+    PeerMisbehaved,
+    PostWrite,
+    RemoteRank,
+)
+from kvwire.machine.config import MachineConfig, TransferMode
+from kvwire.machine.events import (
+    Abort,
+    BlockIds,
+    HandshakeDone,
+    HandshakeFailed,
+    NotificationReceived,
+    PeerLost,
+    PrefillFinished,
+    ReleaseFailed,
+    RequestAdded,
+    Timer,
+    TransferDone,
+    TransferFailed,
+    TransferPosted,
+)
+from kvwire.machine.table import (
+    PRODUCER,
+    EngineState,
+    ProducerState,
+    TransferState,
+    successors,
+)
+from kvwire.wire.notifications import PUSH_REG_PREFIX, decode_notification, encode_completion
+from kvwire.wire.schemas import Completion, Heartbeat, PushRegistration
+
+S = ProducerState
+_SUFFIX = re.compile(r"-[0-9a-f]{8}\Z")
+
+
+def base_request_id(request_id: str) -> str:
+    """The id without the per-engine random ``-xxxxxxxx`` suffix (lower-case hex)."""
+    return _SUFFIX.sub("", request_id)
+
+
+class _Req:
+    """One producer request while it is live."""
+
+    __slots__ = (
+        "blocks",
+        "deadline",
+        "engine",
+        "fail_reason",
+        "local_w",
+        "needed",
+        "next_post",
+        "notif",
+        "plan",
+        "reg",
+        "remote_w",
+        "rid",
+        "senders",
+        "state",
+        "waiting",
+        "xfers",
+    )
+
+    def __init__(self, rid: str) -> None:
+        self.rid = rid
+        self.state = S.PREFILLING
+        self.blocks: BlockIds = ()
+        self.deadline = 0.0
+        self.senders: set[str] = set()
+        self.needed = 0
+        self.reg: PushRegistration | None = None
+        self.engine: Engine | None = None
+        self.plan: list[RemoteRank] = []
+        self.next_post = 0
+        self.xfers: dict[int, Transfer] = {}
+        self.fail_reason = FreeReason.FAILED
+        self.local_w: BlockIds = ()
+        self.remote_w: BlockIds = ()
+        self.notif = b""
+        self.waiting = False
+
+
+class ProducerMachine(MachineCore):
+    """Sans-IO state of one producer rank: ``handle(event, now) -> list[Action]``."""
+
+    role = "producer"
+
+    def __init__(self, config: MachineConfig) -> None:
+        super().__init__(config)
+        self._reqs: dict[str, _Req] = {}
+        # Push matching indexes (all O(1)): finished prompts waiting for a registration,
+        # and registrations waiting for their prompt, each by exact and by base id.
+        self._waiting: dict[str, None] = {}
+        self._waiting_by_base: dict[str, dict[str, None]] = {}
+        self._pending: dict[str, tuple[PushRegistration, object]] = {}
+        self._pending_by_base: dict[str, dict[str, None]] = {}
+        self._served: dict[str, object] = {}
+        """Registration ids already matched: a duplicate is ignored (idempotent)."""
+        self._held: dict[int, set[int]] = {}
+        self._held_count = 0
+        self._freed: set[str] = set()
+        self._freed_now: set[str] = set()
+        self._handlers = {
+            RequestAdded: self._on_added,
+            PrefillFinished: self._on_prefill_finished,
+            Abort: self._on_abort,
+            HandshakeDone: self._on_handshake_done,
+            HandshakeFailed: self._on_handshake_failed,
+            TransferPosted: self._on_xfer,
+            TransferDone: self._on_xfer,
+            TransferFailed: self._on_xfer,
+            ReleaseFailed: self._on_xfer,
+            NotificationReceived: self._on_notification,
+            PeerLost: self._on_peer_lost,
+            Timer: self._on_timer,
+        }
+
+    # ----------------------------------------------------------------- introspection
+
+    def request_state(self, request_id: str) -> ProducerState:
+        req = self._reqs.get(request_id)
+        return S.ABSENT if req is None else req.state
+
+    def live_requests(self) -> int:
+        return len(self._reqs)
+
+    def held_blocks(self) -> int:
+        """Blocks held right now, over every request (what a leak check compares to 0)."""
+        return self._held_count
+
+    def lease_deadline(self, request_id: str) -> float | None:
+        req = self._reqs.get(request_id)
+        return req.deadline if req is not None and req.state is S.LEASED else None
+
+    def pending_registrations(self) -> int:
+        return len(self._pending)
+
+    # ----------------------------------------------------------------- request events
+
+    def _on_added(self, event: RequestAdded, now: float, out: list[Action]) -> None:
+        rid = event.request_id
+        self._req_state(rid, RequestAdded)
+        if event.remote is not None:
+            raise LocalProtocolError("a producer request has no remote side yet (remote=None)")
+        if self._check and rid in self._freed:
+            raise LocalProtocolError(f"request {rid!r} was added twice")
+        self._reqs[rid] = _Req(rid)
+
+    def _on_prefill_finished(self, event: PrefillFinished, now: float, out: list[Action]) -> None:
+        req = self._req_state(event.request_id, PrefillFinished)
+        blocks = event.block_ids
+        if not any(blocks):
+            # Nothing worth keeping: the engine frees at once (vLLM's delay_free == False).
+            req.blocks = blocks
+            self._free(req, FreeReason.NOTHING_TO_SEND, out)
+            return
+        if self._check:
+            fresh = [set(group) for group in blocks]
+            for gi, (group, ids) in enumerate(zip(blocks, fresh, strict=True)):
+                held = self._held.get(gi)
+                if len(ids) != len(group) or (held is not None and not held.isdisjoint(ids)):
+                    raise LocalProtocolError(
+                        f"request {req.rid!r} brings blocks that are already held"
+                    )
+            for gi, ids in enumerate(fresh):
+                held = self._held.get(gi)
+                if held is None:
+                    self._held[gi] = ids
+                else:
+                    held |= ids
+        self._held_count += sum(len(g) for g in blocks)
+        req.blocks = blocks
+        if event.lease_deadline is not None:
+            req.deadline = rebase_deadline(event.lease_deadline, event.scheduler_clock, now)
+        else:
+            req.deadline = now + self.config.lease_s
+        req.state = S.LEASED
+        self._arm(req.deadline, T_LEASE, req)
+        if self.config.mode is TransferMode.PUSH:
+            reg = self._take_registration(req.rid)
+            if reg is None:
+                self._wait(req)
+            else:
+                self._start_push(req, reg, now, out)
+
+    def _on_abort(self, event: Abort, now: float, out: list[Action]) -> None:
+        req = self._reqs.get(event.request_id)
+        if req is None:
+            self.stats.aborts_ignored += 1
+            return
+        successors(PRODUCER, req.state, Abort, f"request {req.rid!r}")
+        state = req.state
+        if state is S.PREFILLING:
+            del self._reqs[req.rid]  # nothing held yet: the engine frees its own blocks
+        elif state is S.LEASED or state is S.WAIT_PEER:
+            self._free(req, FreeReason.ABORTED, out)
+        elif state is S.WRITING:
+            self._begin_failure(req, FreeReason.ABORTED, out)
+
+    # ----------------------------------------------------------------- notifications
+
+    def _on_notification(self, event: NotificationReceived, now: float, out: list[Action]) -> None:
+        try:
+            msg = decode_notification(event.data)
+        except KVWireError as exc:
+            if bytes(event.data[: len(PUSH_REG_PREFIX)]) == PUSH_REG_PREFIX:
+                self.stats.registrations_malformed += 1
+                out.append(PeerMisbehaved(f"malformed registration dropped: {exc}"))
+            else:
+                self.stats.notifications_malformed += 1
+            return
+        if isinstance(msg, Heartbeat):
+            self._on_heartbeat(msg, now)
+        elif isinstance(msg, Completion):
+            self._on_completion(msg, event.sender, now, out)
+        else:
+            self._on_registration(msg, now, out)
+
+    def _on_heartbeat(self, msg: Heartbeat, now: float) -> None:
+        """``deadline = max(old, now + 2L/3)``: a heartbeat never shortens a lease. The heap
+        entry is left alone; the reaper re-arms it at the new deadline when it comes due."""
+        self.stats.heartbeats_received += 1
+        extended = now + self.config.lease_extension_s
+        reqs = self._reqs
+        for rid in msg.request_ids:
+            req = reqs.get(rid)
+            if req is not None and req.state is S.LEASED and extended > req.deadline:
+                req.deadline = extended
+                self.stats.lease_extensions += 1
+
+    def _on_completion(self, msg: Completion, sender: str, now: float, out: list[Action]) -> None:
+        req = self._reqs.get(msg.request_id)
+        if req is None:
+            # Late (after the lease ran out, or a duplicate after freeing): never free twice.
+            self.stats.completions_unknown += 1
+            return
+        if self.config.mode is not TransferMode.PULL or req.state is not S.LEASED:
+            self.stats.notifications_unexpected += 1
+            return
+        successors(PRODUCER, req.state, NotificationReceived, f"request {req.rid!r}")
+        try:
+            needed = topology.producer_expected_notifications(self.config.tp_size, msg.count)
+        except KVWireError as exc:
+            self.stats.remote_errors += 1
+            out.append(PeerMisbehaved(f"completion for {req.rid!r}: {exc}", None, req.rid))
+            self._free(req, FreeReason.PROTOCOL, out)
+            return
+        if sender in req.senders:
+            self.stats.completions_duplicate += 1
+            return
+        req.senders.add(sender)
+        if not req.needed:
+            req.needed = needed
+        if len(req.senders) >= req.needed:
+            self._free(req, FreeReason.SENT, out)
+
+    def _on_registration(self, reg: PushRegistration, now: float, out: list[Action]) -> None:
+        if self.config.mode is not TransferMode.PUSH:
+            self.stats.notifications_unexpected += 1
+            return
+        rid = reg.request_id
+        if not rid or reg.remote_engine_id != self.config.engine_id:
+            self.stats.registrations_malformed += 1
+            out.append(
+                PeerMisbehaved(
+                    f"registration {rid!r} is not for engine {self.config.engine_id!r}; dropped"
+                )
+            )
+            return
+        if rid in self._served or rid in self._pending:
+            self.stats.registrations_duplicate += 1
+            return
+        req = self._match_waiting(rid)
+        if req is None:
+            token = object()
+            self._pending[rid] = (reg, token)
+            self._pending_by_base.setdefault(base_request_id(rid), {})[rid] = None
+            self._arm(now + self.config.registration_timeout_s, T_REGISTRATION, rid, token)
+            return
+        successors(PRODUCER, req.state, NotificationReceived, f"request {req.rid!r}")
+        self._start_push(req, reg, now, out)
+
+    # ----------------------------------------------------------------- push matching
+
+    def _wait(self, req: _Req) -> None:
+        req.waiting = True
+        self._waiting[req.rid] = None
+        self._waiting_by_base.setdefault(base_request_id(req.rid), {})[req.rid] = None
+
+    def _unwait(self, req: _Req) -> None:
+        if not req.waiting:
+            return
+        req.waiting = False
+        del self._waiting[req.rid]
+        base = base_request_id(req.rid)
+        group = self._waiting_by_base[base]
+        del group[req.rid]
+        if not group:
+            del self._waiting_by_base[base]
+
+    def _match_waiting(self, reg_id: str) -> _Req | None:
+        """A finished prompt for this registration: same id first, then same base id."""
+        if reg_id in self._waiting:
+            return self._reqs[reg_id]
+        group = self._waiting_by_base.get(base_request_id(reg_id))
+        if group:
+            return self._reqs[next(iter(group))]
+        return None
+
+    def _take_registration(self, rid: str) -> PushRegistration | None:
+        """A pending registration for this prompt (same id, then same base id), removed."""
+        reg_id: str | None = rid if rid in self._pending else None
+        if reg_id is None:
+            group = self._pending_by_base.get(base_request_id(rid))
+            if not group:
+                return None
+            reg_id = next(iter(group))
+        reg, _ = self._pending.pop(reg_id)
+        base = base_request_id(reg_id)
+        group = self._pending_by_base[base]
+        del group[reg_id]
+        if not group:
+            del self._pending_by_base[base]
+        return reg
+
+    def _start_push(self, req: _Req, reg: PushRegistration, now: float, out: list[Action]) -> None:
+        self._unwait(req)
+        token = object()
+        self._served[reg.request_id] = token
+        req.reg = reg
+        problem = self._check_registration(req, reg)
+        if problem is not None:
+            self.stats.remote_errors += 1
+            out.append(PeerMisbehaved(problem, reg.decode_engine_id, req.rid))
+            self._free(req, FreeReason.PROTOCOL, out)
+            return
+        if not any(reg.local_block_ids):
+            # The consumer needs nothing (full prefix hit, or it gave up before allocating).
+            self._free(req, FreeReason.SENT, out)
+            return
+        engine = self._engine(
+            reg.decode_engine_id, reg.decode_host, reg.decode_port, reg.decode_tp_size, 1
+        )
+        engine.refs += 1
+        engine.last_active = now
+        req.engine = engine
+        if engine.state is EngineState.READY:
+            self._start_writes(req, engine, out)
+        else:
+            req.state = S.WAIT_PEER
+            engine.waiting[req.rid] = None
+            self._ensure_handshake(engine, now, out)
+
+    def _check_registration(self, req: _Req, reg: PushRegistration) -> str | None:
+        ours = self.config.tp_size
+        theirs = reg.decode_tp_size
+        if max(ours, theirs) % min(ours, theirs):
+            return f"registration {reg.request_id!r}: consumer TP {theirs} vs ours {ours}"
+        if not reg.decode_engine_id:
+            return f"registration {reg.request_id!r} has no consumer engine id"
+        dgroups = reg.local_block_ids
+        if any(dgroups) and len(dgroups) != len(req.blocks):
+            return (
+                f"registration {reg.request_id!r} has {len(dgroups)} KV-cache groups, "
+                f"we hold {len(req.blocks)}"
+            )
+        for dg, pg in zip(dgroups, req.blocks, strict=False):
+            if len(dg) > len(pg):
+                return (
+                    f"registration {reg.request_id!r} asks for {len(dg)} blocks, we hold {len(pg)}"
+                )
+        return None
+
+    def _start_writes(self, req: _Req, engine: Engine, out: list[Action]) -> None:
+        reg = req.reg
+        assert reg is not None
+        cfg = self.config
+        try:
+            targets = topology.consumer_ranks_of_producer(cfg.tp_rank, cfg.tp_size, engine.tp_size)
+            req.notif = encode_completion(reg.request_id, cfg.tp_size)
+        except KVWireError as exc:
+            self.stats.remote_errors += 1
+            out.append(PeerMisbehaved(str(exc), engine.engine_id, req.rid))
+            self._free(req, FreeReason.PROTOCOL, out)
+            return
+        remote = tuple(tuple(g) for g in reg.local_block_ids)
+        req.remote_w = remote
+        req.local_w = tuple(
+            pg[len(pg) - len(dg) :] if dg else () for dg, pg in zip(remote, req.blocks, strict=True)
+        )
+        req.plan = [(0, d) for d in targets]
+        req.next_post = 0
+        req.state = S.WRITING
+        self._post_next(req, out)
+
+    def _post_next(self, req: _Req, out: list[Action]) -> None:
+        engine = req.engine
+        assert engine is not None
+        rank = req.plan[req.next_post]
+        req.next_post += 1
+        xfer = self._new_transfer(req)
+        req.xfers[xfer.xfer_id] = xfer
+        out.append(
+            PostWrite(
+                xfer.xfer_id,
+                req.rid,
+                engine.engine_id,
+                rank,
+                engine.tp_size,
+                req.local_w,
+                req.remote_w,
+                req.notif,
+            )
+        )
+
+    # ----------------------------------------------------------------- engines
+
+    def _engine_ready(
+        self, engine: Engine, event: HandshakeDone, now: float, out: list[Action]
+    ) -> None:
+        waiting = list(engine.waiting)
+        engine.waiting.clear()
+        for rid in waiting:
+            req = self._reqs[rid]
+            successors(PRODUCER, req.state, HandshakeDone, f"request {rid!r}")
+            self._start_writes(req, engine, out)
+
+    def _engine_failed(
+        self, engine: Engine, waiting: list[str], now: float, out: list[Action], why: str
+    ) -> None:
+        for rid in waiting:
+            req = self._reqs[rid]
+            successors(PRODUCER, req.state, HandshakeFailed, f"request {rid!r}")
+            self._free(req, FreeReason.FAILED, out)
+
+    # ----------------------------------------------------------------- transfers
+
+    def _on_xfer(
+        self,
+        event: TransferPosted | TransferDone | TransferFailed | ReleaseFailed,
+        now: float,
+        out: list[Action],
+    ) -> None:
+        etype = type(event)
+        xfer = self._transfer_for(event.xfer_id, etype)
+        req: _Req = xfer.owner
+        successors(PRODUCER, req.state, etype, f"request {req.rid!r}")
+        if etype is TransferPosted:
+            if xfer.cancel_wanted or req.state is S.DRAINING:
+                xfer.state = TransferState.CANCELLING
+                out.append(CancelTransfer(xfer.xfer_id, req.rid))
+                return
+            xfer.state = TransferState.POSTED
+            if req.next_post < len(req.plan):
+                self._post_next(req, out)
+            return
+        if etype is ReleaseFailed:
+            self._release_failed(xfer, now)
+            return
+        xfer.state = TransferState.ENDED
+        del self._xfers[xfer.xfer_id]
+        del req.xfers[xfer.xfer_id]
+        if etype is TransferFailed:
+            self.stats.transfers_failed += 1
+            if req.state is S.WRITING:
+                self._begin_failure(req, FreeReason.FAILED, out)
+                return
+        if req.state is S.DRAINING:
+            if not req.xfers:
+                self._free(req, req.fail_reason, out)
+            return
+        if not req.xfers and req.next_post >= len(req.plan):
+            self._free(req, FreeReason.SENT, out)
+
+    def _begin_failure(self, req: _Req, reason: FreeReason, out: list[Action]) -> None:
+        req.fail_reason = reason
+        req.next_post = len(req.plan)
+        if not req.xfers:
+            self._free(req, reason, out)
+            return
+        req.state = S.DRAINING
+        for xfer in req.xfers.values():
+            if xfer.state is TransferState.POSTED:
+                xfer.state = TransferState.CANCELLING
+                out.append(CancelTransfer(xfer.xfer_id, req.rid))
+            elif xfer.state is TransferState.REQUESTED:
+                xfer.cancel_wanted = True
+
+    # ----------------------------------------------------------------- timers
+
+    def _fire_request(
+        self, kind: int, subject: Any, token: Any, now: float, out: list[Action]
+    ) -> None:
+        if kind == T_LEASE:
+            req: _Req = subject
+            if self._reqs.get(req.rid) is not req or req.state is not S.LEASED:
+                return
+            if req.deadline > now:
+                self._arm(req.deadline, T_LEASE, req)  # extended by a heartbeat
+                return
+            successors(PRODUCER, req.state, Timer, f"request {req.rid!r}")
+            self.stats.leases_expired += 1
+            self._free(req, FreeReason.EXPIRED, out)
+        elif kind == T_REGISTRATION:
+            rid: str = subject
+            pending = self._pending.get(rid)
+            if pending is not None and pending[1] is token:
+                self.stats.registrations_expired += 1
+                del self._pending[rid]
+                base = base_request_id(rid)
+                group = self._pending_by_base[base]
+                del group[rid]
+                if not group:
+                    del self._pending_by_base[base]
+            elif self._served.get(rid) is token:
+                del self._served[rid]
+
+    # ----------------------------------------------------------------- endings
+
+    def _free(self, req: _Req, reason: FreeReason, out: list[Action]) -> None:
+        rid = req.rid
+        if self._check:
+            if req.xfers:
+                raise InvariantViolation(f"request {rid!r} freed with transfers still running")
+            if rid in self._freed:
+                raise InvariantViolation(f"request {rid!r} freed twice")
+            for gi, group in enumerate(req.blocks):
+                held = self._held.get(gi, set())
+                if not held.issuperset(group):
+                    raise InvariantViolation(f"request {rid!r} frees blocks it does not hold")
+                held.difference_update(group)
+            self._freed.add(rid)
+            self._freed_now.add(rid)
+        self._held_count -= sum(len(g) for g in req.blocks)
+        self._unwait(req)
+        del self._reqs[rid]
+        engine = req.engine
+        if engine is not None:
+            engine.waiting.pop(rid, None)
+            engine.refs -= 1
+            engine.last_active = self._last_now
+            self._maybe_forget(engine)
+        if req.reg is not None:
+            reg_id = req.reg.request_id
+            token = self._served.get(reg_id)
+            if token is not None:
+                # Remember the id a while longer so late duplicates stay idempotent.
+                self._arm(
+                    self._last_now + self.config.registration_timeout_s,
+                    T_REGISTRATION,
+                    reg_id,
+                    token,
+                )
+        req.state = S.FREED
+        out.append(FreeBlocks(rid, req.blocks, reason))
+
+    def _verify(self, out: list[Action]) -> None:
+        freed_now = self._freed_now
+        freed = self._freed
+        seen_end: set[str] = set()
+        for action in out:
+            rid = getattr(action, "request_id", None)
+            if rid is None or rid not in freed:
+                continue
+            if rid in seen_end or rid not in freed_now:
+                raise InvariantViolation(f"{type(action).__name__} for freed request {rid!r}")
+            if isinstance(action, FreeBlocks):
+                seen_end.add(rid)
+        freed_now.clear()
+
+    def _req_state(self, rid: str, etype: type[Any]) -> _Req:
+        req = self._reqs.get(rid)
+        state = S.ABSENT if req is None else req.state
+        successors(PRODUCER, state, etype, f"request {rid!r}")
+        return req  # type: ignore[return-value]

@@ -1,0 +1,210 @@
+"""Every legal transition of the transfer state machines, in one place.
+
+Four tables, one per kind of thing that has a state: a consumer request, a producer request,
+a transfer (a posted READ/WRITE), and a remote engine (its handshake). Each maps
+``(state, event type) -> the states the thing may be in afterwards``. The machines look the
+pair up *before* acting: a pair that is missing is an event the state does not accept and
+raises :class:`~kvwire.errors.LocalProtocolError` (the driver broke the protocol), except for
+``NotificationReceived``, which comes from a peer: a notification a state does not accept is
+the peer's fault, so it is counted and reported as ``PeerMisbehaved``/ignored, never raised.
+With invariant checks on, the machine also asserts that the state it ends in is one the
+table allows, so the table is the specification and the code is checked against it.
+
+``ABSENT`` stands for "not tracked": never seen, or already terminal. Terminal states
+(``DONE``, ``FAILED``, ``FREED``, ``ENDED``) appear only as successors.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from typing import Any, TypeVar
+
+from kvwire.errors import LocalProtocolError
+from kvwire.machine.events import (
+    Abort,
+    AllocationDone,
+    Event,
+    HandshakeDone,
+    HandshakeFailed,
+    NotificationReceived,
+    PeerLost,
+    PrefillFinished,
+    ReleaseFailed,
+    RequestAdded,
+    Timer,
+    TransferDone,
+    TransferFailed,
+    TransferPosted,
+)
+
+
+class _State(enum.Enum):
+    """Members are singletons, so identity hashing is exact, and it is a C-level hash:
+    Enum's own ``__hash__`` is Python code, and the tables are looked up on every event."""
+
+    __hash__ = object.__hash__
+
+
+class ConsumerState(_State):
+    """A consumer (decode side) request."""
+
+    ABSENT = "absent"
+    WAIT_ALLOC = "wait_alloc"
+    """Known from kv_transfer_params; the engine has not allocated blocks yet."""
+    WAIT_PEER = "wait_peer"
+    """Allocated; queued behind the handshake with the producer engine."""
+    TRANSFERRING = "transferring"
+    """Pull: READs being posted one rank at a time, or in flight."""
+    AWAIT_WRITES = "await_writes"
+    """Push: registration sent; counting the producer's write notifications."""
+    DRAINING = "draining"
+    """Failed or aborted: waiting for its in-flight transfers to be cancelled and released."""
+    DONE = "done"
+    FAILED = "failed"
+
+
+class ProducerState(_State):
+    """A producer (prefill side) request."""
+
+    ABSENT = "absent"
+    PREFILLING = "prefilling"
+    LEASED = "leased"
+    """Blocks held under a lease: waiting for completions (pull) or a registration (push)."""
+    WAIT_PEER = "wait_peer"
+    """Push: matched with a registration; queued behind the handshake with the consumer."""
+    WRITING = "writing"
+    """Push: WRITEs being posted one rank at a time, or in flight."""
+    DRAINING = "draining"
+    """Push: failed or aborted, waiting for in-flight writes to be cancelled and released."""
+    FREED = "freed"
+
+
+class TransferState(_State):
+    """One posted READ or WRITE."""
+
+    ABSENT = "absent"
+    REQUESTED = "requested"
+    """``PostRead``/``PostWrite`` emitted; not yet confirmed posted."""
+    POSTED = "posted"
+    CANCELLING = "cancelling"
+    """``CancelTransfer`` emitted; waiting for the released outcome."""
+    RELEASE_FAILED = "release_failed"
+    """The handle could not be released; its blocks stay held until a retry works."""
+    RELEASING = "releasing"
+    """``ReleaseTransfer`` emitted (a retry); waiting for the released outcome."""
+    ENDED = "ended"
+
+
+class EngineState(_State):
+    """What this rank knows about one remote engine."""
+
+    ABSENT = "absent"
+    HANDSHAKING = "handshaking"
+    READY = "ready"
+
+
+C = ConsumerState
+CONSUMER: dict[tuple[ConsumerState, type[Event]], frozenset[ConsumerState]] = {
+    (C.ABSENT, RequestAdded): frozenset({C.WAIT_ALLOC, C.FAILED}),
+    (C.ABSENT, Abort): frozenset({C.ABSENT}),
+    (C.WAIT_ALLOC, AllocationDone): frozenset(
+        {C.WAIT_PEER, C.TRANSFERRING, C.AWAIT_WRITES, C.DONE, C.FAILED}
+    ),
+    (C.WAIT_ALLOC, Abort): frozenset({C.FAILED}),
+    (C.WAIT_PEER, HandshakeDone): frozenset({C.TRANSFERRING, C.AWAIT_WRITES, C.FAILED}),
+    (C.WAIT_PEER, HandshakeFailed): frozenset({C.FAILED}),
+    (C.WAIT_PEER, Abort): frozenset({C.FAILED}),
+    (C.TRANSFERRING, TransferPosted): frozenset({C.TRANSFERRING}),
+    (C.TRANSFERRING, TransferDone): frozenset({C.TRANSFERRING, C.DONE}),
+    (C.TRANSFERRING, TransferFailed): frozenset({C.DRAINING, C.FAILED}),
+    (C.TRANSFERRING, ReleaseFailed): frozenset({C.TRANSFERRING}),
+    (C.TRANSFERRING, Abort): frozenset({C.DRAINING, C.FAILED}),
+    (C.AWAIT_WRITES, NotificationReceived): frozenset({C.AWAIT_WRITES, C.DONE, C.FAILED}),
+    (C.AWAIT_WRITES, Timer): frozenset({C.FAILED}),
+    (C.AWAIT_WRITES, Abort): frozenset({C.FAILED}),
+    (C.DRAINING, TransferPosted): frozenset({C.DRAINING}),
+    (C.DRAINING, TransferDone): frozenset({C.DRAINING, C.FAILED}),
+    (C.DRAINING, TransferFailed): frozenset({C.DRAINING, C.FAILED}),
+    (C.DRAINING, ReleaseFailed): frozenset({C.DRAINING}),
+    (C.DRAINING, Abort): frozenset({C.DRAINING}),
+}
+
+P = ProducerState
+PRODUCER: dict[tuple[ProducerState, type[Event]], frozenset[ProducerState]] = {
+    (P.ABSENT, RequestAdded): frozenset({P.PREFILLING}),
+    (P.ABSENT, Abort): frozenset({P.ABSENT}),
+    (P.PREFILLING, PrefillFinished): frozenset({P.LEASED, P.WAIT_PEER, P.WRITING, P.FREED}),
+    (P.PREFILLING, Abort): frozenset({P.ABSENT}),
+    (P.LEASED, NotificationReceived): frozenset({P.LEASED, P.WAIT_PEER, P.WRITING, P.FREED}),
+    (P.LEASED, Timer): frozenset({P.LEASED, P.FREED}),
+    (P.LEASED, Abort): frozenset({P.FREED}),
+    (P.WAIT_PEER, HandshakeDone): frozenset({P.WRITING, P.FREED}),
+    (P.WAIT_PEER, HandshakeFailed): frozenset({P.FREED}),
+    (P.WAIT_PEER, Abort): frozenset({P.FREED}),
+    (P.WRITING, TransferPosted): frozenset({P.WRITING}),
+    (P.WRITING, TransferDone): frozenset({P.WRITING, P.FREED}),
+    (P.WRITING, TransferFailed): frozenset({P.DRAINING, P.FREED}),
+    (P.WRITING, ReleaseFailed): frozenset({P.WRITING}),
+    (P.WRITING, Abort): frozenset({P.DRAINING, P.FREED}),
+    (P.DRAINING, TransferPosted): frozenset({P.DRAINING}),
+    (P.DRAINING, TransferDone): frozenset({P.DRAINING, P.FREED}),
+    (P.DRAINING, TransferFailed): frozenset({P.DRAINING, P.FREED}),
+    (P.DRAINING, ReleaseFailed): frozenset({P.DRAINING}),
+    (P.DRAINING, Abort): frozenset({P.DRAINING}),
+}
+
+X = TransferState
+TRANSFER: dict[tuple[TransferState, type[Event]], frozenset[TransferState]] = {
+    (X.REQUESTED, TransferPosted): frozenset({X.POSTED, X.CANCELLING}),
+    (X.REQUESTED, TransferFailed): frozenset({X.ENDED}),
+    (X.POSTED, TransferDone): frozenset({X.ENDED}),
+    (X.POSTED, TransferFailed): frozenset({X.ENDED}),
+    (X.POSTED, ReleaseFailed): frozenset({X.RELEASE_FAILED}),
+    (X.CANCELLING, TransferDone): frozenset({X.ENDED}),
+    (X.CANCELLING, TransferFailed): frozenset({X.ENDED}),
+    (X.CANCELLING, ReleaseFailed): frozenset({X.RELEASE_FAILED}),
+    (X.RELEASE_FAILED, Timer): frozenset({X.RELEASING}),
+    (X.RELEASING, TransferDone): frozenset({X.ENDED}),
+    (X.RELEASING, TransferFailed): frozenset({X.ENDED}),
+    (X.RELEASING, ReleaseFailed): frozenset({X.RELEASE_FAILED}),
+}
+
+E = EngineState
+ENGINE: dict[tuple[EngineState, type[Event]], frozenset[EngineState]] = {
+    (E.HANDSHAKING, HandshakeDone): frozenset({E.READY, E.ABSENT}),
+    (E.HANDSHAKING, HandshakeFailed): frozenset({E.ABSENT}),
+    (E.HANDSHAKING, Timer): frozenset({E.ABSENT}),
+    (E.HANDSHAKING, PeerLost): frozenset({E.HANDSHAKING}),
+    (E.READY, PeerLost): frozenset({E.ABSENT}),
+    (E.READY, Timer): frozenset({E.READY, E.ABSENT}),
+    (E.ABSENT, PeerLost): frozenset({E.ABSENT}),
+}
+
+TABLES: dict[str, Mapping[Any, frozenset[Any]]] = {
+    "consumer": CONSUMER,
+    "producer": PRODUCER,
+    "transfer": TRANSFER,
+    "engine": ENGINE,
+}
+
+PEER_EVENTS: frozenset[type[Event]] = frozenset({NotificationReceived})
+"""Events that come from a peer: a state refusing one is the peer's error, not ours."""
+
+
+StateT = TypeVar("StateT", bound=enum.Enum)
+
+
+def successors(
+    table: Mapping[tuple[StateT, type[Event]], frozenset[StateT]],
+    state: StateT,
+    event_type: type[Event],
+    what: str,
+) -> frozenset[StateT]:
+    """The states allowed after ``event_type`` in ``state``, or LocalProtocolError."""
+    allowed = table.get((state, event_type))
+    if allowed is None:
+        raise LocalProtocolError(
+            f"{what} in state {state.value!r} does not accept {event_type.__name__}"
+        )
+    return allowed

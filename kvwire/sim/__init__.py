@@ -1,0 +1,8 @@
+"""Deterministic discrete-event simulation of P/D engines running the real machines."""
+
+from __future__ import annotations
+
+from kvwire.sim.faults import FAULT_NAMES, Faults, parse_faults
+from kvwire.sim.world import SimResult, World, simulate
+
+__all__ = ["FAULT_NAMES", "Faults", "SimResult", "World", "parse_faults", "simulate"]

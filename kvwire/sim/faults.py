@@ -1,0 +1,80 @@
+"""Which faults a simulation injects, and how often: parsed from ``--faults``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvwire.errors import ConfigError
+
+FAULT_NAMES: tuple[str, ...] = (
+    "drop",
+    "delay",
+    "duplicate",
+    "reorder",
+    "transfer",
+    "post",
+    "handshake",
+    "crash",
+    "release",
+    "skew",
+    "abort",
+    "short-lease",
+)
+"""Every fault kind, in the order ``--faults all`` lists them."""
+
+
+@dataclass(frozen=True)
+class Faults:
+    """Per-opportunity probabilities (0 disables a fault)."""
+
+    drop_notification: float = 0.0
+    delay_notification: float = 0.0
+    duplicate_notification: float = 0.0
+    reorder_notification: float = 0.0
+    transfer_failure: float = 0.0
+    post_failure: float = 0.0
+    handshake_failure: float = 0.0
+    handshake_silence: float = 0.0
+    crash_interval_s: float = 0.0
+    """Mean simulated seconds between engine crashes (0: none)."""
+    release_failure: float = 0.0
+    clock_skew_s: float = 0.0
+    abort: float = 0.0
+    short_lease: bool = False
+    kinds: tuple[str, ...] = ()
+    """The ``--faults`` names that produced these settings."""
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.kinds)
+
+
+_SETTINGS: dict[str, dict[str, float | bool]] = {
+    "drop": {"drop_notification": 0.01},
+    "delay": {"delay_notification": 0.05},
+    "duplicate": {"duplicate_notification": 0.03},
+    "reorder": {"reorder_notification": 0.1},
+    "transfer": {"transfer_failure": 0.01},
+    "post": {"post_failure": 0.01},
+    "handshake": {"handshake_failure": 0.05, "handshake_silence": 0.01},
+    "crash": {"crash_interval_s": 4.0},
+    "release": {"release_failure": 0.03},
+    "skew": {"clock_skew_s": 1.0e5},
+    "abort": {"abort": 0.04},
+    "short-lease": {"short_lease": True},
+}
+
+
+def parse_faults(spec: str) -> Faults:
+    """``"all"``, ``"none"`` or a comma list of :data:`FAULT_NAMES`."""
+    spec = spec.strip()
+    if spec in ("", "none"):
+        return Faults()
+    names = list(FAULT_NAMES) if spec == "all" else [s.strip() for s in spec.split(",")]
+    values: dict[str, float | bool] = {}
+    for name in names:
+        if name not in _SETTINGS:
+            known = ", ".join(FAULT_NAMES)
+            raise ConfigError(f"unknown fault {name!r} (known: all, none, {known})")
+        values.update(_SETTINGS[name])
+    return Faults(**values, kinds=tuple(dict.fromkeys(names)))  # type: ignore[arg-type]

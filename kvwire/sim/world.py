@@ -1,0 +1,922 @@
+"""A deterministic discrete-event world that runs the real transfer machines.
+
+Prefill (P) and decode (D) engines, each with its own TP size, clock skew and one
+:class:`~kvwire.machine.ProducerMachine`/``ConsumerMachine`` per rank, exchange handshakes,
+transfers and notifications through an in-memory fabric that really copies bytes between
+per-rank numpy KV buffers. The simulator plays every role around the machines: the proxy
+(Poisson arrivals), the engines' block managers, the side channel and the transport, and it
+injects faults into all of them. One ``random.Random(seed)`` drives every choice, so a seed
+reproduces a run exactly.
+
+Bytes are checked end to end: a prompt's KV is a pattern derived from its seed, written into
+the producer's blocks at prefill; a consumer request that reports success must hold exactly
+that pattern (for its suffix and its heads) in every rank's blocks.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from kvwire.errors import KVWireError
+from kvwire.machine import (
+    Abort,
+    Action,
+    AllocationDone,
+    ArmTimer,
+    CancelTransfer,
+    ConsumerMachine,
+    EvictEngine,
+    FailReason,
+    FreeBlocks,
+    FreeReason,
+    HandshakeDone,
+    HandshakeFailed,
+    MachineConfig,
+    NotificationReceived,
+    PeerLost,
+    PeerMisbehaved,
+    PostRead,
+    PostWrite,
+    PrefillFinished,
+    ProducerMachine,
+    ReleaseFailed,
+    ReleaseTransfer,
+    RemotePrefill,
+    RequestAdded,
+    RequestDone,
+    RequestFailed,
+    SendNotification,
+    StartHandshake,
+    Timer,
+    TransferDone,
+    TransferFailed,
+    TransferMode,
+    TransferPosted,
+)
+from kvwire.sim.faults import Faults
+
+HEADS = 4
+UNIT = 16
+FULL = HEADS * UNIT
+"""Bytes of one logical block over all heads; a rank holds its heads' slice (MLA: all)."""
+POISON = 255
+"""Freshly allocated consumer blocks hold this; the KV pattern never does (values < 251)."""
+P_BLOCKS = 16384
+D_BLOCKS = 32768
+ARRIVALS_PER_S = 400.0
+
+Buffer = npt.NDArray[np.uint8]
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    name: str
+    role: str  # "P" or "D"
+    cluster: str
+    tp: int
+    lease_s: float = 30.0
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    name: str
+    mode: TransferMode
+    mla: bool
+    weight: float
+
+
+CLUSTERS = (
+    ClusterSpec("pull", TransferMode.PULL, False, 0.5),
+    ClusterSpec("mla", TransferMode.PULL, True, 0.2),
+    ClusterSpec("push", TransferMode.PUSH, False, 0.3),
+)
+
+ENGINES = (
+    EngineSpec("pA0", "P", "pull", 2),
+    EngineSpec("pA1", "P", "pull", 1),
+    EngineSpec("dA0", "D", "pull", 1),
+    EngineSpec("dA1", "D", "pull", 4),
+    EngineSpec("pM0", "P", "mla", 2),
+    EngineSpec("dM0", "D", "mla", 1),
+    EngineSpec("dM1", "D", "mla", 4),
+    EngineSpec("pW0", "P", "push", 2),
+    EngineSpec("dW0", "D", "push", 1),
+    EngineSpec("dW1", "D", "push", 4),
+)
+SHORT_LEASE = EngineSpec("pS0", "P", "pull", 1, lease_s=5.5)
+
+
+class Allocator:
+    """An engine's block manager: a free list plus an ownership map for leak checks."""
+
+    def __init__(self, n: int) -> None:
+        self.free_list = list(range(n - 1, -1, -1))
+        self.owned = np.zeros(n, dtype=bool)
+        self.gens = np.zeros(n, dtype=np.int64)
+        """Bumped when a block is freed: a read that saw another generation read reused KV."""
+        self.allocated = 0
+
+    def alloc(self, k: int) -> list[int] | None:
+        if k > len(self.free_list):
+            return None
+        ids = [self.free_list.pop() for _ in range(k)]
+        self.owned[ids] = True
+        self.allocated += k
+        return ids
+
+    def free(self, ids: list[int]) -> int:
+        """Return the ids to the pool; the number that were not allocated (double frees)."""
+        arr = np.asarray(ids, dtype=np.int64)
+        owned = self.owned[arr]
+        good = arr[owned]
+        self.owned[good] = False
+        self.gens[good] += 1
+        self.free_list.extend(good.tolist())
+        self.allocated -= len(good)
+        return len(ids) - len(good)
+
+
+class Rank:
+    __slots__ = (
+        "agent",
+        "alive",
+        "buf",
+        "engine",
+        "index",
+        "last_now",
+        "machine",
+        "peers",
+        "timer_at",
+        "xfers",
+    )
+
+    def __init__(
+        self,
+        engine: Engine,
+        index: int,
+        machine: ConsumerMachine | ProducerMachine,
+        width: int,
+        blocks: int,
+    ) -> None:
+        self.engine = engine
+        self.index = index
+        self.machine = machine
+        self.buf: Buffer = np.zeros((blocks, width), dtype=np.uint8)
+        self.agent = f"{engine.spec.name}#{engine.inc}:{index}"
+        self.alive = True
+        self.last_now = -math.inf
+        self.timer_at = math.inf
+        self.peers: dict[str, int] = {}
+        """engine name -> the incarnation our handshake added (the transport's peer)."""
+        self.xfers: dict[int, Xfer] = {}
+
+
+class Engine:
+    def __init__(self, spec: EngineSpec, cluster: ClusterSpec, skew: float, sched_skew: float):
+        self.spec = spec
+        self.cluster = cluster
+        self.skew = skew
+        self.sched_skew = sched_skew
+        self.inc = 0
+        self.up = True
+        self.ranks: list[Rank] = []
+        blocks = P_BLOCKS if spec.role == "P" else D_BLOCKS
+        self.alloc = Allocator(blocks)
+
+    @property
+    def engine_id(self) -> str:
+        """A restarted engine is a new engine: vLLM gives every process its own id, and the
+        handshake's id check is what stops a consumer reading a dead process's block ids."""
+        return f"{self.spec.name}.{self.inc}"
+
+    def slice_of(self, rank: int) -> tuple[int, int]:
+        """(first byte, length) of a logical block this rank stores."""
+        if self.cluster.mla:
+            return 0, FULL
+        width = FULL // self.spec.tp
+        return rank * width, width
+
+
+class Xfer:
+    """One transfer in flight on the fabric."""
+
+    __slots__ = (
+        "cancelled",
+        "dst_ids",
+        "gens",
+        "notif",
+        "outcome",
+        "peer",
+        "peer_inc",
+        "peer_rank",
+        "rank",
+        "read",
+        "src_ids",
+        "xid",
+    )
+    cancelled: bool
+    dst_ids: list[int]
+    gens: npt.NDArray[np.int64] | None
+    notif: bytes
+    outcome: str
+    peer: Engine
+    peer_inc: int
+    peer_rank: int
+    rank: Rank
+    read: bool
+    src_ids: list[int]
+    xid: int
+
+    def __init__(self) -> None:
+        self.cancelled = False
+        self.outcome = ""
+
+
+class Request:
+    """One prompt's journey through the proxy, a producer and a consumer."""
+
+    __slots__ = (
+        "aborted",
+        "cluster",
+        "d",
+        "d_ids",
+        "d_inc",
+        "d_results",
+        "d_rid",
+        "expired",
+        "k",
+        "n",
+        "p",
+        "p_freed",
+        "p_ids",
+        "p_inc",
+        "p_rid",
+        "seed",
+        "status",
+        "t0",
+    )
+    aborted: bool
+    cluster: ClusterSpec
+    d: Engine
+    d_ids: list[int]
+    d_inc: int
+    d_results: dict[int, Action]
+    d_rid: str
+    expired: bool
+    k: int
+    n: int
+    p: Engine
+    p_freed: set[int]
+    p_ids: list[int]
+    p_inc: int
+    p_rid: str
+    seed: int
+    status: str
+    t0: float
+
+    def __init__(self) -> None:
+        self.status = "pending"
+        self.p_freed = set()
+        self.d_results = {}
+        self.p_ids = []
+        self.d_ids = []
+        self.expired = False
+        self.aborted = False
+
+
+@dataclass
+class SimResult:
+    seed: int
+    requests: int = 0
+    done: int = 0
+    failed: int = 0
+    expired: int = 0
+    aborted: int = 0
+    leaked_blocks: int = 0
+    double_frees: int = 0
+    stuck: int = 0
+    invariant_violations: int = 0
+    corrupt: int = 0
+    bytes_verified: int = 0
+    quarantined_blocks: int = 0
+    machine_events: int = 0
+    notifications_dropped: int = 0
+    crashes: int = 0
+    sim_time_s: float = 0.0
+    wall_s: float = 0.0
+    faults: list[str] = field(default_factory=list)
+    failures_by_reason: dict[str, int] = field(default_factory=dict)
+    violations: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return (
+            self.invariant_violations == 0
+            and self.leaked_blocks == 0
+            and self.double_frees == 0
+            and self.stuck == 0
+            and self.corrupt == 0
+        )
+
+
+def pattern(seed: int, positions: npt.NDArray[np.int64], start: int, width: int) -> Buffer:
+    """The KV bytes of a prompt's blocks at ``positions``, bytes ``[start, start+width)``."""
+    cols = np.arange(start, start + width, dtype=np.int64)
+    return ((seed * 131 + positions[:, None] * 7 + cols[None, :]) % 251).astype(np.uint8)
+
+
+class World:
+    """One simulation run; ``run()`` returns its :class:`SimResult`."""
+
+    def __init__(self, seed: int, requests: int, faults: Faults) -> None:
+        self.rng = random.Random(seed)
+        self.n_requests = requests
+        self.faults = faults
+        self.result = SimResult(seed=seed, faults=faults.names)
+        self.t = 0.0
+        self.q: list[tuple[float, int, Callable[[Any], None], Any]] = []
+        self.seq = 0
+        self.engines: dict[str, Engine] = {}
+        """By host (the spec name): what a handshake or registration address reaches."""
+        self.by_id: dict[str, Engine] = {}
+        """Running engines by engine id: what the transport can reach."""
+        self.by_cluster: dict[str, tuple[list[Engine], list[Engine]]] = {}
+        self.reqs_p: dict[str, Request] = {}
+        self.reqs_d: dict[str, Request] = {}
+        self.all_reqs: list[Request] = []
+        self.arrivals_done = False
+        self._dispatch: dict[type[Action], Callable[[Rank, Any], None]] = {
+            StartHandshake: self._act_handshake,
+            PostRead: self._act_post,
+            PostWrite: self._act_post,
+            CancelTransfer: self._act_cancel,
+            ReleaseTransfer: self._act_release,
+            SendNotification: self._act_notify,
+            FreeBlocks: self._act_free,
+            RequestDone: self._act_outcome,
+            RequestFailed: self._act_outcome,
+            EvictEngine: self._act_evict,
+            PeerMisbehaved: self._act_misbehaved,
+            ArmTimer: self._act_nothing,
+        }
+        specs = list(ENGINES) + ([SHORT_LEASE] if faults.short_lease else [])
+        clusters = {c.name: c for c in CLUSTERS}
+        for spec in specs:
+            skew = self.rng.uniform(-faults.clock_skew_s, faults.clock_skew_s)
+            sched = skew + self.rng.uniform(-faults.clock_skew_s, faults.clock_skew_s) * 0.01
+            engine = Engine(spec, clusters[spec.cluster], skew, sched)
+            self.engines[spec.name] = engine
+            self.by_id[engine.engine_id] = engine
+            self._start_ranks(engine)
+            ps, ds = self.by_cluster.setdefault(spec.cluster, ([], []))
+            (ps if spec.role == "P" else ds).append(engine)
+
+    # ----------------------------------------------------------------- event loop
+
+    def at(self, t: float, fn: Callable[[Any], None], arg: Any = None) -> None:
+        self.seq += 1
+        heapq.heappush(self.q, (t, self.seq, fn, arg))
+
+    def run(self) -> SimResult:
+        wall = time.perf_counter()
+        self.at(0.0, self._arrival, 0)
+        if self.faults.crash_interval_s:
+            self.at(self.rng.expovariate(1 / self.faults.crash_interval_s), self._crash)
+        q = self.q
+        horizon = self.n_requests / ARRIVALS_PER_S + 20_000.0
+        while q:
+            t, _, fn, arg = heapq.heappop(q)
+            if t > horizon:
+                break
+            self.t = t
+            fn(arg)
+        self._final_checks()
+        self.result.sim_time_s = round(self.t, 3)
+        self.result.wall_s = round(time.perf_counter() - wall, 3)
+        return self.result
+
+    def violation(self, message: str) -> None:
+        self.result.invariant_violations += 1
+        if len(self.result.violations) < 20:
+            self.result.violations.append(f"t={self.t:.6f} {message}")
+
+    def feed(self, rank: Rank, event: Any, floor: float | None = None) -> None:
+        """Hand one event to a rank's machine at the rank's own (skewed) clock."""
+        if not rank.alive:
+            return
+        now = self.t + rank.engine.skew
+        if now < rank.last_now:
+            now = rank.last_now
+        if floor is not None and now < floor:
+            now = floor
+        rank.last_now = now
+        try:
+            actions = rank.machine.handle(event, now)
+        except KVWireError as exc:
+            self.violation(f"{rank.agent} {type(event).__name__}: {type(exc).__name__}: {exc}")
+            return
+        self.result.machine_events += 1
+        dispatch = self._dispatch
+        for action in actions:
+            dispatch[type(action)](rank, action)
+        deadline = rank.machine.next_deadline()
+        if deadline is not None:
+            ts = deadline - rank.engine.skew
+            if ts < self.t:
+                ts = self.t
+            if ts < rank.timer_at:
+                rank.timer_at = ts
+                self.at(ts, self._timer, rank)
+
+    def _timer(self, rank: Rank) -> None:
+        if not rank.alive or self.t < rank.timer_at:
+            return
+        rank.timer_at = math.inf
+        deadline = rank.machine.next_deadline()
+        if deadline is None:
+            return
+        # Skew arithmetic can land a hair before the deadline; never fire early by more.
+        floor = deadline if deadline - (self.t + rank.engine.skew) < 1e-3 else None
+        self.feed(rank, Timer(), floor)
+
+    def _deliver(self, arg: tuple[Rank, Any]) -> None:
+        self.feed(arg[0], arg[1])
+
+    # ----------------------------------------------------------------- engines
+
+    def _start_ranks(self, engine: Engine) -> None:
+        spec = engine.spec
+        cluster = engine.cluster
+        engine.ranks = []
+        for i in range(spec.tp):
+            config = MachineConfig(
+                engine_id=engine.engine_id,
+                tp_rank=i,
+                tp_size=spec.tp,
+                mode=cluster.mode,
+                mla=cluster.mla,
+                lease_s=spec.lease_s,
+                host=spec.name,
+                port=1,
+            )
+            machine: ConsumerMachine | ProducerMachine
+            machine = ProducerMachine(config) if spec.role == "P" else ConsumerMachine(config)
+            blocks = P_BLOCKS if spec.role == "P" else D_BLOCKS
+            engine.ranks.append(Rank(engine, i, machine, engine.slice_of(i)[1], blocks))
+
+    def _crash(self, _: Any) -> None:
+        if self.arrivals_done:
+            return
+        engine = self.rng.choice(list(self.engines.values()))
+        if engine.up:
+            self.result.crashes += 1
+            engine.up = False
+            for rank in engine.ranks:
+                rank.alive = False
+            dead_id = engine.engine_id
+            del self.by_id[dead_id]
+            engine.inc += 1
+            engine.alloc = Allocator(P_BLOCKS if engine.spec.role == "P" else D_BLOCKS)
+            if engine.spec.role == "D":
+                for req in list(self.reqs_d.values()):
+                    if req.d is engine and req.status == "pending":
+                        self._finish(req, "failed", "consumer crashed", free_d=False)
+            ps, ds = self.by_cluster[engine.spec.cluster]
+            for other in ps + ds:
+                if other is not engine:
+                    for rank in other.ranks:
+                        self.at(self.t + 0.001, self._deliver, (rank, PeerLost(dead_id)))
+            self.at(self.t + self.rng.uniform(0.5, 2.0), self._restart, engine)
+        self.at(self.t + self.rng.expovariate(1 / self.faults.crash_interval_s), self._crash)
+
+    def _restart(self, engine: Engine) -> None:
+        engine.up = True
+        self.by_id[engine.engine_id] = engine
+        self._start_ranks(engine)
+
+    # ----------------------------------------------------------------- the proxy
+
+    def _arrival(self, index: int) -> None:
+        rng = self.rng
+        if index + 1 < self.n_requests:
+            self.at(self.t + rng.expovariate(ARRIVALS_PER_S), self._arrival, index + 1)
+        else:
+            self.arrivals_done = True
+        cluster = rng.choices(CLUSTERS, weights=[c.weight for c in CLUSTERS])[0]
+        ps, ds = self.by_cluster[cluster.name]
+        req = Request()
+        self.all_reqs.append(req)
+        self.result.requests += 1
+        req.cluster = cluster
+        req.t0 = self.t
+        req.seed = rng.randrange(1 << 30)
+        req.n = rng.randint(1, 16)
+        roll = rng.random()
+        req.k = 0 if roll < 0.7 else (req.n if roll > 0.9 else rng.randint(0, req.n - 1))
+        req.p = rng.choice(ps)
+        req.d = rng.choice(ds)
+        req.p_rid = f"req{index}-{rng.getrandbits(32):08x}"
+        req.d_rid = f"req{index}-{rng.getrandbits(32):08x}"
+        if not req.p.up or not req.d.up:
+            self._finish(req, "failed", "engine down at arrival", free_d=False)
+            return
+        req.p_inc = req.p.inc
+        req.d_inc = req.d.inc
+        self.reqs_p[req.p_rid] = req
+        for rank in req.p.ranks:
+            self.feed(rank, RequestAdded(req.p_rid))
+        self.at(self.t + rng.uniform(0.002, 0.02), self._prefill_done, req)
+        if self.faults.abort and rng.random() < self.faults.abort / 4:
+            self.at(self.t + rng.uniform(0.0, 0.05), self._abort_p, req)
+
+    def _prefill_done(self, req: Request) -> None:
+        p = req.p
+        if req.status != "pending":
+            return
+        if not p.up or p.inc != req.p_inc:
+            self._finish(req, "failed", "producer crashed", free_d=False)
+            return
+        if req.aborted:
+            return
+        ids = p.alloc.alloc(req.n)
+        if ids is None:
+            self._finish(req, "failed", "producer out of blocks", free_d=False)
+            self.reqs_p.pop(req.p_rid, None)
+            for rank in p.ranks:
+                self.feed(rank, Abort(req.p_rid))
+            return
+        req.p_ids = ids
+        arr = np.asarray(ids, dtype=np.int64)
+        positions = np.arange(req.n, dtype=np.int64)
+        for rank in p.ranks:
+            start, width = p.slice_of(rank.index)
+            rank.buf[arr] = pattern(req.seed, positions, start, width)
+        sched_now = self.t + p.sched_skew
+        deadline = sched_now + p.spec.lease_s
+        blocks = (tuple(ids),)
+        for rank in p.ranks:
+            self.feed(rank, PrefillFinished(req.p_rid, blocks, deadline, sched_now))
+        # kvwire producers export their lease deadline (in the clock the handshake samples),
+        # so a consumer declines a read that could outlive it instead of reading blocks that
+        # may already hold another prompt. Heartbeats cannot be relied on to have extended
+        # it: they are fire-and-forget.
+        expiry = deadline if req.cluster.mode is TransferMode.PULL else None
+        remote = RemotePrefill(
+            engine_id=p.engine_id,
+            request_id=req.p_rid,
+            host=p.spec.name,
+            port=1,
+            block_ids=blocks if req.cluster.mode is TransferMode.PULL else (),
+            tp_size=p.spec.tp,
+            blocks_expiry_time=expiry,
+        )
+        self.at(self.t + self.rng.uniform(0.0005, 0.003), self._to_consumer, (req, remote))
+
+    def _abort_p(self, req: Request) -> None:
+        """Abort a prompt still being prefilled. (Once finished, its KV belongs to the
+        consumer's read: aborting then would hand reused blocks to a reader that cannot tell,
+        which is why engines do not; the machine's handling of it is unit-tested instead.)"""
+        if req.p.inc != req.p_inc or not req.p.up or req.p_ids or req.status != "pending":
+            return
+        req.aborted = True
+        self.reqs_p.pop(req.p_rid, None)
+        self._finish(req, "aborted", "producer aborted", free_d=False)
+        for rank in req.p.ranks:
+            self.feed(rank, Abort(req.p_rid))
+
+    def _to_consumer(self, arg: tuple[Request, RemotePrefill]) -> None:
+        req, remote = arg
+        d = req.d
+        if req.status != "pending":
+            return
+        if not d.up or d.inc != req.d_inc:
+            self._finish(req, "failed", "consumer crashed", free_d=False)
+            return
+        self.reqs_d[req.d_rid] = req
+        for rank in d.ranks:
+            self.feed(rank, RequestAdded(req.d_rid, remote))
+        rng = self.rng
+        wait = rng.uniform(0.0, 0.03) if rng.random() > 0.002 else rng.uniform(10.0, 45.0)
+        self.at(self.t + wait, self._allocate, req)
+        if self.faults.abort and rng.random() < self.faults.abort:
+            self.at(
+                self.t + rng.choice((0.0, wait / 2, wait, wait + 0.001, wait + 0.005, wait + 0.02)),
+                self._abort_d,
+                req,
+            )
+
+    def _allocate(self, req: Request) -> None:
+        d = req.d
+        if req.status != "pending" or req.aborted or d.inc != req.d_inc or not d.up:
+            return
+        m = req.n - req.k
+        ids = d.alloc.alloc(m)
+        if ids is None:
+            req.aborted = True
+            for rank in d.ranks:
+                self.feed(rank, Abort(req.d_rid))
+            return
+        req.d_ids = ids
+        if ids:
+            arr = np.asarray(ids, dtype=np.int64)
+            for rank in d.ranks:
+                rank.buf[arr] = POISON
+        blocks = (tuple(ids),)
+        for rank in d.ranks:
+            self.feed(rank, AllocationDone(req.d_rid, blocks))
+
+    def _abort_d(self, req: Request) -> None:
+        if req.status != "pending" or req.d.inc != req.d_inc or not req.d.up:
+            return
+        req.aborted = True
+        for rank in req.d.ranks:
+            self.feed(rank, Abort(req.d_rid))
+
+    # ----------------------------------------------------------------- actions
+
+    def _act_nothing(self, rank: Rank, action: Any) -> None:
+        pass
+
+    def _act_misbehaved(self, rank: Rank, action: PeerMisbehaved) -> None:
+        # The simulator never sends malformed messages, so any complaint is a machine bug.
+        self.violation(f"{rank.agent} PeerMisbehaved: {action.detail}")
+
+    def _act_evict(self, rank: Rank, action: EvictEngine) -> None:
+        rank.peers.pop(action.engine_id, None)
+
+    def _act_handshake(self, rank: Rank, action: StartHandshake) -> None:
+        rng = self.rng
+        f = self.faults
+        if f.handshake_silence and rng.random() < f.handshake_silence:
+            return  # the machine's own timeout must end it
+        target = self.engines.get(action.host)
+        delay = rng.uniform(0.001, 0.003)
+        event: Any
+        if target is None or not target.up:
+            event = HandshakeFailed(action.engine_id, action.attempt, "connection refused")
+        elif target.engine_id != action.engine_id:
+            event = HandshakeFailed(action.engine_id, action.attempt, "engine id mismatch")
+        elif f.handshake_failure and rng.random() < f.handshake_failure:
+            event = HandshakeFailed(action.engine_id, action.attempt, "injected failure")
+        else:
+            rank.peers[action.engine_id] = target.inc
+            offset = target.sched_skew - rank.engine.skew + rng.uniform(-0.001, 0.001)
+            event = HandshakeDone(action.engine_id, action.attempt, target.spec.tp, 1, offset)
+        self.at(self.t + delay, self._deliver, (rank, event))
+
+    def _act_post(self, rank: Rank, action: PostRead | PostWrite) -> None:
+        f = self.faults
+        rng = self.rng
+        xid = action.xfer_id
+        known = rank.peers.get(action.engine_id)
+        if known is None:
+            self.violation(f"{rank.agent} posted to {action.engine_id} without a handshake")
+            return
+        peer = self.by_id.get(action.engine_id)
+        if peer is None:
+            # The peer process is gone: the post fails and the transport says so.
+            self.at(self.t, self._deliver, (rank, TransferFailed(xid, "peer gone")))
+            self.at(self.t, self._deliver, (rank, PeerLost(action.engine_id)))
+            return
+        if f.post_failure and rng.random() < f.post_failure:
+            self.at(self.t, self._deliver, (rank, TransferFailed(xid, "post failed")))
+            return
+        x = Xfer()
+        x.xid = xid
+        x.rank = rank
+        x.peer = peer
+        x.peer_inc = peer.inc
+        x.peer_rank = action.remote_rank[1]
+        x.read = isinstance(action, PostRead)
+        x.notif = action.notification
+        local = list(action.local_block_ids[0]) if action.local_block_ids else []
+        remote = list(action.remote_block_ids[0]) if action.remote_block_ids else []
+        if x.read:
+            x.dst_ids, x.src_ids = local, remote
+            x.gens = peer.alloc.gens[np.asarray(remote, dtype=np.int64)].copy()
+        else:
+            x.src_ids, x.dst_ids = local, remote
+            x.gens = None
+        rank.xfers[xid] = x
+        self.at(self.t, self._deliver, (rank, TransferPosted(xid)))
+        latency = 0.0002 + len(local) * FULL / 5e9 + rng.expovariate(1 / 0.001)
+        self.at(self.t + latency, self._complete, x)
+
+    def _complete(self, x: Xfer) -> None:
+        if x.cancelled or not x.rank.alive:
+            return
+        peer = x.peer
+        ok = peer.up and peer.inc == x.peer_inc
+        if ok and x.gens is not None:
+            now_gens = peer.alloc.gens[np.asarray(x.src_ids, dtype=np.int64)]
+            ok = bool(np.array_equal(now_gens, x.gens))
+        f = self.faults
+        if ok and f.transfer_failure and self.rng.random() < f.transfer_failure:
+            ok = False
+        if ok:
+            self._copy(x)
+            self._send(x.rank.agent, peer, x.peer_rank, x.notif)
+        x.outcome = "done" if ok else "failed"
+        self._answer(x)
+
+    def _copy(self, x: Xfer) -> None:
+        rank = x.rank
+        other = x.peer.ranks[x.peer_rank]
+        src_rank, dst_rank = (other, rank) if x.read else (rank, other)
+        s0, sw = src_rank.engine.slice_of(src_rank.index)
+        d0, dw = dst_rank.engine.slice_of(dst_rank.index)
+        lo, hi = max(s0, d0), min(s0 + sw, d0 + dw)
+        if hi <= lo or not x.dst_ids:
+            return
+        src = np.asarray(x.src_ids, dtype=np.int64)
+        dst = np.asarray(x.dst_ids, dtype=np.int64)
+        dst_rank.buf[dst, lo - d0 : hi - d0] = src_rank.buf[src, lo - s0 : hi - s0]
+
+    def _answer(self, x: Xfer) -> None:
+        """Report a finished or cancelled transfer: released, or a failed release."""
+        f = self.faults
+        event: Any
+        if f.release_failure and self.rng.random() < f.release_failure:
+            event = ReleaseFailed(x.xid, "release failed")
+        else:
+            x.rank.xfers.pop(x.xid, None)
+            event = TransferDone(x.xid) if x.outcome == "done" else TransferFailed(x.xid, "io")
+        self.at(self.t, self._deliver, (x.rank, event))
+
+    def _act_cancel(self, rank: Rank, action: CancelTransfer) -> None:
+        x = rank.xfers.get(action.xfer_id)
+        if x is None:
+            self.violation(f"{rank.agent} cancelled unknown transfer {action.xfer_id}")
+            return
+        x.cancelled = True
+        x.outcome = "failed"
+        self._answer(x)
+
+    def _act_release(self, rank: Rank, action: ReleaseTransfer) -> None:
+        x = rank.xfers.get(action.xfer_id)
+        if x is None:
+            self.violation(f"{rank.agent} released unknown transfer {action.xfer_id}")
+            return
+        self._answer(x)
+
+    def _act_notify(self, rank: Rank, action: SendNotification) -> None:
+        target = self.by_id.get(action.engine_id)
+        if target is None:
+            return
+        indexes = [r[1] for r in action.ranks] if action.ranks else range(target.spec.tp)
+        for i in indexes:
+            self._send(rank.agent, target, i, action.data)
+
+    def _send(self, sender: str, target: Engine, index: int, data: bytes) -> None:
+        f = self.faults
+        rng = self.rng
+        if f.drop_notification and rng.random() < f.drop_notification:
+            self.result.notifications_dropped += 1
+            return
+        delay = 0.0001
+        if f.delay_notification and rng.random() < f.delay_notification:
+            delay += rng.expovariate(1 / 0.2)
+        if f.reorder_notification and rng.random() < f.reorder_notification:
+            delay += rng.uniform(0.0, 0.02)
+        copies = 2 if f.duplicate_notification and rng.random() < f.duplicate_notification else 1
+        for c in range(copies):
+            self.at(
+                self.t + delay + c * 0.0003,
+                self._notified,
+                (target, target.inc, index, sender, data),
+            )
+
+    def _notified(self, arg: tuple[Engine, int, int, str, bytes]) -> None:
+        target, inc, index, sender, data = arg
+        if not target.up or target.inc != inc:
+            return
+        self.feed(target.ranks[index], NotificationReceived(sender, data))
+
+    # ----------------------------------------------------------------- outcomes
+
+    def _act_free(self, rank: Rank, action: FreeBlocks) -> None:
+        req = self.reqs_p.get(action.request_id)
+        if req is None or req.p is not rank.engine or req.p_inc != rank.engine.inc:
+            self.violation(f"{rank.agent} freed unknown request {action.request_id}")
+            return
+        if rank.index in req.p_freed:
+            self.result.double_frees += 1
+            self.violation(f"{rank.agent} freed {action.request_id} twice")
+            return
+        if tuple(action.block_ids[0]) != tuple(req.p_ids):
+            self.violation(f"{rank.agent} freed {action.request_id} with the wrong blocks")
+        req.p_freed.add(rank.index)
+        if action.reason is FreeReason.EXPIRED:
+            req.expired = True
+        if len(req.p_freed) == req.p.spec.tp:
+            bad = req.p.alloc.free(req.p_ids)
+            if bad:
+                self.result.double_frees += bad
+                self.violation(f"{action.request_id}: {bad} blocks freed while not allocated")
+            del self.reqs_p[action.request_id]
+
+    def _act_outcome(self, rank: Rank, action: RequestDone | RequestFailed) -> None:
+        req = self.reqs_d.get(action.request_id)
+        if req is None or req.d is not rank.engine:
+            self.violation(f"{rank.agent} reported unknown request {action.request_id}")
+            return
+        if rank.index in req.d_results:
+            self.violation(f"{rank.agent} reported {action.request_id} twice")
+            return
+        req.d_results[rank.index] = action
+        if len(req.d_results) < req.d.spec.tp or req.status != "pending":
+            return
+        failures = [a for a in req.d_results.values() if isinstance(a, RequestFailed)]
+        if failures:
+            first = failures[0]
+            assert isinstance(first, RequestFailed)
+            status = "aborted" if first.reason is FailReason.ABORTED else "failed"
+            self._finish(req, status, first.reason.value, free_d=True)
+            return
+        if req.aborted and req.d_ids:
+            # Finished anyway: the abort raced with the last transfer. Still verified below.
+            pass
+        self._verify(req)
+
+    def _verify(self, req: Request) -> None:
+        d = req.d
+        if req.d_ids:
+            dst = np.asarray(req.d_ids, dtype=np.int64)
+            positions = np.arange(req.k, req.n, dtype=np.int64)
+            for rank in d.ranks:
+                start, width = d.slice_of(rank.index)
+                expected = pattern(req.seed, positions, start, width)
+                if not np.array_equal(rank.buf[dst], expected):
+                    self.result.corrupt += 1
+                    self.violation(f"{req.d_rid}: {rank.agent} holds wrong KV after success")
+                    self._finish(req, "failed", "corrupt", free_d=True)
+                    return
+                self.result.bytes_verified += expected.size
+        self._finish(req, "done", "", free_d=True)
+
+    def _finish(self, req: Request, status: str, reason: str, *, free_d: bool) -> None:
+        if req.status != "pending":
+            self.violation(f"{req.d_rid} finished twice ({req.status}, then {status})")
+            return
+        req.status = status
+        if status == "done":
+            self.result.done += 1
+        elif status == "aborted":
+            self.result.aborted += 1
+            self.result.failed += 1
+        else:
+            self.result.failed += 1
+        if status != "done":
+            key = reason or status
+            self.result.failures_by_reason[key] = self.result.failures_by_reason.get(key, 0) + 1
+        self.reqs_d.pop(req.d_rid, None)
+        if free_d and req.d_ids and req.d.inc == req.d_inc:
+            if req.cluster.mode is TransferMode.PUSH and status != "done":
+                # A producer may still be writing into them: never hand them out again.
+                self.result.quarantined_blocks += len(req.d_ids)
+                req.d.alloc.allocated -= len(req.d_ids)
+            else:
+                bad = req.d.alloc.free(req.d_ids)
+                if bad:
+                    self.result.double_frees += bad
+                    self.violation(f"{req.d_rid}: consumer blocks freed twice")
+
+    # ----------------------------------------------------------------- the end
+
+    def _final_checks(self) -> None:
+        res = self.result
+        for req in self.all_reqs:
+            if req.expired:
+                res.expired += 1
+            if req.status == "pending":
+                res.stuck += 1
+                if len(res.violations) < 20:
+                    res.violations.append(f"stuck: {req.d_rid} ({req.cluster.name})")
+        for engine in self.engines.values():
+            if not engine.up:
+                continue
+            res.leaked_blocks += engine.alloc.allocated
+            for rank in engine.ranks:
+                live = rank.machine.live_requests()
+                if live:
+                    res.stuck += live
+                    res.violations.append(f"{rank.agent} still tracks {live} requests")
+                if isinstance(rank.machine, ProducerMachine) and rank.machine.held_blocks():
+                    res.violations.append(f"{rank.agent} still holds blocks")
+        for req in self.reqs_p.values():
+            if req.p.up and req.p.inc == req.p_inc and len(res.violations) < 20:
+                res.violations.append(f"unfreed on producer: {req.p_rid}")
+
+
+def simulate(seed: int, requests: int, faults: Faults) -> SimResult:
+    """Run one simulation to quiescence; deterministic for a given seed and arguments."""
+    return World(seed, requests, faults).run()

@@ -1,0 +1,329 @@
+"""Hypothesis drives both machines through random legal event sequences against a model.
+
+The model is deliberately simple: which requests exist, which transfers the machine asked
+for and in what state the driver believes they are. It checks the guarantees the runtime
+relies on: one terminal outcome per request, never an action for an ended request, never a
+READ after a request's first failure, never an ending while a transfer into its blocks may
+run, every held block freed exactly once, and nothing left once the world goes quiet.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from kvwire.machine import (
+    Abort,
+    Action,
+    AllocationDone,
+    CancelTransfer,
+    ConsumerMachine,
+    FreeBlocks,
+    FreeReason,
+    HandshakeDone,
+    HandshakeFailed,
+    MachineConfig,
+    NotificationReceived,
+    PeerLost,
+    PostRead,
+    PrefillFinished,
+    ProducerMachine,
+    ReleaseFailed,
+    ReleaseTransfer,
+    RemotePrefill,
+    RequestAdded,
+    RequestDone,
+    RequestFailed,
+    StartHandshake,
+    Timer,
+    TransferDone,
+    TransferFailed,
+    TransferPosted,
+)
+from kvwire.wire.notifications import encode_heartbeat
+
+SETTINGS = settings(
+    max_examples=150,
+    stateful_step_count=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+
+IDS = [f"r{i}" for i in range(6)]
+
+
+class ConsumerModel(RuleBasedStateMachine):
+    """A pull consumer (TP 1) reading a producer engine with TP 2: two READs per request."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.m = ConsumerMachine(MachineConfig(engine_id="D", tp_size=1, lease_s=30.0))
+        self.now = 0.0
+        self.live: set[str] = set()
+        self.allocated: set[str] = set()
+        self.ended: dict[str, Action] = {}
+        self.failed: set[str] = set()
+        self.reads: dict[str, int] = {}
+        self.done_reads: dict[str, int] = {}
+        self.xfers: dict[int, tuple[str, str]] = {}  # xfer -> (request, driver state)
+        self.cancelled: set[int] = set()
+        self.attempt: int | None = None
+        self.attempt_deadline = 0.0
+
+    # -------------------------------------------------------------- feeding
+
+    def feed(self, event: Any, dt: float = 0.01) -> list[Action]:
+        self.now += dt
+        actions = self.m.handle(event, self.now)
+        for a in actions:
+            rid = getattr(a, "request_id", None)
+            if rid is not None:
+                assert rid not in self.ended, f"{type(a).__name__} after {rid} ended"
+            if isinstance(a, StartHandshake):
+                assert self.attempt is None, "two handshakes in flight for one engine"
+                self.attempt = a.attempt
+                self.attempt_deadline = self.now + 5.0
+            elif isinstance(a, PostRead):
+                assert a.request_id not in self.failed, "READ posted after a failure"
+                assert a.notification == f"p-{a.request_id}:1".encode()
+                self.reads[a.request_id] = self.reads.get(a.request_id, 0) + 1
+                assert self.reads[a.request_id] <= 2
+                self.xfers[a.xfer_id] = (a.request_id, "requested")
+            elif isinstance(a, CancelTransfer):
+                assert self.xfers[a.xfer_id][1] in ("requested", "posted")
+                self.xfers[a.xfer_id] = (a.request_id, "cancelling")
+                self.cancelled.add(a.xfer_id)
+            elif isinstance(a, ReleaseTransfer):
+                assert self.xfers[a.xfer_id][1] == "release_failed"
+                self.xfers[a.xfer_id] = (a.request_id, "releasing")
+            elif isinstance(a, (RequestDone, RequestFailed)):
+                rid = a.request_id
+                assert rid in self.live
+                assert not [x for x, (r, _) in self.xfers.items() if r == rid], (
+                    f"{rid} ended with a transfer still running"
+                )
+                if isinstance(a, RequestDone):
+                    assert rid not in self.failed
+                    assert self.done_reads.get(rid, 0) in (0, 2)
+                    assert self.done_reads.get(rid, 0) == 2 or self.reads.get(rid, 0) == 0
+                self.ended[rid] = a
+                self.live.discard(rid)
+        return actions
+
+    def _count_done(self, xid: int, rid: str) -> None:
+        if xid not in self.cancelled and rid not in self.failed:
+            self.done_reads[rid] = self.done_reads.get(rid, 0) + 1
+
+    # -------------------------------------------------------------- rules
+
+    @rule(rid=st.sampled_from(IDS))
+    def add(self, rid: str) -> None:
+        if rid in self.live or rid in self.ended:
+            return
+        self.live.add(rid)
+        remote = RemotePrefill(
+            engine_id="P",
+            request_id=f"p-{rid}",
+            host="h",
+            port=1,
+            block_ids=((1, 2, 3, 4),),
+            tp_size=2,
+        )
+        self.feed(RequestAdded(rid, remote))
+
+    @rule(rid=st.sampled_from(IDS), n=st.integers(0, 4))
+    def allocate(self, rid: str, n: int) -> None:
+        if rid not in self.live or rid in self.allocated or rid in self.failed:
+            return
+        self.allocated.add(rid)
+        self.feed(AllocationDone(rid, (tuple(range(100, 100 + n)),)))
+
+    @precondition(lambda self: self.attempt is not None)
+    @rule(ok=st.booleans())
+    def handshake(self, ok: bool) -> None:
+        attempt = self.attempt
+        assert attempt is not None
+        self.attempt = None
+        event = HandshakeDone("P", attempt, 2) if ok else HandshakeFailed("P", attempt)
+        self.feed(event)
+
+    @precondition(lambda self: self.xfers)
+    @rule(data=st.data())
+    def transfer(self, data: st.DataObject) -> None:
+        xid = data.draw(st.sampled_from(sorted(self.xfers)))
+        rid, state = self.xfers[xid]
+        if state == "requested":
+            if data.draw(st.booleans()):
+                self.xfers[xid] = (rid, "posted")
+                acts = self.feed(TransferPosted(xid))
+                if any(isinstance(a, CancelTransfer) and a.xfer_id == xid for a in acts):
+                    self.xfers[xid] = (rid, "cancelling")
+            else:
+                del self.xfers[xid]
+                self.failed.add(rid)
+                self.feed(TransferFailed(xid, "post"))
+            return
+        if state == "release_failed":
+            return
+        outcome = data.draw(st.sampled_from(["done", "failed", "release_failed"]))
+        if outcome == "release_failed":
+            self.xfers[xid] = (rid, "release_failed")
+            self.feed(ReleaseFailed(xid))
+            return
+        del self.xfers[xid]
+        if outcome == "done":
+            self._count_done(xid, rid)
+            self.feed(TransferDone(xid))
+        else:
+            self.failed.add(rid)
+            self.feed(TransferFailed(xid, "io"))
+
+    @rule(rid=st.sampled_from(IDS))
+    def abort(self, rid: str) -> None:
+        if rid in self.live:
+            self.failed.add(rid)
+        self.feed(Abort(rid))
+
+    @rule(dt=st.sampled_from([0.5, 2.0, 6.0]))
+    def tick(self, dt: float) -> None:
+        attempt = self.attempt
+        self.feed(Timer(), dt)
+        if attempt is not None and attempt == self.attempt and self.now >= self.attempt_deadline:
+            self.attempt = None  # the machine timed the handshake out
+
+    @rule()
+    def peer_lost(self) -> None:
+        self.feed(PeerLost("P"))
+
+    @rule(data=st.binary(max_size=12))
+    def noise(self, data: bytes) -> None:
+        self.feed(NotificationReceived("x", data))
+
+    # -------------------------------------------------------------- checks
+
+    @invariant()
+    def states_agree(self) -> None:
+        assert self.m.live_requests() == len(self.live)
+        for rid in self.ended:
+            assert self.m.request_state(rid).value == "absent"
+
+    def teardown(self) -> None:
+        # Let the world go quiet: answer everything, release everything, let time pass.
+        for _ in range(20):
+            if self.attempt is not None:
+                attempt, self.attempt = self.attempt, None
+                self.feed(HandshakeDone("P", attempt, 2))
+            for xid, (rid, state) in sorted(self.xfers.items()):
+                if state == "requested":
+                    self.xfers[xid] = (rid, "posted")
+                    acts = self.feed(TransferPosted(xid))
+                    if any(isinstance(a, CancelTransfer) for a in acts):
+                        self.xfers[xid] = (rid, "cancelling")
+                elif state != "release_failed":
+                    del self.xfers[xid]
+                    self._count_done(xid, rid)
+                    self.feed(TransferDone(xid))
+            for rid in sorted(self.live - self.allocated):
+                self.allocated.add(rid)
+                self.feed(AllocationDone(rid, ((7,),)))
+            self.tick(5.0)
+        assert not self.live, f"stuck: {sorted(self.live)}"
+        assert self.m.transfers_in_flight() == 0
+
+
+class ProducerModel(RuleBasedStateMachine):
+    """A pull producer (TP 1) whose consumers have TP 2: two completions free a request."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.m = ProducerMachine(MachineConfig(engine_id="P", tp_size=1, lease_s=30.0))
+        self.now = 0.0
+        self.added: set[str] = set()
+        self.holding: dict[str, tuple[int, ...]] = {}
+        self.deadline: dict[str, float] = {}
+        self.freed: dict[str, FreeReason] = {}
+        self.senders: dict[str, set[str]] = {}
+        self.aborted: set[str] = set()
+        self.next_block = 0
+
+    def feed(self, event: Any, dt: float = 0.01) -> list[Action]:
+        self.now += dt
+        actions = self.m.handle(event, self.now)
+        for a in actions:
+            rid = getattr(a, "request_id", None)
+            assert rid is None or rid not in self.freed, f"{type(a).__name__} after free"
+            if isinstance(a, FreeBlocks):
+                assert a.block_ids == (self.holding[rid],)
+                if a.reason is FreeReason.EXPIRED:
+                    assert self.now >= self.deadline[rid], "reaped before its deadline"
+                elif a.reason is FreeReason.SENT:
+                    assert len(self.senders.get(rid, set())) >= 2
+                else:
+                    assert a.reason is FreeReason.ABORTED and rid in self.aborted
+                self.freed[rid] = a.reason
+                del self.holding[rid]
+        return actions
+
+    @rule(rid=st.sampled_from(IDS))
+    def add(self, rid: str) -> None:
+        if rid in self.added:
+            return
+        self.added.add(rid)
+        self.feed(RequestAdded(rid))
+
+    @rule(rid=st.sampled_from(IDS), n=st.integers(1, 3))
+    def finish_prefill(self, rid: str, n: int) -> None:
+        if rid not in self.added or rid in self.holding or rid in self.freed:
+            return
+        if rid in self.aborted:
+            return
+        blocks = tuple(range(self.next_block, self.next_block + n))
+        self.next_block += n
+        self.holding[rid] = blocks
+        self.feed(PrefillFinished(rid, (blocks,)))
+        self.deadline[rid] = self.now + 30.0
+
+    @rule(rid=st.sampled_from(IDS), sender=st.sampled_from(["d0", "d1"]))
+    def completion(self, rid: str, sender: str) -> None:
+        if rid in self.holding:
+            self.senders.setdefault(rid, set()).add(sender)
+        self.feed(NotificationReceived(sender, f"{rid}:2".encode()))
+
+    @rule(ids=st.lists(st.sampled_from(IDS), min_size=1, max_size=3))
+    def heartbeat(self, ids: list[str]) -> None:
+        self.now += 0.01
+        for rid in ids:
+            if rid in self.holding:
+                self.deadline[rid] = max(self.deadline[rid], self.now + 20.0)
+        self.feed(NotificationReceived("d0", encode_heartbeat(ids)), 0.0)
+
+    @rule(rid=st.sampled_from(IDS))
+    def abort(self, rid: str) -> None:
+        if rid in self.added and rid not in self.freed:
+            self.aborted.add(rid)
+        self.feed(Abort(rid))
+
+    @rule(dt=st.sampled_from([1.0, 7.0, 19.0, 31.0]))
+    def tick(self, dt: float) -> None:
+        self.feed(Timer(), dt)
+
+    @invariant()
+    def held_matches(self) -> None:
+        assert self.m.held_blocks() == sum(len(b) for b in self.holding.values())
+        for rid, deadline in self.deadline.items():
+            if rid in self.holding:
+                assert self.m.lease_deadline(rid) == deadline  # extended, never shortened
+
+    def teardown(self) -> None:
+        self.feed(Timer(), 1000.0)
+        assert not self.holding, f"leaked: {sorted(self.holding)}"
+        assert self.m.held_blocks() == 0
+
+
+TestConsumerModel = ConsumerModel.TestCase
+TestConsumerModel.settings = SETTINGS
+TestProducerModel = ProducerModel.TestCase
+TestProducerModel.settings = SETTINGS

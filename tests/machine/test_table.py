@@ -1,0 +1,252 @@
+"""Every (state, event) pair of the transition tables, driven through the real machines."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from machine_helpers import PULL, PUSH, ConsumerAt, ProducerAt, registration, remote
+
+from kvwire.errors import LocalProtocolError
+from kvwire.machine import (
+    EVENT_TYPES,
+    Abort,
+    AllocationDone,
+    ConsumerState,
+    EngineState,
+    FreeBlocks,
+    HandshakeDone,
+    HandshakeFailed,
+    NotificationReceived,
+    PeerLost,
+    PrefillFinished,
+    ProducerState,
+    ReleaseFailed,
+    RequestAdded,
+    RequestDone,
+    RequestFailed,
+    Timer,
+    TransferDone,
+    TransferFailed,
+    TransferPosted,
+    TransferState,
+)
+from kvwire.machine.table import CONSUMER, ENGINE, PRODUCER, TRANSFER
+
+# Events addressed to the request itself: a state that does not list them must refuse them.
+DIRECT = {
+    RequestAdded,
+    AllocationDone,
+    PrefillFinished,
+    TransferPosted,
+    TransferDone,
+    TransferFailed,
+    ReleaseFailed,
+}
+
+CONSUMER_STATES = [
+    ("absent", PULL),
+    ("wait_alloc", PULL),
+    ("wait_peer", PULL),
+    ("transferring", PULL),
+    ("draining", PULL),
+    ("wait_alloc", PUSH),
+    ("wait_peer", PUSH),
+    ("await_writes", PUSH),
+]
+PRODUCER_STATES = [
+    ("absent", PULL),
+    ("prefilling", PULL),
+    ("leased", PULL),
+    ("absent", PUSH),
+    ("prefilling", PUSH),
+    ("leased", PUSH),
+    ("wait_peer", PUSH),
+    ("writing", PUSH),
+    ("draining", PUSH),
+]
+
+
+def _consumer_event(at: ConsumerAt, etype: type[Any], far: bool) -> Any:
+    x_last = at.xfers[-1] if at.xfers else 999
+    x_first = at.xfers[0] if at.xfers else 999
+    return {
+        RequestAdded: lambda: RequestAdded("d1", remote(tp=2)),
+        AllocationDone: lambda: AllocationDone("d1", ((7, 8),)),
+        PrefillFinished: lambda: PrefillFinished("d1", ((1,),)),
+        HandshakeDone: lambda: HandshakeDone("P", at.attempt or 1, 2),
+        HandshakeFailed: lambda: HandshakeFailed("P", at.attempt or 1, "no"),
+        TransferPosted: lambda: TransferPosted(x_last),
+        TransferDone: lambda: TransferDone(x_first),
+        TransferFailed: lambda: TransferFailed(x_first, "io"),
+        ReleaseFailed: lambda: ReleaseFailed(x_first, "busy"),
+        NotificationReceived: lambda: NotificationReceived("p-agent", b"d1:1"),
+        Abort: lambda: Abort("d1"),
+        PeerLost: lambda: PeerLost("P"),
+        Timer: lambda: Timer(),
+    }[etype]()
+
+
+def _producer_event(at: ProducerAt, etype: type[Any], push: bool) -> Any:
+    x_last = at.xfers[-1] if at.xfers else 999
+    x_first = at.xfers[0] if at.xfers else 999
+    note = registration("r1", decode_tp=2) if push else b"r1:1"
+    return {
+        RequestAdded: lambda: RequestAdded("r1"),
+        AllocationDone: lambda: AllocationDone("r1", ((7, 8),)),
+        PrefillFinished: lambda: PrefillFinished("r1", ((1, 2, 3),)),
+        HandshakeDone: lambda: HandshakeDone("D", at.attempt or 1, 2),
+        HandshakeFailed: lambda: HandshakeFailed("D", at.attempt or 1, "no"),
+        TransferPosted: lambda: TransferPosted(x_last),
+        TransferDone: lambda: TransferDone(x_first),
+        TransferFailed: lambda: TransferFailed(x_first, "io"),
+        ReleaseFailed: lambda: ReleaseFailed(x_first, "busy"),
+        NotificationReceived: lambda: NotificationReceived("d-agent", note),
+        Abort: lambda: Abort("r1"),
+        PeerLost: lambda: PeerLost("D"),
+        Timer: lambda: Timer(),
+    }[etype]()
+
+
+@pytest.mark.parametrize(("state", "mode"), CONSUMER_STATES)
+@pytest.mark.parametrize("etype", EVENT_TYPES, ids=lambda t: t.__name__)
+def test_consumer_pair(state: str, mode: Any, etype: type[Any]) -> None:
+    at = ConsumerAt(state, mode)
+    before = at.m.request_state("d1")
+    assert before.value == state
+    allowed = CONSUMER.get((before, etype))
+    event = _consumer_event(at, etype, far=allowed is not None)
+    dt = 1e6 if (etype is Timer and allowed is not None) else 1e-4
+    try:
+        actions = at.step(event, dt)
+    except LocalProtocolError:
+        assert allowed is None, f"{state} refused {etype.__name__} although the table lists it"
+        assert at.m.request_state("d1") is before  # a refused event changes nothing
+        return
+    if any(isinstance(a, RequestDone) for a in actions):
+        after = ConsumerState.DONE
+    elif any(isinstance(a, RequestFailed) for a in actions):
+        after = ConsumerState.FAILED
+    else:
+        after = at.m.request_state("d1")
+    if allowed is None:
+        assert etype not in DIRECT, f"{state} accepted {etype.__name__} not in the table"
+        assert after is before, f"{etype.__name__} moved {state} outside the table"
+    else:
+        assert after in allowed, (state, etype.__name__, after)
+
+
+@pytest.mark.parametrize(("state", "mode"), PRODUCER_STATES)
+@pytest.mark.parametrize("etype", EVENT_TYPES, ids=lambda t: t.__name__)
+def test_producer_pair(state: str, mode: Any, etype: type[Any]) -> None:
+    at = ProducerAt(state, mode)
+    before = at.m.request_state("r1")
+    assert before.value == state
+    allowed = PRODUCER.get((before, etype))
+    event = _producer_event(at, etype, mode is PUSH)
+    dt = 1e6 if (etype is Timer and allowed is not None) else 1e-4
+    try:
+        actions = at.step(event, dt)
+    except LocalProtocolError:
+        assert allowed is None, f"{state} refused {etype.__name__} although the table lists it"
+        assert at.m.request_state("r1") is before
+        return
+    if any(isinstance(a, FreeBlocks) for a in actions):
+        after = ProducerState.FREED
+    else:
+        after = at.m.request_state("r1")
+    if allowed is None:
+        assert etype not in DIRECT, f"{state} accepted {etype.__name__} not in the table"
+        assert after is before, f"{etype.__name__} moved {state} outside the table"
+    else:
+        assert after in allowed, (state, etype.__name__, after)
+
+
+def _transfer_at(state: str) -> tuple[ConsumerAt, int]:
+    """A consumer whose transfer is in ``state``; returns it and the transfer id."""
+    if state == "requested":
+        at = ConsumerAt("transferring")
+        return at, at.xfers[1]
+    if state == "posted":
+        at = ConsumerAt("transferring")
+        return at, at.xfers[0]
+    if state == "cancelling":
+        at = ConsumerAt("draining")
+        return at, at.xfers[0]
+    at = ConsumerAt("transferring")
+    at.step(ReleaseFailed(at.xfers[0], "busy"))
+    if state == "releasing":
+        at.step(Timer(), 2.0)
+    return at, at.xfers[0]
+
+
+TRANSFER_EVENTS = (TransferPosted, TransferDone, TransferFailed, ReleaseFailed, Timer)
+
+
+@pytest.mark.parametrize(
+    "state", ["requested", "posted", "cancelling", "release_failed", "releasing"]
+)
+@pytest.mark.parametrize("etype", TRANSFER_EVENTS, ids=lambda t: t.__name__)
+def test_transfer_pair(state: str, etype: type[Any]) -> None:
+    at, xid = _transfer_at(state)
+    before = at.m.transfer_state(xid)
+    assert before.value == state
+    allowed = TRANSFER.get((before, etype))
+    event = Timer() if etype is Timer else etype(xid)
+    dt = 2.0 if etype is Timer else 1e-4
+    try:
+        at.step(event, dt)
+    except LocalProtocolError:
+        assert allowed is None
+        assert at.m.transfer_state(xid) is before
+        return
+    after = at.m.transfer_state(xid)
+    after = TransferState.ENDED if after is TransferState.ABSENT else after
+    if allowed is None:
+        assert etype is Timer and after is before
+    else:
+        assert after in allowed, (state, etype.__name__, after)
+
+
+def test_no_transfer_event_is_accepted_for_an_unknown_id() -> None:
+    at = ConsumerAt("transferring")
+    for etype in (TransferPosted, TransferDone, TransferFailed, ReleaseFailed):
+        with pytest.raises(LocalProtocolError):
+            at.step(etype(12345))
+
+
+@pytest.mark.parametrize("state", ["absent", "handshaking", "ready"])
+@pytest.mark.parametrize(
+    "etype", (HandshakeDone, HandshakeFailed, PeerLost, Timer), ids=lambda t: t.__name__
+)
+def test_engine_pair(state: str, etype: type[Any]) -> None:
+    at = ConsumerAt("absent" if state == "absent" else "wait_alloc")
+    if state == "ready":
+        at.step(HandshakeDone("P", at.attempt, 2))
+        at.step(Abort("d1"))  # nothing depends on the engine any more: it may be evicted
+    before = at.m.engine_state("P")
+    assert before.value == state
+    allowed = ENGINE.get((before, etype))
+    event = {
+        HandshakeDone: lambda: HandshakeDone("P", at.attempt or 1, 2),
+        HandshakeFailed: lambda: HandshakeFailed("P", at.attempt or 1),
+        PeerLost: lambda: PeerLost("P"),
+        Timer: lambda: Timer(),
+    }[etype]()
+    try:
+        at.step(event, 1e7 if etype is Timer else 1e-4)
+    except LocalProtocolError:
+        assert allowed is None
+        return
+    after = at.m.engine_state("P")
+    if allowed is None:
+        assert after is before
+    else:
+        assert after in allowed, (state, etype.__name__, after)
+    if etype is Timer and state != "absent":
+        assert after is EngineState.ABSENT  # timed out, or idle past its TTL
