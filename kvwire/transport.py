@@ -120,15 +120,11 @@ class Transport(Protocol):
 
     def remove_peer(self, peer: str) -> None: ...
 
-    def read(
-        self, peer: str, local: Descs, remote: Descs, notify: bytes | None = None
-    ) -> object:
+    def read(self, peer: str, local: Descs, remote: Descs, notify: bytes | None = None) -> object:
         """Post a one-sided READ of ``remote`` (peer memory) into ``local``; returns a handle."""
         ...
 
-    def write(
-        self, peer: str, local: Descs, remote: Descs, notify: bytes | None = None
-    ) -> object:
+    def write(self, peer: str, local: Descs, remote: Descs, notify: bytes | None = None) -> object:
         """Post a one-sided WRITE of ``local`` into ``remote`` (peer memory)."""
         ...
 
@@ -249,7 +245,11 @@ def region_of_tensor(tensor: Any) -> Region:
 
 
 def wait_for(
-    transport: Transport, handle: object, timeout: float, *, clock: Callable[[], float] = time.monotonic
+    transport: Transport,
+    handle: object,
+    timeout: float,
+    *,
+    clock: Callable[[], float] = time.monotonic,
 ) -> XferState:
     """Poll ``handle`` until it leaves PENDING or ``timeout`` seconds pass; the last state."""
     deadline = clock() + timeout

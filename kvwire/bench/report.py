@@ -3,17 +3,37 @@
 ``{"suite": ..., "machine": {...}, "results": [{"name", "value", "unit", "baseline",
 "ratio", "min", "max"}]}``: every figure travels with the baseline measured in the same run,
 so a reader never compares numbers from different days or machines.
+
+A report may also carry **sweeps**: how a measure grows with the work, for ``--plot`` to
+draw. ``Report.sweeps`` maps a sweep name (``"<suite>.<what>"``, unique across suites; it
+becomes the PNG's file name) to::
+
+    {
+        "x": [1, 10, 100],            # the swept quantity, ascending
+        "y": [5.1e5, 4.9e5, 4.2e5],   # the measure (median of the repetitions) at each x
+        "xlabel": "live requests",    # axis titles, units included
+        "ylabel": "events/s",
+        "label": "kvwire",            # optional: legend entry of "y"
+        "y_min": [...], "y_max": [...],  # optional: spread of "y" over repetitions
+        "series": {"dict insert+pop": [...]},  # optional: more curves over the same x
+        "title": "...",               # optional
+    }
+
+Every list has one value per ``x``. The plotter needs nothing else, so a new suite's sweeps
+plot without new code; build them with :meth:`Report.add_sweep`, which checks the shape.
 """
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import json
 import os
 import platform
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from importlib import metadata as importlib_metadata
 from typing import Any
@@ -48,6 +68,51 @@ class Report:
         self.results.append(result)
         return result
 
+    def add_sweep(
+        self,
+        name: str,
+        x: Sequence[float],
+        y: Sequence[float],
+        *,
+        xlabel: str,
+        ylabel: str,
+        label: str | None = None,
+        y_min: Sequence[float] | None = None,
+        y_max: Sequence[float] | None = None,
+        series: Mapping[str, Sequence[float]] | None = None,
+        title: str | None = None,
+    ) -> dict[str, Any]:
+        """Record a sweep in the format the module docstring describes."""
+        n = len(x)
+        columns: dict[str, Sequence[float]] = {"y": y}
+        if y_min is not None:
+            columns["y_min"] = y_min
+        if y_max is not None:
+            columns["y_max"] = y_max
+        for key, values in (series or {}).items():
+            columns[f"series {key!r}"] = values
+        for key, values in columns.items():
+            if len(values) != n:
+                raise ValueError(f"sweep {name!r}: {key} has {len(values)} values for {n} x")
+        sweep: dict[str, Any] = {
+            "x": [float(v) for v in x],
+            "y": [float(v) for v in y],
+            "xlabel": xlabel,
+            "ylabel": ylabel,
+        }
+        if label is not None:
+            sweep["label"] = label
+        if y_min is not None:
+            sweep["y_min"] = [float(v) for v in y_min]
+        if y_max is not None:
+            sweep["y_max"] = [float(v) for v in y_max]
+        if series:
+            sweep["series"] = {k: [float(v) for v in vals] for k, vals in series.items()}
+        if title is not None:
+            sweep["title"] = title
+        self.sweeps[name] = sweep
+        return sweep
+
     def as_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
             "suite": self.suite,
@@ -62,12 +127,14 @@ class Report:
         return json.dumps(self.as_dict(), indent=2)
 
     def to_table(self) -> str:
-        rows = [("name", "value", "unit", "baseline", "ratio")]
+        rows = [("name", "value", "min-max", "unit", "baseline", "ratio")]
         for r in self.results:
+            spread = "" if r.min is None or r.max is None else f"{r.min:.3g}-{r.max:.3g}"
             rows.append(
                 (
                     r.name,
                     f"{r.value:.4g}",
+                    spread,
                     r.unit,
                     r.baseline or "",
                     "" if r.ratio is None else f"{r.ratio:.3g}",
@@ -109,6 +176,8 @@ class Timing:
     median: float
     min: float
     max: float
+    samples: tuple[float, ...] = ()
+    """Every measurement in order, for pairing with a contender timed in turns."""
 
 
 def repeat(fn: Callable[[], object], *, repeats: int = 5, warmup: int = 1) -> Timing:
@@ -121,3 +190,68 @@ def repeat(fn: Callable[[], object], *, repeats: int = 5, warmup: int = 1) -> Ti
         fn()
         samples.append(time.perf_counter() - t0)
     return Timing(statistics.median(samples), min(samples), max(samples))
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """Pause Python's cyclic garbage collector for a timed section, as ``timeit`` does.
+
+    A collection's cost grows with every tracked object in the process (numpy, torch and the
+    rest of the engine), not with the code under test, and it lands on whichever batch
+    happens to trip the threshold: left on, it makes timings bimodal.
+    """
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
+def cpu_clock() -> float:
+    """This process's CPU time in seconds (``time.process_time``).
+
+    For a single-threaded, CPU-bound loop it equals wall time on an idle machine, and on a
+    shared one it leaves out the time the scheduler gave to other processes.
+    """
+    return time.process_time()
+
+
+def repeat_interleaved(
+    fns: Mapping[str, Callable[[], object]],
+    *,
+    repeats: int = 5,
+    warmup: int = 1,
+    clock: Callable[[], float] = time.perf_counter,
+) -> dict[str, Timing]:
+    """Like :func:`repeat` for several contenders, taking turns within each repetition.
+
+    On a shared machine the load drifts over seconds; alternating the contenders exposes
+    each to the same drift, so their ratio is steadier than that of two separate runs.
+    ``clock`` may be :func:`cpu_clock` for single-threaded code on a busy machine.
+    """
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            t0 = clock()
+            fn()
+            samples[name].append(clock() - t0)
+    return {
+        name: Timing(statistics.median(s), min(s), max(s), tuple(s)) for name, s in samples.items()
+    }
+
+
+def paired_ratio(slow: Timing, fast: Timing) -> Timing:
+    """``slow / fast`` per repetition of :func:`repeat_interleaved`: median, min and max.
+
+    Each repetition's two contenders ran back to back under the same load, so their ratio
+    is the fair one; the spread of these ratios is the honest spread of the comparison.
+    """
+    if not slow.samples or len(slow.samples) != len(fast.samples):
+        raise ValueError("paired_ratio needs two timings from one repeat_interleaved call")
+    ratios = [s / f for s, f in zip(slow.samples, fast.samples, strict=True)]
+    return Timing(statistics.median(ratios), min(ratios), max(ratios), tuple(ratios))
