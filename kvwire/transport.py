@@ -20,6 +20,11 @@ Contract (the conformance suite enforces it):
 
 Descriptors are ``(N, 3)`` ``int64`` numpy arrays of ``(address, length, device_id)``; the
 local and remote arrays of one transfer pair up row by row and must have equal lengths.
+
+Optional extras (not part of the Protocol; used when present): a ``failure_reason(handle)``
+method saying why a transfer FAILED, and a ``conformance_allocators`` tuple of
+``"module:function"`` host allocators on the factory, which the conformance suite and
+``kvwire bench transport`` also run over. docs/transports.md has the contract in prose.
 """
 
 from __future__ import annotations

@@ -1,15 +1,131 @@
-"""Not built yet."""
+"""Run the transport conformance suite against one transport and report by capability.
+
+``kvwire conformance NAME`` (an installed ``kvwire.transports`` entry point) or
+``kvwire conformance module:factory``; ``-o KEY=VALUE`` passes factory options (VALUE is
+JSON when it parses). The suite runs in a pytest subprocess, with the transport's two
+agents in separate processes; the exit status is nonzero when any test failed.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from collections import defaultdict
+from typing import Any
 
 from kvwire.errors import ConfigError
 
+GENERIC_MODULE = "kvwire_conformance.test_selected_transport"
+PYTEST_USAGE_ERROR = 4
+PYTEST_NO_TESTS = 5
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    del parser
+    parser.add_argument("transport", metavar="NAME|module:factory", help="transport to test")
+    parser.add_argument(
+        "-o",
+        "--option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="factory option, repeatable (VALUE parsed as JSON when it can be)",
+    )
+    parser.add_argument("-k", dest="keyword", metavar="EXPR", help="only tests matching EXPR")
+    parser.add_argument("-x", "--exitfirst", action="store_true", help="stop at the first failure")
+    parser.add_argument("--json", action="store_true", help="print the outcomes as JSON")
+    parser.add_argument("-v", "--verbose", action="store_true", help="pytest's verbose output")
+
+
+def _pytest_command(args: argparse.Namespace, report: str, ini: str, root: str) -> list[str]:
+    for option in args.option:
+        if "=" not in option or option.startswith("="):
+            raise ConfigError(f"-o wants KEY=VALUE, got {option!r}")
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "--pyargs",
+        GENERIC_MODULE,
+        "-c",
+        ini,
+        "--rootdir",
+        root,
+        "-p",
+        "no:cacheprovider",
+        "--kvwire-transport",
+        args.transport,
+        "--kvwire-report",
+        report,
+        "-v" if args.verbose else "-q",
+    ]
+    for option in args.option:
+        cmd += ["--kvwire-option", option]
+    if args.keyword:
+        cmd += ["-k", args.keyword]
+    if args.exitfirst:
+        cmd.append("-x")
+    return cmd
+
+
+def _table(tests: list[dict[str, Any]]) -> str:
+    counts: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+    for test in tests:
+        outcome = "failed" if test["outcome"] == "error" else test["outcome"]
+        counts[test["capability"]][outcome] += 1
+    rows = [("capability", "passed", "failed", "skipped", "verdict")]
+    for cap in sorted(counts):
+        c = counts[cap]
+        verdict = "FAIL" if c["failed"] else ("pass" if c["passed"] else "skipped")
+        rows.append((cap, str(c["passed"]), str(c["failed"]), str(c["skipped"]), verdict))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.ljust(widths[i]) for i, c in enumerate(row)).rstrip() for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    for test in tests:
+        if test["outcome"] in ("failed", "error", "skipped"):
+            name = test["test"].split("::")[-1]
+            lines.append(f"{test['outcome'].upper():8} {name}: {test['detail']}")
+    return "\n".join(lines)
 
 
 def run(args: argparse.Namespace) -> int:
-    raise ConfigError("kvwire conformance is not built yet")
+    for module in ("pytest", "kvwire_conformance"):
+        if importlib.util.find_spec(module) is None:
+            raise ConfigError(f"kvwire conformance needs {module!r}: pip install 'kvwire[dev]'")
+    with tempfile.TemporaryDirectory(prefix="kvwire-conformance-") as tmp:
+        report = os.path.join(tmp, "report.json")
+        ini = os.path.join(tmp, "pytest.ini")
+        with open(ini, "w") as out:
+            out.write("[pytest]\n")
+        cmd = _pytest_command(args, report, ini, tmp)
+        stdout = subprocess.DEVNULL if args.json else None
+        code = subprocess.call(cmd, stdout=stdout)
+        if code == PYTEST_USAGE_ERROR or not os.path.exists(report):
+            raise ConfigError(
+                f"the conformance run for {args.transport!r} could not start "
+                f"(pytest exit status {code}; its error is above)"
+            )
+        with open(report) as inp:
+            outcome = json.load(inp)
+    tests: list[dict[str, Any]] = outcome["tests"]
+    failed = [t for t in tests if t["outcome"] in ("failed", "error")]
+    ok = code == 0 and not failed and bool(tests)
+    if args.json:
+        doc = {"transport": args.transport, "passed": ok, "tests": tests}
+        sys.stdout.write(json.dumps(doc, indent=1) + "\n")
+    else:
+        sys.stdout.write(f"\nkvwire conformance: {args.transport}\n{_table(tests)}\n")
+        total = len(tests)
+        passed = sum(t["outcome"] == "passed" for t in tests)
+        skipped = sum(t["outcome"] == "skipped" for t in tests)
+        verdict = "PASS" if ok else "FAIL"
+        sys.stdout.write(
+            f"{verdict}: {passed} passed, {len(failed)} failed, {skipped} skipped of {total}\n"
+        )
+    if code == PYTEST_NO_TESTS:
+        sys.stderr.write("kvwire conformance: no test matched\n")
+    return 0 if ok else 1

@@ -162,7 +162,10 @@ def parse_kv_transfer_params(
     if isinstance(params, Mapping):
         return convert(dict(params), cls, what="kv_transfer_params")
     if isinstance(params, str):
-        params = params.encode()
+        try:
+            params = params.encode()
+        except UnicodeEncodeError:  # lone surrogates: text no peer could have sent
+            raise WireDecodeError("kv_transfer_params: text is not valid Unicode") from None
     check_size(params, max_size, "kv_transfer_params")
     raw = bytes(params)
     if raw.lstrip()[:1] == b"{":

@@ -1,0 +1,163 @@
+"""The peer agent: a separate process that runs the other side of every conformance test.
+
+Started by :class:`kvwire_conformance.agent.PeerAgent` as
+``python -m kvwire_conformance.peer --fd N --transport SPEC --name NAME --options JSON``.
+It creates the transport with the same factory and options as the test process, then
+obeys commands from :mod:`kvwire_conformance.protocol` until told to close or die.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import sys
+import time
+import traceback
+from typing import Any
+
+import numpy as np
+
+from kvwire.transport import Transport, XferState, create, region_of_array
+from kvwire_conformance import memory
+from kvwire_conformance import protocol as p
+
+
+class _Agent:
+    def __init__(self, transport: Transport) -> None:
+        self.t = transport
+        self.arrays: dict[int, Any] = {}
+        self.handles: dict[int, object] = {}
+        self.xfers: dict[int, object] = {}
+        self.inbox: list[tuple[str, bytes]] = []
+        self.next_id = 1
+
+    def _id(self) -> int:
+        self.next_id += 1
+        return self.next_id
+
+    def _collect(self) -> None:
+        self.inbox.extend(self.t.drain_notifications())
+
+    def _await_message(self, message: bytes, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while True:
+            self._collect()
+            for _i, (_, msg) in enumerate(self.inbox):
+                if msg == message:
+                    return True
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            self.t.wait(min(left, 0.05))
+
+    def handle(self, req: Any) -> Any:
+        t = self.t
+        if isinstance(req, p.Hello):
+            caps = t.capabilities
+            return {"name": t.name, "pid": os.getpid(), "ordered": caps.ordered_notifications}
+        if isinstance(req, p.Alloc):
+            array = memory.allocate(req.allocator, req.nbytes)
+            handle = t.register([region_of_array(array)])
+            rid = self._id()
+            self.arrays[rid] = array
+            self.handles[rid] = handle
+            return {"region": rid, "addr": int(array.ctypes.data), "nbytes": int(array.nbytes)}
+        if isinstance(req, p.Deregister):
+            t.deregister(self.handles.pop(req.region))
+            return None
+        if isinstance(req, p.Fill):
+            memory.view(req.addr, req.nbytes)[:] = memory.pattern(req.seed, req.nbytes)
+            return None
+        if isinstance(req, p.ReadDescs):
+            return memory.read_descs(_descs(req.descs))
+        if isinstance(req, p.Metadata):
+            return t.local_metadata()
+        if isinstance(req, p.AddPeer):
+            return t.add_peer(req.blob)
+        if isinstance(req, p.Post):
+            post = t.read if req.op == "read" else t.write
+            xfer = post(req.peer, _descs(req.local), _descs(req.remote), req.notify)
+            xid = self._id()
+            self.xfers[xid] = xfer
+            return xid
+        if isinstance(req, p.WaitXfer):
+            handle = self.xfers[req.xfer]
+            deadline = time.monotonic() + req.timeout
+            state = t.poll(handle)
+            while state is XferState.PENDING and time.monotonic() < deadline:
+                t.wait(0.05)
+                state = t.poll(handle)
+            return state.value
+        if isinstance(req, p.Release):
+            t.release(self.xfers.pop(req.xfer))
+            return None
+        if isinstance(req, p.Notify):
+            t.notify(req.peer, req.message)
+            return None
+        if isinstance(req, p.Drain):
+            deadline = time.monotonic() + req.timeout
+            self._collect()
+            while len(self.inbox) < req.at_least and time.monotonic() < deadline:
+                t.wait(min(0.05, max(0.0, deadline - time.monotonic())))
+                self._collect()
+            out, self.inbox = self.inbox, []
+            return [[peer, msg] for peer, msg in out]
+        if isinstance(req, p.AwaitThenRead):
+            read = memory.reader(_descs(req.descs))  # ready before the race starts
+            found = self._await_message(req.message, req.timeout)
+            data = read()
+            return {"found": found, "data": data}
+        if isinstance(req, p.AwaitThenFill):
+            fresh = memory.pattern(req.seed, req.nbytes)  # ready before the race starts
+            found = self._await_message(req.message, req.timeout)
+            memory.view(req.addr, req.nbytes)[:] = fresh
+            return found
+        if isinstance(req, p.Close):
+            t.close()
+            return None
+        if isinstance(req, p.Die):
+            os.kill(os.getpid(), signal.SIGKILL)
+        raise ValueError(f"unknown command {req!r}")
+
+
+def _descs(raw: bytes) -> memory.I64:
+    return np.frombuffer(raw, dtype=np.int64).reshape(-1, 3).copy()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kvwire_conformance.peer")
+    parser.add_argument("--fd", type=int, required=True)
+    parser.add_argument("--transport", required=True)
+    parser.add_argument("--name", required=True)
+    parser.add_argument("--options", default="{}")
+    args = parser.parse_args(argv)
+    chan = socket.socket(fileno=args.fd)
+    try:
+        transport = create(args.transport, args.name, **json.loads(args.options))
+    except Exception as exc:
+        p.send(chan, p.request_encoder.encode({"error": [type(exc).__name__, str(exc)]}))
+        return 1
+    agent = _Agent(transport)
+    p.send(chan, p.request_encoder.encode({"ok": None}))
+    while True:
+        try:
+            raw = p.receive(chan)
+        except EOFError:
+            return 0
+        req: Any = None
+        try:
+            req = p.request_decoder.decode(raw)
+            reply: dict[str, Any] = {"ok": agent.handle(req)}
+        except Exception as exc:
+            detail = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+            reply = {"error": [type(exc).__name__, detail]}
+        p.send(chan, p.request_encoder.encode(reply))
+        if isinstance(req, p.Close):
+            return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

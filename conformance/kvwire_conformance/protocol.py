@@ -1,0 +1,148 @@
+"""Commands the suite sends to its peer agent process, and the framing they travel in.
+
+msgpack frames with a 4-byte length over a socketpair inherited by the child; stdout and
+stderr stay free for whatever the transport's libraries print.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+from typing import Any
+
+import msgspec
+
+_HEADER = struct.Struct("<I")
+
+
+class Hello(msgspec.Struct, tag=True):
+    pass
+
+
+class Alloc(msgspec.Struct, tag=True):
+    nbytes: int
+    allocator: str = "numpy"
+
+
+class Deregister(msgspec.Struct, tag=True):
+    region: int
+
+
+class Fill(msgspec.Struct, tag=True):
+    """Oracle write of ``pattern(seed)`` over ``[addr, addr + nbytes)``."""
+
+    addr: int
+    nbytes: int
+    seed: int
+
+
+class ReadDescs(msgspec.Struct, tag=True):
+    """Oracle read of the spans of an (N, 3) int64 descriptor array (raw bytes)."""
+
+    descs: bytes
+
+
+class Metadata(msgspec.Struct, tag=True):
+    pass
+
+
+class AddPeer(msgspec.Struct, tag=True):
+    blob: bytes
+
+
+class Post(msgspec.Struct, tag=True):
+    op: str
+    peer: str
+    local: bytes
+    remote: bytes
+    notify: bytes | None = None
+
+
+class WaitXfer(msgspec.Struct, tag=True):
+    xfer: int
+    timeout: float
+
+
+class Release(msgspec.Struct, tag=True):
+    xfer: int
+
+
+class Notify(msgspec.Struct, tag=True):
+    peer: str
+    message: bytes
+
+
+class Drain(msgspec.Struct, tag=True):
+    """Notifications received so far; waits until ``at_least`` are in hand or timeout."""
+
+    at_least: int = 0
+    timeout: float = 0.0
+
+
+class AwaitThenRead(msgspec.Struct, tag=True):
+    """Wait for ``message``, then at once oracle-read ``descs``: was the data there first?"""
+
+    message: bytes
+    descs: bytes
+    timeout: float
+
+
+class AwaitThenFill(msgspec.Struct, tag=True):
+    """Wait for ``message``, then at once overwrite ``[addr, addr + nbytes)``."""
+
+    message: bytes
+    addr: int
+    nbytes: int
+    seed: int
+    timeout: float
+
+
+class Close(msgspec.Struct, tag=True):
+    pass
+
+
+class Die(msgspec.Struct, tag=True):
+    """Exit at once with SIGKILL, mid-whatever, without closing anything."""
+
+
+Request = (
+    Hello
+    | Alloc
+    | Deregister
+    | Fill
+    | ReadDescs
+    | Metadata
+    | AddPeer
+    | Post
+    | WaitXfer
+    | Release
+    | Notify
+    | Drain
+    | AwaitThenRead
+    | AwaitThenFill
+    | Close
+    | Die
+)
+
+request_encoder = msgspec.msgpack.Encoder()
+request_decoder: msgspec.msgpack.Decoder[Any] = msgspec.msgpack.Decoder(Request)
+reply_decoder: msgspec.msgpack.Decoder[Any] = msgspec.msgpack.Decoder()
+
+
+def send(sock: socket.socket, payload: bytes) -> None:
+    sock.sendall(_HEADER.pack(len(payload)) + payload)
+
+
+def _exact(sock: socket.socket, n: int) -> bytes:
+    chunks = bytearray()
+    while len(chunks) < n:
+        part = sock.recv(min(n - len(chunks), 1 << 22))
+        if not part:
+            raise EOFError("peer agent channel closed")
+        chunks += part
+    return bytes(chunks)
+
+
+def receive(sock: socket.socket) -> bytes:
+    (n,) = _HEADER.unpack(_exact(sock, _HEADER.size))
+    return _exact(sock, n)

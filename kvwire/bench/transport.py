@@ -1,0 +1,180 @@
+"""``kvwire bench transport``: READ bandwidth and latency of a transport between processes.
+
+For each transport named with ``--transport`` (default ``shm``) a peer agent process (the
+conformance suite's, :mod:`kvwire_conformance.agent`) registers the source blocks, and
+this process READs them: 256 x 64 KiB and 32 x 2 MiB blocks scattered on both sides (so
+nothing coalesces), plus one 4 KiB READ for latency. In the same run a single-process
+numpy copy of the same bytes (warm pages) is the baseline every figure is compared with.
+Results are named ``<transport>.read.<size>.GBps`` and ``<transport>.read.4KiB.us``. When
+the transport offers its own host allocator (``conformance_allocators``, e.g. shm's
+peer-mappable segments) the headline uses it, and plain numpy memory is reported beside it
+as ``<transport>.read.<size>.numpy.GBps``. If a module
+``kvwire_<transport>.rawbench`` exists, its ``raw_baseline(quick) -> list[Result]`` adds
+the raw library's own figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import time
+import uuid
+from typing import Any
+
+import numpy as np
+
+from kvwire.bench.report import Report, Result, repeat
+from kvwire.errors import ConfigError, TransportError
+from kvwire.transport import Transport, XferState, create, load, region_of_array
+
+SHAPES = ((256, 64 << 10, "64KiB"), (32, 2 << 20, "2MiB"))
+LATENCY_BYTES = 4096
+
+
+class _Memcpy:
+    """The baseline: one numpy copy of the same bytes in one process, pages warm.
+
+    Sampled between the transport's own repetitions, so both see the same machine load.
+    """
+
+    def __init__(self) -> None:
+        self.buffers: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        self.samples: dict[str, list[float]] = {}
+
+    def sample(self, label: str, nbytes: int) -> None:
+        if label not in self.buffers:
+            src = np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8)
+            dst = np.ones_like(src)
+            np.copyto(dst, src)
+            self.buffers[label] = (src, dst)
+        src, dst = self.buffers[label]
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        self.samples.setdefault(label, []).append(nbytes / (time.perf_counter() - t0) / 1e9)
+
+    def gbps(self, label: str) -> float:
+        """Median GB/s over every sample taken so far."""
+        return float(np.median(self.samples[label]))
+
+
+def _scattered(base: int, count: int, size: int, seed: int) -> np.ndarray:
+    """``count`` blocks at shuffled, non-adjacent slots of a region twice as large."""
+    slots = np.random.default_rng(seed).permutation(2 * count)[:count].astype(np.int64)
+    descs = np.zeros((count, 3), dtype=np.int64)
+    descs[:, 0] = base + slots * size
+    descs[:, 1] = size
+    return descs
+
+
+def _read(local: Transport, peer: str, ldescs: np.ndarray, rdescs: np.ndarray) -> None:
+    handle = local.read(peer, ldescs, rdescs)
+    deadline = time.monotonic() + 60
+    state = local.poll(handle)
+    while state is XferState.PENDING and time.monotonic() < deadline:
+        local.wait(0.001)
+        state = local.poll(handle)
+    local.release(handle)
+    if state is not XferState.DONE:
+        raise TransportError(f"benchmark READ ended {state.name}")
+
+
+def _measure(name: str, allocator: str, quick: bool, memcpy: _Memcpy) -> dict[str, float]:
+    from kvwire_conformance.agent import PeerAgent  # the peer process; only the bench needs it
+    from kvwire_conformance.memory import allocate
+
+    repeats = 5 if quick else 30
+    out: dict[str, float] = {}
+    peer = PeerAgent(name)
+    local = create(name, f"kvwire-bench-{uuid.uuid4().hex[:8]}")
+    try:
+        regions = []
+        for count, size, label in SHAPES:
+            remote = peer.alloc(2 * count * size, allocator)
+            peer.fill(remote["addr"], remote["nbytes"], seed=count)
+            array = allocate(allocator, 2 * count * size)
+            array[:] = 1  # touch every page before timing
+            local.register([region_of_array(array)])
+            regions.append((count, size, label, int(array.ctypes.data), remote["addr"], array))
+        peer_name = local.add_peer(peer.metadata())
+        for count, size, label, laddr, raddr, _ in regions:
+            ldescs = _scattered(laddr, count, size, seed=1)
+            rdescs = _scattered(raddr, count, size, seed=2)
+            for _ in range(2):
+                _read(local, peer_name, ldescs, rdescs)  # warm both sides' pages and mappings
+            samples = []
+            for _ in range(repeats):
+                memcpy.sample(label, count * size)
+                t0 = time.perf_counter()
+                _read(local, peer_name, ldescs, rdescs)
+                samples.append(count * size / (time.perf_counter() - t0) / 1e9)
+            out[label] = float(np.median(samples))
+            out[f"{label}.min"], out[f"{label}.max"] = min(samples), max(samples)
+        _, _, _, laddr, raddr, _ = regions[0]
+        one_l = np.array([[laddr, LATENCY_BYTES, 0]], dtype=np.int64)
+        one_r = np.array([[raddr, LATENCY_BYTES, 0]], dtype=np.int64)
+        timing = repeat(
+            lambda: _read(local, peer_name, one_l, one_r), repeats=50 if quick else 300, warmup=10
+        )
+        out["latency_us"] = timing.median * 1e6
+    finally:
+        local.close()
+        peer.close()
+    return out
+
+
+def _raw_baselines(name: str, quick: bool) -> list[Result]:
+    try:
+        module = importlib.import_module(f"kvwire_{name}.rawbench")
+    except ModuleNotFoundError as exc:
+        if exc.name and exc.name.startswith(f"kvwire_{name}"):
+            return []
+        raise
+    results: list[Result] = module.raw_baseline(quick)
+    return results
+
+
+def run(args: argparse.Namespace) -> Report:
+    names = list(getattr(args, "transport", None) or ["shm"])
+    quick = bool(getattr(args, "quick", False))
+    memcpy = _Memcpy()
+    measured: list[tuple[str, str, dict[str, float]]] = []
+    for name in names:
+        if ":" in name:
+            raise ConfigError(f"bench transport wants an installed transport name, not {name!r}")
+        factory: Any = load(name)
+        extra = list(getattr(factory, "conformance_allocators", ()))
+        # The headline uses the memory the transport moves best (its own allocator when it
+        # has one); plain numpy memory is reported beside it.
+        for allocator in [*extra[:1], "numpy"] if extra else ["numpy"]:
+            suffix = ".numpy" if extra and allocator == "numpy" else ""
+            measured.append((name, suffix, _measure(name, allocator, quick, memcpy)))
+    report = Report("transport")
+    for _, _, label in SHAPES:
+        samples = memcpy.samples[label]
+        report.add(
+            Result(
+                f"memcpy.{label}.GBps",
+                memcpy.gbps(label),
+                "GB/s",
+                min=min(samples),
+                max=max(samples),
+            )
+        )
+    for name, suffix, figures in measured:
+        for _, _, label in SHAPES:
+            value = figures[label]
+            report.add(
+                Result(
+                    f"{name}.read.{label}{suffix}.GBps",
+                    value,
+                    "GB/s",
+                    baseline=f"memcpy.{label}.GBps",
+                    ratio=value / memcpy.gbps(label),
+                    min=figures[f"{label}.min"],
+                    max=figures[f"{label}.max"],
+                )
+            )
+        report.add(Result(f"{name}.read.4KiB{suffix}.us", figures["latency_us"], "us"))
+    for name in names:
+        report.results.extend(_raw_baselines(name, quick))
+    return report

@@ -1,0 +1,79 @@
+"""Sorted region tables that check and translate whole descriptor arrays at once."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from kvwire.errors import DescriptorError
+from kvwire.transport import Descs
+
+DRAM, VRAM = 0, 1
+"""Memory kinds as small integers, for vectorized masks."""
+
+CMA, MAPPED, CUDA, LOCAL = 0, 1, 2, 3
+"""How bytes of a region are reached: cross-memory attach, a mapped segment, CUDA IPC, or
+directly (the region is ours)."""
+
+I64 = npt.NDArray[np.int64]
+
+
+@dataclass(frozen=True)
+class Row:
+    addr: int
+    length: int
+    device_id: int
+    kind: int
+    route: int
+    delta: int = 0
+    """Added to an address of this region to get one usable in this process."""
+
+
+class Table:
+    """Regions sorted by address; ``locate`` maps each descriptor to the region holding it."""
+
+    def __init__(self, rows: Sequence[Row]) -> None:
+        ordered = sorted(rows, key=lambda r: r.addr)
+        self.starts = np.array([r.addr for r in ordered], dtype=np.int64)
+        self.ends = np.array([r.addr + r.length for r in ordered], dtype=np.int64)
+        self.devs = np.array([r.device_id for r in ordered], dtype=np.int64)
+        self.kinds = np.array([r.kind for r in ordered], dtype=np.int8)
+        self.routes = np.array([r.route for r in ordered], dtype=np.int8)
+        self.deltas = np.array([r.delta for r in ordered], dtype=np.int64)
+
+    def locate(self, descs: Descs, side: str) -> I64:
+        """Index of the region holding each descriptor; DescriptorError names the first miss."""
+        n = descs.shape[0]
+        if n == 0:
+            return np.zeros(0, dtype=np.int64)
+        addr = descs[:, 0]
+        length = descs[:, 1]
+        if self.starts.shape[0] == 0:
+            raise DescriptorError(f"{side} descriptor 0 names memory but no region is registered")
+        idx = np.searchsorted(self.starts, addr, side="right").astype(np.int64) - 1
+        safe = np.maximum(idx, 0)
+        # end - addr >= length instead of addr + length <= end: no int64 overflow.
+        ok = (idx >= 0) & (self.ends[safe] - addr >= length)
+        ok &= (self.kinds[safe] != VRAM) | (descs[:, 2] == self.devs[safe])
+        if not ok.all():
+            bad = int(np.flatnonzero(~ok)[0])
+            raise DescriptorError(
+                f"{side} descriptor {bad} (addr=0x{int(addr[bad]):x}, length={int(length[bad])}, "
+                f"device={int(descs[bad, 2])}) is outside every registered region"
+            )
+        return idx
+
+
+def coalesce(dst: I64, src: I64, length: I64) -> tuple[I64, I64, I64]:
+    """Merge runs of descriptors that are contiguous on both sides; drops empty ones."""
+    keep = length > 0
+    dst, src, length = dst[keep], src[keep], length[keep]
+    if dst.shape[0] <= 1:
+        return dst, src, length
+    starts_run = np.ones(dst.shape[0], dtype=bool)
+    starts_run[1:] = (dst[1:] != dst[:-1] + length[:-1]) | (src[1:] != src[:-1] + length[:-1])
+    heads = np.flatnonzero(starts_run)
+    return dst[heads], src[heads], np.add.reduceat(length, heads)

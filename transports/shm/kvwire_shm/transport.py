@@ -1,0 +1,652 @@
+"""The shm transport: real bytes between processes of one host, no RDMA hardware.
+
+Bytes move on one worker thread per agent, so ``read``/``write`` return at once:
+
+* memory the peer allocated with :func:`kvwire_shm.allocate` is mapped here at
+  ``add_peer`` and copied with plain ``memmove`` (no syscall);
+* any other registered host memory is reached with ``process_vm_readv``/``writev``,
+  up to IOV_MAX descriptors per syscall;
+* VRAM goes through CUDA IPC when a GPU is present.
+
+A transfer's notification is sent by the same worker after its last byte landed, and
+``notify`` goes through the same queue, so every notification to a peer arrives in the
+order of the calls that produced it. A peer's death is seen through a pidfd and its closed
+socket; transfers touching it end FAILED.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import ctypes
+import itertools
+import os
+import select
+import socket
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from kvwire.errors import (
+    ConfigError,
+    DescriptorError,
+    PeerMetadataError,
+    RegistrationError,
+    TransferFailedError,
+    TransportClosedError,
+    TransportError,
+    UnknownPeerError,
+)
+from kvwire.transport import (
+    Capabilities,
+    Descs,
+    MemKind,
+    Region,
+    XferState,
+    as_descs,
+    check_pair,
+)
+from kvwire_shm import _cuda
+from kvwire_shm._cma import CmaError, allow_any_ptracer, cma_copy
+from kvwire_shm._notify import NotifyHub, connect, frame
+from kvwire_shm._segments import PeerMapping, SegmentInfo, segment_of
+from kvwire_shm._tables import CMA, CUDA, DRAM, I64, LOCAL, MAPPED, VRAM, Row, Table, coalesce
+
+_MAGIC = "kvwire-shm"
+_VERSION = 1
+_SMALL_DESCRIPTOR = 4096
+"""Below this mean length, mapped copies gather with numpy instead of one memmove each."""
+_ABORT_CHECK_EVERY = 64
+
+
+class _RegionMeta(msgspec.Struct, array_like=True):
+    addr: int
+    length: int
+    device_id: int
+    kind: str
+    seg_fd: int = -1
+    seg_token: str = ""
+    seg_base: int = 0
+    seg_size: int = 0
+    cuda_handle: bytes = b""
+    cuda_base: int = 0
+
+
+class _AgentMeta(msgspec.Struct, array_like=True):
+    magic: str
+    version: int
+    name: str
+    pid: int
+    address: bytes
+    regions: list[_RegionMeta]
+
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(_AgentMeta)
+
+
+@dataclass
+class _Registration:
+    regions: list[_RegionMeta]
+
+
+@dataclass
+class _Peer:
+    name: str
+    pid: int
+    pidfd: int
+    sock: socket.socket
+    table: Table
+    mappings: list[PeerMapping] = field(default_factory=list)
+    cuda_ptrs: list[tuple[int, int]] = field(default_factory=list)
+    broken: str | None = None
+
+    def gone(self) -> bool:
+        poller = select.poll()
+        poller.register(self.pidfd, select.POLLIN)
+        return bool(poller.poll(0))
+
+    def send(self, payload: bytes) -> None:
+        if self.broken is not None:
+            raise OSError(self.broken)
+        try:
+            self.sock.sendall(frame(payload))
+        except OSError as exc:
+            self.broken = f"notification channel to {self.name!r} broke: {exc}"
+            raise
+
+    def close(self, lib: _cuda._Cuda | None) -> None:
+        self.sock.close()
+        os.close(self.pidfd)
+        for mapping in self.mappings:
+            mapping.close()
+        self.mappings.clear()
+        if lib is not None:
+            for ptr, device in self.cuda_ptrs:
+                lib.set_device(device)
+                lib.close_handle(ptr)
+        self.cuda_ptrs.clear()
+
+
+@dataclass
+class _Batch:
+    """Descriptors of one transfer that travel the same way, coalesced."""
+
+    route: int
+    dst: I64
+    src: I64
+    length: I64
+    device: int = 0
+
+
+@dataclass(eq=False)
+class _Xfer:
+    owner: ShmTransport
+    peer: _Peer
+    write: bool
+    batches: list[_Batch]
+    notify: bytes | None
+    state: XferState = XferState.PENDING
+    released: bool = False
+    error: str | None = None
+
+
+@dataclass(eq=False)
+class _Notify:
+    peer: _Peer
+    message: bytes
+
+
+@dataclass(eq=False)
+class _Retire:
+    peer: _Peer
+
+
+_Job = _Xfer | _Notify | _Retire
+
+_counter = itertools.count()
+
+
+def _gather_copy(dst: I64, src: I64, length: I64) -> None:
+    """Copy many small spans with two vectorized index operations, no Python loop."""
+    total = int(length.sum())
+    within = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(length) - length, length)
+    d_base, s_base = int(dst.min()), int(src.min())
+    d_span = int((dst + length).max()) - d_base
+    s_span = int((src + length).max()) - s_base
+    d_view = np.frombuffer(
+        memoryview((ctypes.c_uint8 * d_span).from_address(d_base)), dtype=np.uint8
+    )
+    s_view = np.frombuffer(
+        memoryview((ctypes.c_uint8 * s_span).from_address(s_base)), dtype=np.uint8
+    )
+    d_view[np.repeat(dst - d_base, length) + within] = s_view[
+        np.repeat(src - s_base, length) + within
+    ]
+
+
+class ShmTransport:
+    """One agent of the shm transport. ``ShmTransport(name, cuda=None)``.
+
+    ``cuda``: None uses CUDA IPC when a GPU is present, False never does.
+    """
+
+    conformance_allocators = ("kvwire_shm:allocate",)
+    """Extra host allocators the conformance suite runs its memory tests over."""
+
+    def __init__(self, name: str, **options: Any) -> None:
+        unknown = set(options) - {"cuda"}
+        if unknown:
+            raise ConfigError(f"shm transport: unknown option(s) {', '.join(sorted(unknown))}")
+        if not name:
+            raise ConfigError("shm transport: an agent needs a non-empty name")
+        self._name = name
+        want_cuda = options.get("cuda")
+        self._cuda = _cuda.cuda() if want_cuda is not False else None
+        if want_cuda is True and self._cuda is None:
+            raise ConfigError("shm transport: cuda=True but no CUDA device is available")
+        kinds = {MemKind.DRAM} | ({MemKind.VRAM} if self._cuda is not None else set())
+        self._caps = Capabilities(
+            read=True,
+            write=True,
+            notifications=True,
+            mem_kinds=frozenset(kinds),
+            cross_process=True,
+            cross_host=False,
+            max_descriptors=None,
+            ordered_notifications=True,
+        )
+        allow_any_ptracer()
+        self._lock = threading.Lock()
+        self._closed = False
+        self._registrations: dict[int, _Registration] = {}
+        self._reg_ids = itertools.count(1)
+        self._local = Table([])
+        self._peers: dict[str, _Peer] = {}
+        self._xfers: set[_Xfer] = set()
+        self._inbox: list[tuple[str, bytes]] = []
+        self._activity = threading.Condition()
+        self._pulse = False
+        self._jobs: collections.deque[_Job | None] = collections.deque()
+        self._jobs_cv = threading.Condition()
+        self._hub = NotifyHub(name, self._on_notification)
+        self._worker = threading.Thread(
+            target=self._work, name=f"kvwire-shm-worker-{name}", daemon=True
+        )
+        self._worker.start()
+
+    # -- properties -------------------------------------------------------------------
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return self._caps
+
+    # -- memory -----------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TransportClosedError(f"shm agent {self._name!r} is closed")
+
+    def register(self, regions: Sequence[Region]) -> object:
+        self._check_open()
+        metas = [self._describe(region) for region in regions]
+        if not metas:
+            raise RegistrationError("register needs at least one region")
+        with self._lock:
+            handle = next(self._reg_ids)
+            self._registrations[handle] = _Registration(metas)
+            self._rebuild_local()
+        return handle
+
+    def _describe(self, region: Region) -> _RegionMeta:
+        if not isinstance(region, Region):
+            raise RegistrationError(f"expected a kvwire.transport.Region, got {type(region)!r}")
+        if region.kind is MemKind.VRAM:
+            if self._cuda is None:
+                raise RegistrationError("VRAM regions need CUDA, which this agent does not have")
+            try:
+                base, _ = self._cuda.allocation_of(region.addr, region.device_id)
+                handle = _cuda.export_handle(self._cuda, base, region.device_id)
+            except _cuda.CudaError as exc:
+                raise RegistrationError(f"cannot export VRAM region: {exc}") from exc
+            return _RegionMeta(
+                region.addr,
+                region.length,
+                region.device_id,
+                "VRAM",
+                cuda_handle=handle,
+                cuda_base=base,
+            )
+        seg = segment_of(region.addr, region.length)
+        if seg is None:
+            return _RegionMeta(region.addr, region.length, region.device_id, "DRAM")
+        return _RegionMeta(
+            region.addr,
+            region.length,
+            region.device_id,
+            "DRAM",
+            seg_fd=seg.fd,
+            seg_token=seg.token,
+            seg_base=seg.base,
+            seg_size=seg.size,
+        )
+
+    def _rebuild_local(self) -> None:
+        rows = [
+            Row(m.addr, m.length, m.device_id, VRAM if m.kind == "VRAM" else DRAM, LOCAL)
+            for reg in self._registrations.values()
+            for m in reg.regions
+        ]
+        self._local = Table(rows)
+
+    def deregister(self, handle: object) -> None:
+        self._check_open()
+        with self._lock:
+            if not isinstance(handle, int) or handle not in self._registrations:
+                raise RegistrationError(f"unknown registration handle {handle!r}")
+            del self._registrations[handle]
+            self._rebuild_local()
+
+    def local_metadata(self) -> bytes:
+        self._check_open()
+        with self._lock:
+            regions = [m for reg in self._registrations.values() for m in reg.regions]
+        meta = _AgentMeta(_MAGIC, _VERSION, self._name, os.getpid(), self._hub.address, regions)
+        return _encoder.encode(meta)
+
+    # -- peers ------------------------------------------------------------------------
+
+    def add_peer(self, blob: bytes) -> str:
+        self._check_open()
+        try:
+            meta = _decoder.decode(blob)
+        except (msgspec.DecodeError, TypeError) as exc:
+            raise PeerMetadataError(f"not shm transport metadata: {exc}") from exc
+        if meta.magic != _MAGIC or meta.version != _VERSION:
+            raise PeerMetadataError(f"not shm transport metadata ({meta.magic} v{meta.version})")
+        try:
+            pidfd = os.pidfd_open(meta.pid)
+        except OSError as exc:
+            raise UnknownPeerError(f"peer {meta.name!r} (pid {meta.pid}) is gone: {exc}") from exc
+        try:
+            sock = connect(meta.address, self._name)
+        except OSError as exc:
+            os.close(pidfd)
+            raise UnknownPeerError(f"cannot reach peer {meta.name!r}: {exc}") from exc
+        peer = _Peer(meta.name, meta.pid, pidfd, sock, Table([]))
+        try:
+            peer.table = Table([self._route(peer, m) for m in meta.regions])
+        except TransportError:
+            peer.close(self._cuda)
+            raise
+        with self._lock:
+            old = self._peers.get(meta.name)
+            self._peers[meta.name] = peer
+        if old is not None:
+            self._enqueue(_Retire(old))
+        return meta.name
+
+    def _route(self, peer: _Peer, m: _RegionMeta) -> Row:
+        kind = VRAM if m.kind == "VRAM" else DRAM
+        if kind == VRAM:
+            if self._cuda is None:
+                raise PeerMetadataError(f"peer {peer.name!r} offers VRAM but CUDA is unavailable")
+            try:
+                ptr = _cuda.open_handle(self._cuda, m.cuda_handle, m.device_id)
+            except _cuda.CudaError as exc:
+                raise PeerMetadataError(f"cannot open peer VRAM: {exc}") from exc
+            peer.cuda_ptrs.append((ptr, m.device_id))
+            return Row(m.addr, m.length, m.device_id, kind, CUDA, ptr - m.cuda_base)
+        if m.seg_fd >= 0:
+            for mapping in peer.mappings:
+                if mapping.peer_base == m.seg_base:
+                    return Row(
+                        m.addr, m.length, m.device_id, kind, MAPPED, mapping.addr - m.seg_base
+                    )
+            try:
+                info = SegmentInfo(m.seg_fd, m.seg_token, m.seg_base, m.seg_size)
+                mapping = PeerMapping(peer.pid, info)
+            except (OSError, ValueError):
+                return Row(m.addr, m.length, m.device_id, kind, CMA)
+            peer.mappings.append(mapping)
+            return Row(m.addr, m.length, m.device_id, kind, MAPPED, mapping.addr - m.seg_base)
+        return Row(m.addr, m.length, m.device_id, kind, CMA)
+
+    def remove_peer(self, peer: str) -> None:
+        self._check_open()
+        with self._lock:
+            gone = self._peers.pop(peer, None)
+        if gone is None:
+            raise UnknownPeerError(f"no peer named {peer!r}")
+        self._enqueue(_Retire(gone))
+
+    def _peer(self, name: str) -> _Peer:
+        with self._lock:
+            peer = self._peers.get(name)
+        if peer is None:
+            raise UnknownPeerError(f"no peer named {name!r}; call add_peer with its metadata")
+        return peer
+
+    # -- transfers --------------------------------------------------------------------
+
+    def read(self, peer: str, local: Descs, remote: Descs, notify: bytes | None = None) -> object:
+        return self._post(peer, local, remote, notify, write=False)
+
+    def write(self, peer: str, local: Descs, remote: Descs, notify: bytes | None = None) -> object:
+        return self._post(peer, local, remote, notify, write=True)
+
+    def _post(
+        self, peer_name: str, local: Descs, remote: Descs, notify: bytes | None, *, write: bool
+    ) -> _Xfer:
+        self._check_open()
+        if notify is not None and not isinstance(notify, bytes):
+            raise TransportError(f"a notification must be bytes, got {type(notify).__name__}")
+        peer = self._peer(peer_name)
+        local = as_descs(local)
+        remote = as_descs(remote)
+        check_pair(local, remote)
+        with self._lock:
+            table = self._local
+        li = table.locate(local, "local")
+        ri = peer.table.locate(remote, "remote")
+        xfer = _Xfer(
+            self, peer, write, self._plan(table, peer.table, li, ri, local, remote, write), notify
+        )
+        with self._lock:
+            self._xfers.add(xfer)
+        self._enqueue(xfer)
+        return xfer
+
+    def _plan(
+        self,
+        local_t: Table,
+        remote_t: Table,
+        li: I64,
+        ri: I64,
+        local: Descs,
+        remote: Descs,
+        write: bool,
+    ) -> list[_Batch]:
+        if local.shape[0] == 0:
+            return []
+        lkind = local_t.kinds[li]
+        route = remote_t.routes[ri]
+        laddr = local[:, 0]
+        raddr = remote[:, 0] + remote_t.deltas[ri]
+        length = local[:, 1]
+        if ((lkind == VRAM) & (route == CMA)).any():
+            raise DescriptorError(
+                "VRAM <-> peer host memory outside a kvwire_shm.allocate segment is not supported"
+            )
+        batches: list[_Batch] = []
+        cuda_mask = (lkind == VRAM) | (route == CUDA)
+        for code, mask in (
+            (MAPPED, (route == MAPPED) & ~cuda_mask),
+            (CMA, (route == CMA) & ~cuda_mask),
+            (CUDA, cuda_mask),
+        ):
+            if not mask.any():
+                continue
+            if code == CMA:  # CMA batches keep (local, remote) order; the flag says which way
+                d, s = laddr[mask], remote[mask, 0]
+            elif write:
+                d, s = raddr[mask], laddr[mask]
+            else:
+                d, s = laddr[mask], raddr[mask]
+            dd, ss, ll = coalesce(d, s, length[mask])
+            device = 0
+            if code == CUDA:
+                devs = np.where(lkind[mask] == VRAM, local[mask, 2], remote[mask, 2])
+                device = int(devs[0])
+                if (devs != device).any():
+                    raise DescriptorError("one transfer may involve only one GPU")
+            if ll.shape[0]:
+                batches.append(_Batch(code, dd, ss, ll, device))
+        return batches
+
+    def _xfer(self, handle: object) -> _Xfer:
+        if not isinstance(handle, _Xfer) or handle.owner is not self:
+            raise TransportError(f"not a transfer handle of agent {self._name!r}: {handle!r}")
+        if handle.released:
+            raise TransportError("transfer handle was already released")
+        return handle
+
+    def poll(self, handle: object) -> XferState:
+        self._check_open()
+        return self._xfer(handle).state
+
+    def failure_reason(self, handle: object) -> str | None:
+        """Why a transfer FAILED (None while it has not)."""
+        return self._xfer(handle).error
+
+    def release(self, handle: object) -> None:
+        self._check_open()
+        xfer = self._xfer(handle)
+        with self._lock:
+            xfer.released = True
+            self._xfers.discard(xfer)
+
+    # -- notifications ----------------------------------------------------------------
+
+    def notify(self, peer: str, message: bytes) -> None:
+        self._check_open()
+        if not isinstance(message, bytes):
+            raise TransportError(f"a notification must be bytes, got {type(message).__name__}")
+        target = self._peer(peer)
+        if target.broken is not None:
+            raise TransferFailedError(target.broken)
+        self._enqueue(_Notify(target, message))
+
+    def drain_notifications(self) -> list[tuple[str, bytes]]:
+        self._check_open()
+        with self._lock:
+            out, self._inbox = self._inbox, []
+        return out
+
+    def _on_notification(self, sender: str, payload: bytes) -> None:
+        with self._lock:
+            self._inbox.append((sender, payload))
+        self._signal()
+
+    def wait(self, timeout: float) -> None:
+        self._check_open()
+        with self._activity:
+            if not self._pulse:
+                self._activity.wait(max(0.0, timeout))
+            self._pulse = False
+
+    def _signal(self) -> None:
+        with self._activity:
+            self._pulse = True
+            self._activity.notify_all()
+
+    # -- the worker -------------------------------------------------------------------
+
+    def _enqueue(self, job: _Job | None) -> None:
+        with self._jobs_cv:
+            self._jobs.append(job)
+            self._jobs_cv.notify()
+
+    def _work(self) -> None:
+        while True:
+            with self._jobs_cv:
+                while not self._jobs:
+                    self._jobs_cv.wait()
+                job = self._jobs.popleft()
+            if job is None:
+                return
+            if isinstance(job, _Xfer):
+                self._run(job)
+            elif isinstance(job, _Notify):
+                with contextlib.suppress(OSError):
+                    job.peer.send(job.message)
+            else:
+                job.peer.close(self._cuda)
+
+    def _run(self, xfer: _Xfer) -> None:
+        if xfer.released:
+            return
+        try:
+            if xfer.peer.gone():
+                raise TransferFailedError(f"peer {xfer.peer.name!r} (pid {xfer.peer.pid}) is gone")
+            finished = self._copy(xfer)
+            if not finished:
+                return
+            if xfer.peer.gone():
+                raise TransferFailedError(f"peer {xfer.peer.name!r} died during the transfer")
+            if xfer.notify is not None:
+                try:
+                    xfer.peer.send(xfer.notify)
+                except OSError as exc:
+                    raise TransferFailedError(f"notification not delivered: {exc}") from exc
+            xfer.state = XferState.DONE
+        except (TransportError, CmaError, _cuda.CudaError) as exc:
+            xfer.error = str(exc)
+            xfer.state = XferState.FAILED
+        self._signal()
+
+    def _copy(self, xfer: _Xfer) -> bool:
+        """Move every byte; False when the transfer was released midway."""
+
+        def aborted() -> bool:
+            return xfer.released or self._closed
+
+        for batch in xfer.batches:
+            if aborted():
+                return False
+            if batch.route == CMA:
+                ok = cma_copy(
+                    xfer.peer.pid,
+                    batch.dst.astype(np.uint64),
+                    batch.src.astype(np.uint64),
+                    batch.length.astype(np.uint64),
+                    write=xfer.write,
+                    aborted=aborted,
+                )
+                if not ok:
+                    return False
+            elif batch.route == MAPPED:
+                if not self._memmove_all(batch, aborted):
+                    return False
+            else:
+                lib = self._cuda
+                assert lib is not None
+                spans = zip(
+                    batch.dst.tolist(), batch.src.tolist(), batch.length.tolist(), strict=True
+                )
+                for d, s, n in spans:
+                    if aborted():
+                        return False
+                    lib.copy(d, s, n, batch.device)
+        return True
+
+    @staticmethod
+    def _memmove_all(batch: _Batch, aborted: Any) -> bool:
+        n = batch.length.shape[0]
+        if int(batch.length.sum()) < _SMALL_DESCRIPTOR * n:
+            _gather_copy(batch.dst, batch.src, batch.length)
+            return True
+        triples = zip(batch.dst.tolist(), batch.src.tolist(), batch.length.tolist(), strict=False)
+        for i, (d, s, size) in enumerate(triples):
+            if i % _ABORT_CHECK_EVERY == 0 and aborted():
+                return False
+            ctypes.memmove(d, s, size)
+        return True
+
+    # -- shutdown ---------------------------------------------------------------------
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._enqueue(None)
+        self._worker.join()
+        with self._lock:
+            pending = [x for x in self._xfers if x.state is XferState.PENDING]
+            peers = list(self._peers.values())
+            self._peers.clear()
+            self._xfers.clear()
+        for xfer in pending:
+            xfer.error = "agent closed"
+            xfer.state = XferState.FAILED
+        with self._jobs_cv:
+            leftovers = list(self._jobs)
+            self._jobs.clear()
+        for job in leftovers:
+            if isinstance(job, _Retire):
+                job.peer.close(self._cuda)
+        for peer in peers:
+            peer.close(self._cuda)
+        self._hub.close()
+        self._signal()
+
+    def __repr__(self) -> str:
+        return f"ShmTransport(name={self._name!r}, peers={sorted(self._peers)})"
