@@ -1,15 +1,178 @@
-"""Not built yet."""
+"""Run a prefill engine and a decode engine as separate processes and move verified KV.
+
+Each engine has one process per TP rank with a KV cache of a real model's geometry (scaled
+by --layers). P fills its blocks with content derived from the request and token position;
+D receives them through the full protocol (handshake, READ or WRITE, notifications) and
+checks every byte. Exit status 1 if any byte is wrong or any request failed.
+
+--role prefill --listen HOST:PORT and --role decode --connect HOST:PORT run one side each
+(for two hosts, with a transport that crosses hosts).
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
+import sys
+from typing import TYPE_CHECKING
 
 from kvwire.errors import ConfigError
 
+if TYPE_CHECKING:
+    from kvwire.demo.run import DemoOptions
+    from kvwire.demo.summary import Summary
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    del parser
+    parser.add_argument(
+        "--model", default="llama-3-8b", help="llama-3-8b, llama-3-70b or deepseek-v3 (alias: mla)"
+    )
+    parser.add_argument(
+        "--layers",
+        type=int,
+        default=8,
+        help="layers of the model to allocate (scales memory; default 8)",
+    )
+    parser.add_argument("--tokens", type=int, default=1024, help="prompt tokens per request")
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument(
+        "--concurrency", type=int, default=8, help="requests in flight on the decode engine"
+    )
+    parser.add_argument("--mode", choices=("pull", "push"), default="pull")
+    parser.add_argument("--transport", default="shm", help="shm, nixl, ucx or module:factory")
+    parser.add_argument("--p-tp", type=int, default=1, help="prefill TP size (processes)")
+    parser.add_argument("--d-tp", type=int, default=1, help="decode TP size (processes)")
+    parser.add_argument("--lease", type=float, default=30.0, help="producer lease in seconds")
+    parser.add_argument("--role", choices=("both", "prefill", "decode"), default="both")
+    parser.add_argument("--listen", metavar="HOST:PORT", help="--role prefill: control address")
+    parser.add_argument("--connect", metavar="HOST:PORT", help="--role decode: the prefill side")
+    parser.add_argument("--json", action="store_true", help="print the summary as JSON")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    _add_engine_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
-    raise ConfigError("kvwire demo is not built yet")
+    if args.engine:
+        return _run_engine_demo(args)
+    from kvwire.demo.run import DemoOptions, log, run_local
+
+    options = DemoOptions(
+        model=args.model,
+        layers=args.layers,
+        tokens=args.tokens,
+        requests=args.requests,
+        concurrency=args.concurrency,
+        mode=args.mode,
+        transport=args.transport,
+        p_tp=args.p_tp,
+        d_tp=args.d_tp,
+        lease_s=args.lease,
+        progress=not args.no_progress,
+    )
+    if args.role == "prefill":
+        return _run_prefill(options, args.listen)
+    if args.role == "decode":
+        summary = _run_decode(options, args.connect)
+    else:
+        if args.listen or args.connect:
+            raise ConfigError("--listen and --connect go with --role prefill / --role decode")
+        _check_transport(options.transport)
+        log(f"kvwire demo: starting P (TP={options.p_tp}) and D (TP={options.d_tp}) processes")
+        summary = run_local(options)
+    if args.json:
+        sys.stdout.write(json.dumps(summary.as_dict(), indent=2) + "\n")
+    else:
+        sys.stdout.write(summary.table())
+    return 0 if summary.verified else 1
+
+
+def _check_transport(name: str) -> None:
+    from kvwire.transport import load
+
+    load(name)  # a missing transport is a usage error here, not a crash in a child
+
+
+def _run_prefill(options: DemoOptions, listen: str | None) -> int:
+    from kvwire.demo import control
+    from kvwire.demo.engines import PrefillEngine
+    from kvwire.demo.run import log
+    from kvwire.sidechannel import parse_host_port
+
+    if not listen:
+        raise ConfigError("--role prefill needs --listen HOST:PORT")
+    host, port = parse_host_port(listen)
+    options.validate()
+    _check_transport(options.transport)
+    engine_options = options.engine("prefill", options.p_tp, host=host)
+    engine = PrefillEngine(engine_options).start()
+    try:
+        log(
+            f"kvwire demo: prefill engine {engine_options.engine_id} ({options.p_tp} ranks) "
+            f"listening on {host}:{port}, side channel on port {engine.side_channel_port}"
+        )
+        control.serve(engine, host, port)
+    finally:
+        engine.close()
+    return 0
+
+
+def _run_decode(options: DemoOptions, connect: str | None) -> Summary:
+    import dataclasses
+
+    from kvwire.demo import control
+    from kvwire.demo.engines import DecodeEngine
+    from kvwire.demo.run import drive, log
+    from kvwire.sidechannel import parse_host_port
+
+    if not connect:
+        raise ConfigError("--role decode needs --connect HOST:PORT")
+    host, port = parse_host_port(connect)
+    client = control.PrefillClient(host, port)
+    try:
+        hello = client.hello()
+        options = dataclasses.replace(
+            options, model=hello["model"], layers=int(hello["layers"]), p_tp=int(hello["tp"]),
+            mode=hello["mode"], transport=hello["transport"],
+        )  # fmt: skip
+        options.validate()
+        log(f"kvwire demo: decoding for {hello['engine_id']} at {host}:{port} "
+            f"({options.model}, {options.mode} over {options.transport})")  # fmt: skip
+        decode = DecodeEngine(options.engine("decode", options.d_tp)).start()
+        try:
+            summary = drive(options, client, decode)
+        finally:
+            decode.close()
+        client.bye()
+        return summary
+    finally:
+        client.close()
+
+
+def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--engine``: the reference engine's P/D token-identity demo (kvwire.examples.engine).
+
+    It shares --mode, --transport, --p-tp, --d-tp and --json with the byte demo.
+    """
+    group = parser.add_argument_group("--engine (reference transformer, greedy tokens compared)")
+    group.add_argument("--engine", action="store_true", help="run the reference-engine demo")
+    group.add_argument("--prompts", type=int, default=6, help="prompts to serve")
+    group.add_argument("--max-tokens", type=int, default=32, help="tokens generated per prompt")
+    group.add_argument("--p-layout", choices=("HND", "NHD"), default="HND")
+    group.add_argument("--d-layout", choices=("HND", "NHD"), default="NHD")
+    group.add_argument("--mla", action="store_true", help="MLA: one latent cache per rank")
+    group.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    group.add_argument("--seed", type=int, default=0, help="model weights and prompts")
+    group.add_argument(
+        "--rank-processes",
+        action="store_true",
+        help="one process per TP rank (default: per engine)",
+    )
+
+
+def _run_engine_demo(args: argparse.Namespace) -> int:
+    """The engine needs torch, so it is imported only here."""
+    try:
+        from kvwire.examples.engine import demo
+    except ImportError as exc:
+        raise ConfigError(f"kvwire demo --engine needs torch: {exc}") from exc
+    return demo.run(args)

@@ -1,0 +1,107 @@
+"""The proxy's line to a prefill engine in another process (``--role prefill/decode``).
+
+A ZMQ REP socket on the prefill side answers ``hello`` (what the engine runs), ``prefill``
+(returns ``kv_transfer_params``, as P's HTTP answer would), ``stats`` and ``bye``. Messages
+are msgpack maps; malformed ones get an error answer.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import msgspec
+import zmq
+
+from kvwire.demo.engines import PrefillEngine
+from kvwire.errors import HandshakeTimeoutError, KVWireError
+from kvwire.sidechannel import tcp_endpoint
+
+log = logging.getLogger(__name__)
+_decoder = msgspec.msgpack.Decoder(dict[str, Any])
+
+
+def serve(engine: PrefillEngine, host: str, port: int, *, poll_s: float = 0.5) -> None:
+    """Answer control requests until ``bye``; reclaims blocks while idle."""
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    sock = ctx.socket(zmq.REP)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, 1 << 20)
+    try:
+        sock.bind(tcp_endpoint(host, port))
+        while True:
+            if not sock.poll(int(poll_s * 1000)):
+                engine.reclaim()
+                continue
+            try:
+                msg = _decoder.decode(sock.recv())
+                answer, stop = _handle(engine, msg)
+            except (msgspec.DecodeError, msgspec.ValidationError, KeyError, TypeError) as exc:
+                answer, stop = {"ok": False, "error": f"bad control message: {exc}"}, False
+            except KVWireError as exc:
+                answer, stop = {"ok": False, "error": str(exc)}, False
+            sock.send(msgspec.msgpack.encode(answer))
+            if stop:
+                return
+    finally:
+        sock.close(linger=0)
+        ctx.term()
+
+
+def _handle(engine: PrefillEngine, msg: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+    op = msg["op"]
+    opts = engine.options
+    if op == "hello":
+        return {"ok": True, "model": opts.model, "layers": opts.layers, "tp": opts.tp,
+                "mode": opts.mode, "transport": opts.transport,
+                "engine_id": opts.engine_id}, False  # fmt: skip
+    if op == "prefill":
+        params = engine.prefill(str(msg["rid"]), int(msg["index"]), int(msg["num_tokens"]))
+        return {"ok": True, "params": params}, False
+    if op == "stats":
+        return {"ok": True, "ranks": engine.stats()}, False
+    if op == "bye":
+        return {"ok": True}, True
+    return {"ok": False, "error": f"unknown op {op!r}"}, False
+
+
+class PrefillClient:
+    """The decode side's handle on a remote prefill engine (same calls as PrefillEngine)."""
+
+    def __init__(self, host: str, port: int, *, timeout: float = 60.0) -> None:
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        self._sock = self._ctx.socket(zmq.REQ)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.RCVTIMEO, int(timeout * 1000))
+        self._sock.connect(tcp_endpoint(host, port))
+        self._where = f"{host}:{port}"
+
+    def call(self, msg: dict[str, Any]) -> dict[str, Any]:
+        self._sock.send(msgspec.msgpack.encode(msg))
+        try:
+            answer = _decoder.decode(self._sock.recv())
+        except zmq.Again:
+            raise HandshakeTimeoutError(f"prefill engine at {self._where} did not answer") from None
+        if not answer.get("ok"):
+            raise KVWireError(f"prefill engine: {answer.get('error')}")
+        return answer
+
+    def hello(self) -> dict[str, Any]:
+        return self.call({"op": "hello"})
+
+    def prefill(self, rid: str, index: int, num_tokens: int) -> dict[str, Any]:
+        params: dict[str, Any] = self.call(
+            {"op": "prefill", "rid": rid, "index": index, "num_tokens": num_tokens}
+        )["params"]
+        return params
+
+    def stats(self) -> list[dict[str, Any]]:
+        ranks: list[dict[str, Any]] = self.call({"op": "stats"})["ranks"]
+        return ranks
+
+    def bye(self) -> None:
+        self.call({"op": "bye"})
+
+    def close(self) -> None:
+        self._sock.close(linger=0)
+        self._ctx.term()

@@ -1,0 +1,138 @@
+"""Model presets for the demo: the KV geometry of real models, scaled down by layer count.
+
+Per token and layer a GQA model stores K and V for each KV head (``2 x head_dim`` values);
+an MLA model stores one latent vector shared by all heads and replicated on every TP rank.
+The demo lays each layer out as one region of HND blocks with K and V side by side, which
+is what vLLM's FlashAttention layout advertises per layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvwire.compat import CompatFactors
+from kvwire.errors import ConfigError
+from kvwire.geometry import KVGeometry, Region
+from kvwire.geometry import heads_per_rank as _heads_per_rank
+
+BLOCK_TOKENS = 16
+DTYPE_BYTES = 2  # bf16
+
+
+@dataclass(frozen=True)
+class ModelPreset:
+    name: str
+    hf_name: str
+    num_layers: int
+    kv_heads: int
+    head_dim: int
+    mla: bool = False
+    latent_dim: int = 0
+    """MLA: values per token per layer (kv_lora_rank + rope dim)."""
+
+    @property
+    def content_bytes(self) -> int:
+        """Bytes one head stores for one token in one layer (K|V, or the MLA latent)."""
+        if self.mla:
+            return self.latent_dim * DTYPE_BYTES
+        return 2 * self.head_dim * DTYPE_BYTES
+
+    def kv_bytes_per_token(self, layers: int | None = None) -> int:
+        """Whole-model (all heads) KV bytes per token over ``layers`` layers."""
+        heads = 1 if self.mla else self.kv_heads
+        return (layers or self.num_layers) * heads * self.content_bytes
+
+
+PRESETS: dict[str, ModelPreset] = {
+    "llama-3-8b": ModelPreset("llama-3-8b", "meta-llama/Meta-Llama-3-8B", 32, 8, 128),
+    "llama-3-70b": ModelPreset("llama-3-70b", "meta-llama/Meta-Llama-3-70B", 80, 8, 128),
+    "deepseek-v3": ModelPreset(
+        "deepseek-v3", "deepseek-ai/DeepSeek-V3", 61, 1, 128, mla=True, latent_dim=576
+    ),
+}
+ALIASES = {"mla": "deepseek-v3"}
+
+
+def preset(name: str) -> ModelPreset:
+    key = ALIASES.get(name, name)
+    try:
+        return PRESETS[key]
+    except KeyError:
+        known = ", ".join([*PRESETS, *ALIASES])
+        raise ConfigError(f"unknown model {name!r} (known: {known})") from None
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    """One rank's demo KV cache: a model, how many layers, how many blocks, which rank."""
+
+    model: ModelPreset
+    layers: int
+    num_blocks: int
+    tp_rank: int
+    tp_size: int
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.layers <= self.model.num_layers:
+            raise ConfigError(
+                f"--layers must be 1..{self.model.num_layers} for {self.model.name}, "
+                f"got {self.layers}"
+            )
+        heads = 1 if self.model.mla else self.model.kv_heads
+        big, small = max(self.tp_size, heads), min(self.tp_size, heads)
+        if big % small:
+            raise ConfigError(
+                f"TP {self.tp_size} does not divide {self.model.name}'s {heads} heads"
+            )
+
+    @property
+    def heads_here(self) -> int:
+        return 1 if self.model.mla else _heads_per_rank(self.tp_size, self.model.kv_heads)
+
+    @property
+    def block_len(self) -> int:
+        return self.heads_here * BLOCK_TOKENS * self.model.content_bytes
+
+    @property
+    def region_bytes(self) -> int:
+        return self.num_blocks * self.block_len
+
+    @property
+    def total_bytes(self) -> int:
+        return self.layers * self.region_bytes
+
+    def geometry(self, base_addr: int) -> KVGeometry:
+        """Regions laid out layer after layer from ``base_addr``."""
+        regions = [
+            Region(
+                base_addr=base_addr + layer * self.region_bytes,
+                block_len=self.block_len,
+                num_blocks=self.num_blocks,
+                mem_kind="DRAM",
+                name=f"layer{layer}",
+            )
+            for layer in range(self.layers)
+        ]
+        return KVGeometry(
+            regions=regions,
+            kv_cache_layout="HND",
+            block_size=BLOCK_TOKENS,
+            total_kv_heads=1 if self.model.mla else self.model.kv_heads,
+            tp_rank=self.tp_rank,
+            tp_size=self.tp_size,
+            is_mla=self.model.mla,
+            attn_backend_name="FLASHMLA" if self.model.mla else "FLASH_ATTN",
+        )
+
+    def compat(self, mode: str) -> CompatFactors:
+        """Both sides of the demo hash the same model facts (total layers, not the slice)."""
+        return CompatFactors.build(
+            vllm_version="0.31.0",
+            model=self.model.hf_name,
+            dtype="bfloat16",
+            num_kv_heads=1 if self.model.mla else self.model.kv_heads,
+            head_size=self.model.latent_dim if self.model.mla else self.model.head_dim,
+            num_hidden_layers=self.model.num_layers,
+            attn_backend_name="FLASHMLA" if self.model.mla else "FLASH_ATTN",
+            transfer_mode="push" if mode == "push" else "pull",
+        )

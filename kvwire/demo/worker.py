@@ -1,0 +1,195 @@
+"""A demo rank process: one Producer or Consumer over its own KV cache.
+
+Run as ``python -m kvwire.demo.worker`` by the demo's schedulers; commands arrive as frames
+on stdin, answers and events leave on stdout. Logging goes to stderr.
+
+Prefill rank commands: ``init`` -> ``{payload}``; ``prefill`` (fill the blocks with the
+request's content, then ``prefill_finished``) -> ``{params}``; ``freed`` -> the requests
+whose blocks are free again; ``stats``; ``exit``.
+
+Decode rank commands: ``init``; ``recv`` (``add_request`` with the params and blocks);
+``stats``; ``exit``. Finished requests are verified here and reported as ``finished``
+events without being asked.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import logging
+import os
+import sys
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from kvwire.demo.content import count_wrong_bytes, fill
+from kvwire.demo.framing import FrameWriter, read_frame
+from kvwire.demo.models import CacheSpec, preset
+from kvwire.runtime import Consumer, Producer, RuntimeConfig
+from kvwire.sidechannel import RetryPolicy
+from kvwire.transport import load
+
+log = logging.getLogger("kvwire.demo.worker")
+
+
+def allocate(transport: str, nbytes: int) -> npt.NDArray[np.uint8]:
+    """Host memory for the KV cache, from the transport's own allocator when it has one
+    (the shm transport maps such memory directly instead of using a syscall per copy)."""
+    factory = load(transport)
+    for spec in getattr(factory, "conformance_allocators", ()):
+        module_name, _, attr = str(spec).partition(":")
+        try:
+            alloc = getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError):
+            continue
+        array: npt.NDArray[np.uint8] = alloc(nbytes)
+        array.fill(0)  # fault the pages in now, not during the first transfers
+        return array
+    array = np.empty(nbytes, dtype=np.uint8)
+    array.fill(0)
+    return array
+
+
+def _spec(init: dict[str, Any]) -> CacheSpec:
+    return CacheSpec(
+        model=preset(init["model"]),
+        layers=int(init["layers"]),
+        num_blocks=int(init["num_blocks"]),
+        tp_rank=int(init["tp_rank"]),
+        tp_size=int(init["tp_size"]),
+    )
+
+
+def _config(init: dict[str, Any], spec: CacheSpec) -> RuntimeConfig:
+    return RuntimeConfig(
+        engine_id=init["engine_id"],
+        tp_rank=spec.tp_rank,
+        tp_size=spec.tp_size,
+        mode=init["mode"],
+        side_channel_host=init["side_channel_host"],
+        side_channel_port=int(init["side_channel_port"]),
+        compat=spec.compat(init["mode"]),
+        lease_s=float(init.get("lease_s", 30.0)),
+        handshake=RetryPolicy(timeout=float(init.get("handshake_timeout", 5.0)), retries=1),
+    )
+
+
+def run_prefill(reader: Any, out: FrameWriter, init: dict[str, Any]) -> None:
+    spec = _spec(init)
+    buffer = allocate(init["transport"], spec.total_bytes)
+    producer = Producer(_config(init, spec), init["transport"])
+    try:
+        producer.register_kv_caches(spec.geometry(int(buffer.ctypes.data)))
+        out.send({"ok": True, "payload": producer.handshake_payload(), "pid": os.getpid()})
+        while True:
+            cmd = read_frame(reader)
+            if cmd is None or cmd["op"] == "exit":
+                break
+            op = cmd["op"]
+            if op == "prefill":
+                blocks = list(cmd["blocks"])
+                fill(spec, buffer, int(cmd["index"]), blocks)
+                params = producer.prefill_finished(
+                    cmd["rid"], [blocks], num_tokens=int(cmd["num_tokens"])
+                )
+                out.send({"ok": True, "params": params})
+            elif op == "freed":
+                freed = producer.get_finished()
+                out.send({"ok": True, "freed": [[f.request_id, f.reason] for f in freed]})
+            elif op == "stats":
+                out.send({"ok": True, "metrics": producer.metrics.snapshot()["totals"],
+                          "machine": producer.machine_stats(), "held": producer.held_blocks(),
+                          "errors": producer.errors})  # fmt: skip
+            else:
+                out.send({"ok": False, "error": f"unknown op {op!r}"})
+    finally:
+        producer.close()
+
+
+def run_decode(reader: Any, out: FrameWriter, init: dict[str, Any]) -> None:
+    spec = _spec(init)
+    buffer = allocate(init["transport"], spec.total_bytes)
+    consumer = Consumer(_config(init, spec), init["transport"])
+    pending: dict[str, tuple[int, list[int], float]] = {}
+    lock = threading.Lock()
+    stop = threading.Event()
+
+    def report() -> None:
+        """Verify each finished request and tell the scheduler, as soon as it ends."""
+        while not stop.is_set():
+            if not consumer.wait_finished(0.05):
+                continue
+            fin = consumer.get_finished()
+            now = time.perf_counter()
+            for rid in fin.done:
+                with lock:
+                    index, blocks, started = pending.pop(rid)
+                wrong, checked = count_wrong_bytes(spec, buffer, index, blocks)
+                out.send({"event": "finished", "rid": rid, "ok": True, "wrong": wrong,
+                          "checked": checked, "kv_s": now - started})  # fmt: skip
+            for rid, failure in fin.failed.items():
+                with lock:
+                    started = pending.pop(rid, (0, [], now))[2]
+                out.send({"event": "finished", "rid": rid, "ok": False, "kv_s": now - started,
+                          "reason": failure.reason, "detail": failure.detail,
+                          "invalid": [list(g) for g in failure.invalid_block_ids]})  # fmt: skip
+
+    reporter = threading.Thread(target=report, name="demo-decode-report", daemon=True)
+    try:
+        consumer.register_kv_caches(spec.geometry(int(buffer.ctypes.data)))
+        out.send({"ok": True, "payload": consumer.handshake_payload(), "pid": os.getpid()})
+        reporter.start()
+        while True:
+            cmd = read_frame(reader)
+            if cmd is None or cmd["op"] == "exit":
+                break
+            op = cmd["op"]
+            if op == "recv":
+                blocks = list(cmd["blocks"])
+                with lock:
+                    pending[cmd["rid"]] = (int(cmd["index"]), blocks, time.perf_counter())
+                consumer.add_request(cmd["rid"], cmd["params"], [blocks])
+            elif op == "stats":
+                metrics = consumer.metrics.snapshot()["totals"]
+                stats = {"metrics": metrics, "machine": consumer.machine_stats()}
+                out.send({"event": "stats", **stats, "errors": consumer.errors})
+            else:
+                out.send({"event": "error", "error": f"unknown op {op!r}"})
+    finally:
+        stop.set()
+        if reporter.is_alive():
+            reporter.join()
+        consumer.close()
+
+
+def main() -> int:
+    logging.basicConfig(
+        stream=sys.stderr,
+        level=os.environ.get("KVWIRE_DEMO_LOG", "WARNING"),
+        format="%(asctime)s %(process)d %(name)s %(levelname)s %(message)s",
+    )
+    reader = sys.stdin.buffer
+    out = FrameWriter(sys.stdout.buffer)
+    sys.stdout = sys.stderr  # nothing else may write frames' stream
+    init = read_frame(reader)
+    if init is None:
+        return 1
+    try:
+        if init["role"] == "prefill":
+            run_prefill(reader, out, init)
+        else:
+            run_decode(reader, out, init)
+    except Exception as exc:
+        log.exception("demo rank failed")
+        with contextlib.suppress(OSError):
+            out.send({"ok": False, "event": "error", "error": f"{type(exc).__name__}: {exc}"})
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,182 @@
+"""The decode side: receive a request's KV into blocks the engine allocated.
+
+An engine calls :meth:`Consumer.add_request` with the ``kv_transfer_params`` the proxy
+forwarded and the blocks it allocated (or later, :meth:`Consumer.blocks_allocated`), then
+asks :meth:`Consumer.get_finished` which requests have their KV and which failed — with
+the blocks whose contents must not be trusted, to recompute them.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvwire.errors import ConfigError
+from kvwire.geometry import KVGeometry
+from kvwire.machine import (
+    Abort,
+    AllocationDone,
+    FreeBlocks,
+    RemotePrefill,
+    RequestAdded,
+    RequestDone,
+    RequestFailed,
+)
+from kvwire.runtime.config import RuntimeConfig
+from kvwire.runtime.driver import Driver, Outcome
+from kvwire.runtime.metrics import Metrics
+from kvwire.runtime.producer import BlockIdsLike, as_block_ids
+from kvwire.transport import Region, Transport
+from kvwire.wire.params import parse_kv_transfer_params
+
+
+@dataclass(frozen=True)
+class RequestFailure:
+    """Why a request ended without its KV, and which local blocks to recompute."""
+
+    invalid_block_ids: tuple[tuple[int, ...], ...]
+    reason: str
+    """``handshake``, ``transfer``, ``expired``, ``timeout``, ``aborted`` or ``protocol``."""
+    detail: str = ""
+
+
+@dataclass
+class Finished:
+    """Requests that ended since the last :meth:`Consumer.get_finished`."""
+
+    done: list[str] = field(default_factory=list)
+    failed: dict[str, RequestFailure] = field(default_factory=dict)
+
+    def __bool__(self) -> bool:
+        return bool(self.done or self.failed)
+
+
+class Consumer:
+    """One decode rank's transfer runtime (see :class:`~kvwire.runtime.Producer` for
+    ``transport``)."""
+
+    def __init__(
+        self,
+        config: RuntimeConfig,
+        transport: Transport | str,
+        *,
+        transport_options: dict[str, Any] | None = None,
+    ) -> None:
+        self.config = config
+        self._finished = Finished()
+        self._cv = threading.Condition()
+        self._driver = Driver(
+            "consumer",
+            config,
+            transport,
+            transport_options=transport_options,
+            on_outcome=self._on_outcome,
+        )
+
+    # -- setup ---------------------------------------------------------------------
+
+    def register_kv_caches(
+        self, geometry: KVGeometry, regions: Sequence[Region] | None = None
+    ) -> None:
+        self._driver.attach(geometry, regions)
+
+    def handshake_payload(self) -> bytes:
+        """This rank's handshake answer (push mode: producers fetch it to write to us)."""
+        return self._driver.handshake_payload()
+
+    # -- engine calls --------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        kv_transfer_params: Mapping[str, Any] | bytes | str,
+        block_ids: BlockIdsLike | None = None,
+    ) -> None:
+        """Request ``request_id`` arrived with the producer's params; with ``block_ids`` the
+        blocks to fill are allocated too (else call :meth:`blocks_allocated` later).
+
+        Malformed params raise ``WireDecodeError`` (the engine decides what to do).
+        """
+        if self._driver.machine is None:
+            raise ConfigError("register_kv_caches before add_request")
+        params = parse_kv_transfer_params(kv_transfer_params, version=self.config.version)
+        meta = params.req_meta()
+        remote = meta.remote
+        pull = self.config.mode == "pull"
+        prefill = RemotePrefill(
+            engine_id=remote.engine_id,
+            request_id=remote.request_id,
+            host=remote.host,
+            port=remote.port,
+            block_ids=as_block_ids(remote.block_ids) if pull else (),
+            tp_size=meta.tp_size,
+            pp_size=meta.pp_size,
+            blocks_expiry_time=remote.blocks_expiry_time,
+        )
+        events: list[Any] = [RequestAdded(request_id, remote=prefill)]
+        if block_ids is not None:
+            events.append(AllocationDone(request_id, as_block_ids(block_ids)))
+        self._driver.remember_tokens(request_id, remote.num_tokens)
+        self._driver.metrics.request_started(request_id, time.perf_counter())
+        self._driver.feed(*events)
+
+    def blocks_allocated(self, request_id: str, block_ids: BlockIdsLike) -> None:
+        """The blocks to fill (only the uncomputed suffix; empty if all hit the prefix cache)."""
+        self._driver.feed(AllocationDone(request_id, as_block_ids(block_ids)))
+
+    def abort(self, request_id: str) -> None:
+        self._driver.feed(Abort(request_id))
+
+    def get_finished(self) -> Finished:
+        """Requests done or failed since the last call."""
+        with self._cv:
+            out, self._finished = self._finished, Finished()
+        return out
+
+    def wait_finished(self, timeout: float) -> bool:
+        """Block until get_finished has something, or ``timeout`` seconds; True if it has."""
+        with self._cv:
+            return self._cv.wait_for(lambda: bool(self._finished), timeout)
+
+    # -- introspection -------------------------------------------------------------
+
+    @property
+    def metrics(self) -> Metrics:
+        return self._driver.metrics
+
+    @property
+    def transport(self) -> Transport:
+        return self._driver.transport
+
+    def machine_stats(self) -> dict[str, int]:
+        machine = self._driver.machine
+        return machine.stats.as_dict() if machine is not None else {}
+
+    @property
+    def errors(self) -> list[str]:
+        return list(self._driver.errors)
+
+    def close(self) -> None:
+        self._driver.close()
+
+    def __enter__(self) -> Consumer:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _on_outcome(self, action: Outcome) -> None:
+        if isinstance(action, FreeBlocks):  # pragma: no cover - producer only
+            return
+        with self._cv:
+            if isinstance(action, RequestDone):
+                self._finished.done.append(action.request_id)
+            else:
+                assert isinstance(action, RequestFailed)
+                self._finished.failed[action.request_id] = RequestFailure(
+                    action.invalid_block_ids, action.reason.value, action.detail
+                )
+            self._cv.notify_all()

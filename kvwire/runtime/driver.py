@@ -1,0 +1,657 @@
+"""The driver: one sans-IO machine, one transport, the side channel, and two threads.
+
+Engine calls (``prefill_finished``, ``add_request``...) feed the machine on the caller's
+thread and execute the resulting actions there, so a READ is posted before the call
+returns. A background thread polls posted transfers, drains notifications and fires the
+machine's timers; handshakes run on a small pool because they block on the network. Every
+touch of the machine or the transport happens under one lock, and time is read inside it,
+so the machine sees a clock that never runs backwards.
+
+Actions are executed in order; their outcomes become events queued behind the current
+one (never re-entering ``handle``), exactly as :mod:`kvwire.machine.actions` prescribes.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import ctypes
+import logging
+import os
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvwire import topology
+from kvwire.errors import (
+    ConfigError,
+    HandshakeError,
+    HandshakeTimeoutError,
+    IncompatiblePeerError,
+    KVWireError,
+    LocalProtocolError,
+    TransportError,
+)
+from kvwire.geometry import KVGeometry, RemoteGeometry
+from kvwire.layout import PeerLayout
+from kvwire.machine import (
+    Action,
+    ArmTimer,
+    CancelTransfer,
+    ConsumerMachine,
+    ConsumerState,
+    Event,
+    EvictEngine,
+    FreeBlocks,
+    HandshakeDone,
+    HandshakeFailed,
+    NotificationReceived,
+    PeerLost,
+    PeerMisbehaved,
+    PostRead,
+    PostWrite,
+    ProducerMachine,
+    ReleaseFailed,
+    ReleaseTransfer,
+    RemoteRank,
+    RequestDone,
+    RequestFailed,
+    SendNotification,
+    StartHandshake,
+    Timer,
+    TransferDone,
+    TransferFailed,
+    TransferPosted,
+)
+from kvwire.runtime.config import RuntimeConfig
+from kvwire.runtime.metrics import Metrics
+from kvwire.sidechannel import HandshakeClient, fetch_agent_metadata
+from kvwire.transport import Descs, MemKind, Region, Transport, XferState, create
+from kvwire.wire.handshake import encode_handshake_payload
+from kvwire.wire.notifications import decode_notification
+from kvwire.wire.schemas import AgentMetadataV13, AgentMetadataV14, Completion
+
+log = logging.getLogger("kvwire.runtime")
+
+Outcome = FreeBlocks | RequestDone | RequestFailed
+Machine = ProducerMachine | ConsumerMachine
+
+
+@dataclass
+class _PeerRank:
+    agent: str
+    layout: PeerLayout | None
+
+
+@dataclass
+class _PeerEngine:
+    ranks: dict[RemoteRank, _PeerRank] = field(default_factory=dict)
+    stale_agents: set[str] = field(default_factory=set)
+
+
+@dataclass
+class _Xfer:
+    xfer_id: int
+    request_id: str
+    engine_id: str
+    handle: object | None
+    agent: str
+    nbytes: int
+    ndescs: int
+    posted_at: float
+    state: XferState = XferState.PENDING
+    awaiting_retry: bool = False
+
+
+def regions_of(geometry: KVGeometry) -> list[Region]:
+    """The memory spans a geometry's regions cover, overlapping spans merged.
+
+    K and V views of one tensor are separate regions of the geometry but one registration.
+    """
+    spans: dict[tuple[int, str], list[tuple[int, int]]] = {}
+    for index, region in enumerate(geometry.regions):
+        if region.num_blocks == 0:
+            continue
+        end = region.base_addr + (region.num_blocks - 1) * region.block_stride + region.block_len
+        key = (geometry.region_device(index), region.mem_kind)
+        spans.setdefault(key, []).append((region.base_addr, end))
+    out: list[Region] = []
+    for (device, kind), items in spans.items():
+        items.sort()
+        start, stop = items[0]
+        for s, e in items[1:]:
+            if s <= stop:
+                stop = max(stop, e)
+                continue
+            out.append(Region(start, stop - start, device, MemKind(kind)))
+            start, stop = s, e
+        out.append(Region(start, stop - start, device, MemKind(kind)))
+    return out
+
+
+class Driver:
+    """Runs one machine against one transport; Producer and Consumer wrap it."""
+
+    def __init__(
+        self,
+        role: str,
+        config: RuntimeConfig,
+        transport: Transport | str,
+        *,
+        transport_options: dict[str, object] | None = None,
+        on_outcome: Callable[[Outcome], None],
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        self.role = role
+        self.config = config
+        self.metrics = Metrics(role)
+        self._clock = clock
+        self._on_outcome = on_outcome
+        self._agent_name = config.agent_name or (
+            f"{config.engine_id}-{role}-pp{config.pp_rank}-tp{config.tp_rank}-{os.getpid()}"
+            f"-{uuid.uuid4().hex[:6]}"
+        )
+        if isinstance(transport, str):
+            self.transport: Transport = create(
+                transport, self._agent_name, **(transport_options or {})
+            )
+            self._owns_transport = True
+        else:
+            self.transport = transport
+            self._owns_transport = False
+        self._lock = threading.RLock()
+        self._events: collections.deque[Event] = collections.deque()
+        self._feeding = False
+        self.machine: Machine | None = None
+        self.geometry: KVGeometry | None = None
+        self._registration: object | None = None
+        self._engines: dict[str, _PeerEngine] = {}
+        self._xfers: dict[int, _Xfer] = {}
+        self._num_tokens: dict[str, int] = {}
+        self._early: dict[str, list[tuple[float, str, bytes]]] = {}
+        """Push, consumer: write completions that beat this rank's own registration."""
+        self._early_count = 0
+        self._client = HandshakeClient(config.handshake)
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._closed = False
+        self.errors: list[str] = []
+        """Unexpected errors of the background threads (kept for tests and logs)."""
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def attach(self, geometry: KVGeometry, regions: Sequence[Region] | None = None) -> None:
+        """Register the KV cache with the transport, build the machine, start the threads."""
+        with self._lock:
+            if self._closed:
+                raise LocalProtocolError(f"{self.role} is closed")
+            if self.machine is not None:
+                raise LocalProtocolError("KV caches are already registered")
+            cfg = self.config
+            if geometry.tp_rank != cfg.tp_rank or geometry.tp_size != cfg.tp_size:
+                raise ConfigError(
+                    f"geometry is TP rank {geometry.tp_rank}/{geometry.tp_size}, the runtime "
+                    f"is {cfg.tp_rank}/{cfg.tp_size}"
+                )
+            spans = list(regions) if regions is not None else regions_of(geometry)
+            self._registration = self.transport.register(spans)
+            self.geometry = geometry
+            machine_cfg = cfg.machine_config(mla=geometry.is_mla)
+            self.machine = (
+                ProducerMachine(machine_cfg)
+                if self.role == "producer"
+                else ConsumerMachine(machine_cfg)
+            )
+            self._pool = concurrent.futures.ThreadPoolExecutor(
+                max_workers=4, thread_name_prefix=f"kvwire-{self.role}-handshake"
+            )
+            self._thread = threading.Thread(
+                target=self._run, name=f"kvwire-{self.role}-driver", daemon=True
+            )
+            self._thread.start()
+
+    def handshake_payload(self) -> bytes:
+        """This rank's encoded handshake answer, as the engine's listener serves it."""
+        with self._lock:
+            if self.geometry is None:
+                raise LocalProtocolError("register the KV caches before serving handshakes")
+            cfg = self.config
+            md_type = AgentMetadataV14 if cfg.version >= 14 else AgentMetadataV13
+            md = md_type(
+                engine_id=cfg.engine_id,
+                agent_metadata=self.transport.local_metadata(),
+                **self.geometry.agent_metadata_fields(),
+            )
+            return encode_handshake_payload(
+                md, compatibility_hash=cfg.advertised_hash, factors=cfg.compat
+            )
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop the threads, cancel what runs, deregister, close what we own."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+        with self._lock:
+            for xfer in list(self._xfers.values()):
+                if xfer.handle is not None:
+                    try:
+                        self.transport.release(xfer.handle)
+                    except TransportError as exc:
+                        log.warning("release of transfer %d at close failed: %s", xfer.xfer_id, exc)
+            self._xfers.clear()
+            if not self._owns_transport:
+                for engine in self._engines.values():
+                    for agent in {r.agent for r in engine.ranks.values()} | engine.stale_agents:
+                        self._remove_agent(agent)
+                if self._registration is not None:
+                    try:
+                        self.transport.deregister(self._registration)
+                    except TransportError as exc:
+                        log.warning("deregister at close failed: %s", exc)
+            self._engines.clear()
+            self._registration = None
+        self._client.close()
+        if self._owns_transport:
+            self.transport.close()
+
+    # ------------------------------------------------------------------ feeding
+
+    def feed(self, *events: Event) -> None:
+        """Hand events to the machine and execute every action they cause."""
+        with self._lock:
+            if self._closed:
+                raise LocalProtocolError(f"{self.role} is closed")
+            self._events.extend(events)
+            if self._feeding:
+                return
+            self._feeding = True
+            try:
+                self._pump()
+                if self._early:
+                    self._replay_early()
+            finally:
+                self._feeding = False
+
+    def _pump(self) -> None:
+        machine = self.machine
+        if machine is None:
+            self._events.clear()
+            raise LocalProtocolError("register the KV caches first")
+        while self._events:
+            event = self._events.popleft()
+            try:
+                actions = machine.handle(event, self._clock())
+            except LocalProtocolError:
+                self._events.clear()
+                raise
+            for action in actions:
+                self._execute(action)
+
+    def remember_tokens(self, request_id: str, num_tokens: int | None) -> None:
+        if num_tokens is not None:
+            self._num_tokens[request_id] = num_tokens
+
+    # ------------------------------------------------------------------ actions
+
+    def _execute(self, action: Action) -> None:
+        if isinstance(action, (PostRead, PostWrite)):
+            self._post(action)
+        elif isinstance(action, SendNotification):
+            self._send(action)
+        elif isinstance(action, (CancelTransfer, ReleaseTransfer)):
+            self._release(action.xfer_id, cancelled=isinstance(action, CancelTransfer))
+        elif isinstance(action, StartHandshake):
+            assert self._pool is not None
+            self._pool.submit(self._handshake, action)
+        elif isinstance(action, (FreeBlocks, RequestDone, RequestFailed)):
+            self._outcome(action)
+        elif isinstance(action, EvictEngine):
+            self._forget_engine(action.engine_id, evicted=True)
+        elif isinstance(action, PeerMisbehaved):
+            self.metrics.count("peer_misbehaved")
+            log.warning("peer %s misbehaved: %s", action.engine_id or "?", action.detail)
+        elif isinstance(action, ArmTimer):
+            pass  # the background thread reads next_deadline() on every turn
+        else:  # pragma: no cover - a new action type the driver does not know
+            raise LocalProtocolError(f"driver cannot execute {type(action).__name__}")
+
+    def _post(self, action: PostRead | PostWrite) -> None:
+        xid = action.xfer_id
+        peer = self._engines.get(action.engine_id)
+        rank = peer.ranks.get(action.remote_rank) if peer is not None else None
+        if rank is None or rank.layout is None:
+            self._events.append(TransferFailed(xid, f"no handshake with rank {action.remote_rank}"))
+            return
+        t0 = self._clock()
+        try:
+            plan = rank.layout.plan(
+                action.local_block_ids,
+                action.remote_block_ids,
+                num_tokens=self._num_tokens.get(action.request_id),
+            )
+            if plan.local_zero.shape[0]:
+                _zero_host_ranges(plan.local_zero)
+            if plan.is_empty:
+                self.transport.notify(rank.agent, action.notification)
+                self.metrics.count("notifications_sent")
+                self._events.extend((TransferPosted(xid), TransferDone(xid)))
+                return
+            if isinstance(action, PostRead):
+                handle = self.transport.read(
+                    rank.agent, plan.local_descs, plan.remote_descs, action.notification
+                )
+            else:
+                handle = self.transport.write(
+                    rank.agent, plan.local_descs, plan.remote_descs, action.notification
+                )
+        except KVWireError as exc:
+            self._events.append(TransferFailed(xid, f"post failed: {exc}"))
+            return
+        now = self._clock()
+        self._xfers[xid] = _Xfer(
+            xid, action.request_id, action.engine_id, handle, rank.agent,
+            plan.num_bytes, plan.num_descs, now,
+        )  # fmt: skip
+        self.metrics.transfer_posted(
+            action.request_id, now, plan.num_bytes, plan.num_descs, now - t0
+        )
+        self._events.append(TransferPosted(xid))
+
+    def _send(self, action: SendNotification) -> None:
+        peer = self._engines.get(action.engine_id)
+        if peer is None:
+            self.metrics.count("notifications_dropped")
+            return
+        ranks = action.ranks or tuple(peer.ranks)
+        for key in ranks:
+            rank = peer.ranks.get(key)
+            if rank is None:
+                self.metrics.count("notifications_dropped")
+                continue
+            try:
+                self.transport.notify(rank.agent, action.data)
+                self.metrics.count("notifications_sent")
+            except TransportError as exc:
+                self.metrics.count("notifications_dropped")
+                log.info("notification to %s failed: %s", rank.agent, exc)
+
+    def _release(self, xid: int, *, cancelled: bool) -> None:
+        xfer = self._xfers.get(xid)
+        if xfer is None:
+            # Never reached the transport (it failed to post): nothing to release.
+            self._events.append(TransferFailed(xid, "cancelled"))
+            return
+        state = xfer.state
+        if xfer.handle is not None:
+            try:
+                state = self.transport.poll(xfer.handle)
+                self.transport.release(xfer.handle)
+            except TransportError as exc:
+                xfer.awaiting_retry = True
+                self._events.append(ReleaseFailed(xid, str(exc)))
+                return
+        del self._xfers[xid]
+        if state is XferState.DONE and not cancelled:
+            self._transfer_ended(xfer, ok=True)
+            self._events.append(TransferDone(xid))
+        else:
+            self._transfer_ended(xfer, ok=False)
+            self._events.append(TransferFailed(xid, "cancelled" if cancelled else "failed"))
+
+    def _outcome(self, action: Outcome) -> None:
+        now = self._clock()
+        rid = action.request_id
+        self._num_tokens.pop(rid, None)
+        if isinstance(action, FreeBlocks):
+            self.metrics.request_ended(rid, now, "freed", action.reason.value)
+        elif isinstance(action, RequestDone):
+            self.metrics.request_ended(rid, now, "done")
+        else:
+            self.metrics.request_ended(rid, now, "failed", action.reason.value)
+        self._on_outcome(action)
+
+    def _transfer_ended(self, xfer: _Xfer, *, ok: bool) -> None:
+        self.metrics.transfer_ended(xfer.nbytes, xfer.ndescs, self._clock() - xfer.posted_at, ok)
+
+    # ------------------------------------------------------------------ handshakes
+
+    def _handshake(self, action: StartHandshake) -> None:
+        """On the pool: fetch and validate off the lock, then add agents and tell the machine."""
+        cfg = self.config
+        t0 = time.perf_counter()
+        try:
+            ranks = topology.remote_ranks(
+                cfg.tp_rank, cfg.tp_size, action.expected_tp_size, action.expected_pp_size
+            )
+            result = fetch_agent_metadata(
+                self._client,
+                action.host,
+                action.port,
+                ranks,
+                local_hash=cfg.local_hash,
+                expected_engine_id=action.engine_id,
+                version=cfg.version,
+                local_factors=cfg.compat,
+            )
+            layouts: dict[RemoteRank, PeerLayout | None] = {}
+            posts_here = (self.role == "consumer") == (cfg.mode == "pull")
+            assert self.geometry is not None
+            for (pp, tp), md in result.metadata.items():
+                layout = None
+                if posts_here:
+                    remote = RemoteGeometry.from_agent_metadata(
+                        md,
+                        tp_rank=tp,
+                        tp_size=action.expected_tp_size,
+                        pp_rank=pp,
+                        pp_size=action.expected_pp_size,
+                    )
+                    layout = PeerLayout(self.geometry, remote, mode=cfg.mode, coalesce=cfg.coalesce)
+                layouts[(pp, tp)] = layout
+        except (HandshakeError, IncompatiblePeerError, KVWireError) as exc:
+            kind = (
+                "timeout" if isinstance(exc, HandshakeTimeoutError)
+                else "incompatible" if isinstance(exc, IncompatiblePeerError)
+                else "error"
+            )  # fmt: skip
+            self.metrics.handshake(False, time.perf_counter() - t0, kind)
+            log.info("handshake with %s failed: %s", action.engine_id, exc)
+            self._feed_quietly(HandshakeFailed(action.engine_id, action.attempt, str(exc)))
+            return
+        try:
+            with self._lock:
+                if self._closed:
+                    return
+                peer = self._engines.setdefault(action.engine_id, _PeerEngine())
+                old_agents = {r.agent for r in peer.ranks.values()}
+                for key, layout in layouts.items():
+                    agent = self.transport.add_peer(result.metadata[key].agent_metadata)
+                    peer.ranks[key] = _PeerRank(agent, layout)
+                peer.stale_agents |= old_agents - {r.agent for r in peer.ranks.values()}
+                self._retire_stale(peer)
+                self.metrics.handshake(True, time.perf_counter() - t0)
+                self.feed(
+                    HandshakeDone(
+                        action.engine_id,
+                        action.attempt,
+                        remote_tp_size=action.expected_tp_size,
+                        remote_pp_size=action.expected_pp_size,
+                        clock_offset=result.clock_offset,
+                    )
+                )
+        except KVWireError as exc:
+            self.metrics.handshake(False, time.perf_counter() - t0, "transport")
+            self._feed_quietly(HandshakeFailed(action.engine_id, action.attempt, str(exc)))
+
+    def _feed_quietly(self, event: Event) -> None:
+        try:
+            self.feed(event)
+        except LocalProtocolError as exc:
+            if not self._closed:
+                self.errors.append(f"{type(event).__name__}: {exc}")
+                log.error("machine refused %s: %s", type(event).__name__, exc)
+
+    def _retire_stale(self, peer: _PeerEngine) -> None:
+        busy = {x.agent for x in self._xfers.values()}
+        for agent in list(peer.stale_agents):
+            if agent not in busy:
+                self._remove_agent(agent)
+                peer.stale_agents.discard(agent)
+
+    def _remove_agent(self, agent: str) -> None:
+        try:
+            self.transport.remove_peer(agent)
+        except TransportError as exc:
+            log.debug("remove_peer(%s): %s", agent, exc)
+
+    def _forget_engine(self, engine_id: str, *, evicted: bool) -> None:
+        peer = self._engines.get(engine_id)
+        if peer is None:
+            return
+        peer.stale_agents |= {r.agent for r in peer.ranks.values()}
+        peer.ranks.clear()
+        self._retire_stale(peer)
+        if evicted and not peer.stale_agents:
+            del self._engines[engine_id]
+
+    # ------------------------------------------------------------------ background thread
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._turn()
+            except Exception as exc:  # keep serving; record what went wrong
+                self.errors.append(f"{type(exc).__name__}: {exc}")
+                log.exception("kvwire %s driver turn failed", self.role)
+                self._stop.wait(self.config.poll_interval_s)
+                continue
+            with self._lock:
+                machine = self.machine
+                deadline = machine.next_deadline() if machine is not None else None
+                busy = bool(self._xfers)
+            wait = self.config.poll_interval_s
+            if deadline is not None:
+                wait = min(wait, max(0.0, deadline - self._clock()))
+            if busy:
+                wait = min(wait, 0.002)
+            try:
+                self.transport.wait(wait)
+            except TransportError:
+                self._stop.wait(wait)
+
+    def _turn(self) -> None:
+        with self._lock:
+            if self._closed or self.machine is None:
+                return
+            events: list[Event] = []
+            lost: set[str] = set()
+            for xfer in list(self._xfers.values()):
+                if xfer.awaiting_retry or xfer.handle is None:
+                    continue
+                state = self.transport.poll(xfer.handle)
+                if state is XferState.PENDING:
+                    continue
+                xfer.state = state
+                reason = "failed"
+                if state is XferState.FAILED:
+                    why = getattr(self.transport, "failure_reason", None)
+                    detail = why(xfer.handle) if callable(why) else None
+                    reason = f"transfer failed: {detail}" if detail else "transfer failed"
+                    lost.add(xfer.engine_id)
+                try:
+                    self.transport.release(xfer.handle)
+                except TransportError as exc:
+                    xfer.awaiting_retry = True
+                    events.append(ReleaseFailed(xfer.xfer_id, str(exc)))
+                    continue
+                del self._xfers[xfer.xfer_id]
+                ok = state is XferState.DONE
+                self._transfer_ended(xfer, ok=ok)
+                events.append(
+                    TransferDone(xfer.xfer_id) if ok else TransferFailed(xfer.xfer_id, reason)
+                )
+            for engine_id in lost:
+                # A failed transfer usually means the peer died or restarted: forget its
+                # agents so the next request handshakes again instead of failing forever.
+                self.metrics.count("peers_lost")
+                events.append(PeerLost(engine_id))
+            for sender, data in self.transport.drain_notifications():
+                self.metrics.count("notifications_received")
+                if not self._hold_early(sender, data):
+                    events.append(NotificationReceived(sender, data))
+            deadline = self.machine.next_deadline()
+            if deadline is not None and deadline <= self._clock():
+                events.append(Timer())
+            if events:
+                self.feed(*events)
+            for engine_id in lost:
+                self._forget_engine(engine_id, evicted=False)
+
+    # ------------------------------------------------------------------ early completions
+
+    def _hold_early(self, sender: str, data: bytes) -> bool:
+        """Keep a push write completion for a request this rank has not registered yet.
+
+        With D TP > 1 a producer writes to every D rank it serves as soon as the *first*
+        rank's registration reaches it, so another D rank can get the completion before the
+        engine handed it the request. The machine would count it as unknown and the request
+        would wait for its watchdog; holding it until the request is awaiting writes keeps
+        the write. Bounded in count and age (the registration timeout).
+        """
+        if self.role != "consumer" or self.config.mode != "push":
+            return False
+        machine = self.machine
+        if not isinstance(machine, ConsumerMachine):
+            return False
+        try:
+            msg = decode_notification(data)
+        except KVWireError:
+            return False
+        if not isinstance(msg, Completion):
+            return False
+        state = machine.request_state(msg.request_id)
+        if state not in (ConsumerState.ABSENT, ConsumerState.WAIT_ALLOC, ConsumerState.WAIT_PEER):
+            return False
+        if self._early_count >= 10_000:
+            return False
+        self._early.setdefault(msg.request_id, []).append((self._clock(), sender, data))
+        self._early_count += 1
+        return True
+
+    def _replay_early(self) -> None:
+        machine = self.machine
+        assert isinstance(machine, ConsumerMachine)
+        horizon = self._clock() - self.config.registration_timeout_s
+        for rid in list(self._early):
+            state = machine.request_state(rid)
+            held = self._early[rid]
+            if state is ConsumerState.AWAIT_WRITES:
+                del self._early[rid]
+                self._early_count -= len(held)
+                self._events.extend(NotificationReceived(s, d) for _, s, d in held)
+            elif held[-1][0] < horizon:
+                del self._early[rid]
+                self._early_count -= len(held)
+        if self._events:
+            self._pump()
+            if any(machine.request_state(r) is ConsumerState.AWAIT_WRITES for r in self._early):
+                self._replay_early()
+
+
+def _zero_host_ranges(ranges: Descs) -> None:
+    """Zero the consumer bytes a transfer leaves unwritten (host memory; one call per
+    range, and ranges exist only with heterogeneous block sizes)."""
+    rows = np.asarray(ranges, dtype=np.int64)
+    for addr, length in zip(rows[:, 0].tolist(), rows[:, 1].tolist(), strict=True):
+        ctypes.memset(addr, 0, length)

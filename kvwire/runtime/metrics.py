@@ -1,0 +1,244 @@
+"""Transfer metrics: per request and in aggregate, as plain Python or Prometheus text.
+
+The driver records as it goes (under its own lock, so recording is cheap and never blocks
+on a reader); :meth:`Metrics.snapshot` copies everything into plain dicts. Prometheus is
+optional: :meth:`Metrics.prometheus_text` renders the exposition format with no dependency,
+and :func:`kvwire.runtime.prometheus.register` plugs a collector into ``prometheus_client``
+when that package is installed.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass
+class RequestMetrics:
+    """One request's transfer, as this rank saw it."""
+
+    request_id: str
+    role: str
+    started: float
+    first_post: float | None = None
+    ended: float | None = None
+    bytes: int = 0
+    descriptors: int = 0
+    transfers: int = 0
+    post_s: float = 0.0
+    """Time spent planning descriptors and posting (the caller-visible cost)."""
+    outcome: str = "pending"
+    reason: str = ""
+
+    @property
+    def transfer_s(self) -> float | None:
+        """From the first post to the end of the request."""
+        if self.first_post is None or self.ended is None:
+            return None
+        return self.ended - self.first_post
+
+    @property
+    def total_s(self) -> float | None:
+        return None if self.ended is None else self.ended - self.started
+
+    @property
+    def gbps(self) -> float | None:
+        span = self.transfer_s
+        if not span or not self.bytes:
+            return None
+        return self.bytes / span / 1e9
+
+    def as_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out.update(transfer_s=self.transfer_s, total_s=self.total_s, gbps=self.gbps)
+        return out
+
+
+@dataclass
+class _Totals:
+    bytes: int = 0
+    descriptors: int = 0
+    transfers_done: int = 0
+    transfers_failed: int = 0
+    post_s: float = 0.0
+    transfer_s: float = 0.0
+    requests_done: int = 0
+    requests_failed: int = 0
+    leases_expired: int = 0
+    handshakes_ok: int = 0
+    handshakes_failed: int = 0
+    handshake_s: float = 0.0
+    notifications_sent: int = 0
+    notifications_received: int = 0
+    notifications_dropped: int = 0
+    peer_misbehaved: int = 0
+    peers_lost: int = 0
+    failures: dict[str, int] = field(default_factory=dict)
+    freed: dict[str, int] = field(default_factory=dict)
+
+
+class Metrics:
+    """Counters and recent per-request records of one Producer or Consumer."""
+
+    def __init__(self, role: str, *, keep_requests: int = 10_000) -> None:
+        self.role = role
+        self._lock = threading.Lock()
+        self._totals = _Totals()
+        self._live: dict[str, RequestMetrics] = {}
+        self._recent: collections.deque[RequestMetrics] = collections.deque(maxlen=keep_requests)
+        self._first_post: float | None = None
+        self._last_end: float | None = None
+
+    # -- recording (driver side) ---------------------------------------------------------
+
+    def request_started(self, request_id: str, now: float) -> None:
+        with self._lock:
+            if request_id not in self._live:
+                self._live[request_id] = RequestMetrics(request_id, self.role, now)
+
+    def transfer_posted(
+        self, request_id: str, now: float, nbytes: int, ndescs: int, post_s: float
+    ) -> None:
+        with self._lock:
+            rec = self._live.get(request_id)
+            if rec is None:
+                rec = self._live[request_id] = RequestMetrics(request_id, self.role, now)
+            if rec.first_post is None:
+                rec.first_post = now
+            if self._first_post is None:
+                self._first_post = now
+            rec.bytes += nbytes
+            rec.descriptors += ndescs
+            rec.transfers += 1
+            rec.post_s += post_s
+            self._totals.post_s += post_s
+
+    def transfer_ended(self, nbytes: int, ndescs: int, seconds: float, ok: bool) -> None:
+        with self._lock:
+            t = self._totals
+            if ok:
+                t.transfers_done += 1
+                t.bytes += nbytes
+                t.descriptors += ndescs
+                t.transfer_s += seconds
+            else:
+                t.transfers_failed += 1
+
+    def request_ended(self, request_id: str, now: float, outcome: str, reason: str = "") -> None:
+        """``outcome``: ``done``/``failed`` (consumer) or ``freed`` (producer, reason why)."""
+        with self._lock:
+            rec = self._live.pop(request_id, None)
+            if rec is None:
+                rec = RequestMetrics(request_id, self.role, now)
+            rec.ended = now
+            rec.outcome = outcome
+            rec.reason = reason
+            self._recent.append(rec)
+            self._last_end = now
+            t = self._totals
+            if outcome == "done":
+                t.requests_done += 1
+            elif outcome == "failed":
+                t.requests_failed += 1
+                t.failures[reason] = t.failures.get(reason, 0) + 1
+            else:
+                t.freed[reason] = t.freed.get(reason, 0) + 1
+                if reason == "expired":
+                    t.leases_expired += 1
+
+    def handshake(self, ok: bool, seconds: float, kind: str = "") -> None:
+        with self._lock:
+            t = self._totals
+            if ok:
+                t.handshakes_ok += 1
+                t.handshake_s += seconds
+            else:
+                t.handshakes_failed += 1
+                key = f"handshake:{kind or 'error'}"
+                t.failures[key] = t.failures.get(key, 0) + 1
+
+    def count(self, name: str, n: int = 1) -> None:
+        """Bump one of the plain counters (``notifications_sent``, ``peers_lost``...)."""
+        with self._lock:
+            setattr(self._totals, name, getattr(self._totals, name) + n)
+
+    # -- reading -----------------------------------------------------------------------
+
+    def snapshot(self) -> dict[str, Any]:
+        """Every counter and the recent requests, as plain Python values."""
+        with self._lock:
+            t = self._totals
+            totals = asdict(t)
+            span = (
+                self._last_end - self._first_post
+                if self._first_post is not None and self._last_end is not None
+                else None
+            )
+            recent = [r.as_dict() for r in self._recent]
+            live = len(self._live)
+        totals["gbps"] = t.bytes / span / 1e9 if span and t.bytes else None
+        totals["busy_s"] = span
+        return {"role": self.role, "totals": totals, "live_requests": live, "requests": recent}
+
+    def request(self, request_id: str) -> RequestMetrics | None:
+        """The record of a request (live or recent)."""
+        with self._lock:
+            rec = self._live.get(request_id)
+            if rec is not None:
+                return rec
+            for old in reversed(self._recent):
+                if old.request_id == request_id:
+                    return old
+        return None
+
+    def prometheus_text(self, prefix: str = "kvwire") -> str:
+        """The counters in Prometheus' text exposition format (no dependency needed)."""
+        lines: list[str] = []
+        for name, kind, help_text, samples in self.prometheus_families(prefix):
+            lines.append(f"# HELP {name} {help_text}")
+            lines.append(f"# TYPE {name} {kind}")
+            for suffix, labels, value in samples:
+                label_text = ",".join(f'{k}="{_escape(v)}"' for k, v in labels.items())
+                label_part = f"{{{label_text}}}" if label_text else ""
+                lines.append(f"{name}{suffix}{label_part} {float(value)!r}")
+        return "\n".join(lines) + "\n"
+
+    def prometheus_families(
+        self, prefix: str = "kvwire"
+    ) -> list[tuple[str, str, str, list[tuple[str, dict[str, str], float]]]]:
+        """``(name, type, help, [(suffix, labels, value)])`` for every metric family."""
+        snap = self.snapshot()["totals"]
+        role = {"role": self.role}
+        fam: list[tuple[str, str, str, list[tuple[str, dict[str, str], float]]]] = [
+            (f"{prefix}_transferred_bytes", "counter", "Bytes moved by completed transfers.",
+             [("_total", role, snap["bytes"])]),
+            (f"{prefix}_descriptors", "counter", "Descriptors of completed transfers.",
+             [("_total", role, snap["descriptors"])]),
+            (f"{prefix}_transfers", "counter", "Transfers that ended, by outcome.",
+             [("_total", {**role, "outcome": "done"}, snap["transfers_done"]),
+              ("_total", {**role, "outcome": "failed"}, snap["transfers_failed"])]),
+            (f"{prefix}_transfer_seconds", "counter", "Time completed transfers were in flight.",
+             [("_total", role, snap["transfer_s"])]),
+            (f"{prefix}_post_seconds", "counter", "Time spent planning and posting transfers.",
+             [("_total", role, snap["post_s"])]),
+            (f"{prefix}_requests", "counter", "Requests that ended, by outcome.",
+             [("_total", {**role, "outcome": "done"}, snap["requests_done"]),
+              ("_total", {**role, "outcome": "failed"}, snap["requests_failed"])]),
+            (f"{prefix}_failures", "counter", "Failures by kind.",
+             [("_total", {**role, "kind": k}, v) for k, v in sorted(snap["failures"].items())]),
+            (f"{prefix}_leases_expired", "counter", "Producer leases that ran out.",
+             [("_total", role, snap["leases_expired"])]),
+            (f"{prefix}_handshakes", "counter", "Side-channel handshakes, by outcome.",
+             [("_total", {**role, "outcome": "ok"}, snap["handshakes_ok"]),
+              ("_total", {**role, "outcome": "failed"}, snap["handshakes_failed"])]),
+            (f"{prefix}_notifications", "counter", "Notifications, by direction.",
+             [("_total", {**role, "direction": "sent"}, snap["notifications_sent"]),
+              ("_total", {**role, "direction": "received"}, snap["notifications_received"])]),
+        ]  # fmt: skip
+        return fam
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")

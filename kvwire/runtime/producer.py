@@ -1,0 +1,213 @@
+"""The prefill side: hold finished prompts' KV blocks until consumers have them.
+
+An engine calls :meth:`Producer.prefill_finished` when a prompt's KV is computed and puts
+the returned ``kv_transfer_params`` in its answer; it reuses a request's blocks only after
+:meth:`Producer.get_finished` lists the request (consumers are done, the lease ran out, or
+the request was aborted). Everything in between — completions, heartbeats, leases, push
+registrations and writes — runs on the runtime's threads.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kvwire.errors import ConfigError
+from kvwire.geometry import KVGeometry
+from kvwire.machine import (
+    Abort,
+    Event,
+    FreeBlocks,
+    PrefillFinished,
+    ProducerMachine,
+    ProducerState,
+    RequestAdded,
+    RequestDone,
+    RequestFailed,
+)
+from kvwire.runtime.config import RuntimeConfig
+from kvwire.runtime.driver import Driver, Outcome
+from kvwire.runtime.metrics import Metrics
+from kvwire.transport import Region, Transport
+
+BlockIdsLike = Sequence[Sequence[int]]
+
+
+@dataclass(frozen=True)
+class FreedRequest:
+    """A request whose blocks the engine may reuse now, and why."""
+
+    request_id: str
+    block_ids: tuple[tuple[int, ...], ...]
+    reason: str
+    """``sent``, ``nothing_to_send``, ``expired``, ``aborted``, ``failed`` or ``protocol``."""
+
+
+def as_block_ids(block_ids: BlockIdsLike) -> tuple[tuple[int, ...], ...]:
+    """Per-group block ids as the machine wants them: tuples of Python ints (converted in
+    C by numpy, not block by block)."""
+    return tuple(
+        tuple(np.asarray(group, dtype=np.int64).reshape(-1).tolist()) for group in block_ids
+    )
+
+
+class Producer:
+    """One prefill rank's transfer runtime.
+
+    ``transport`` is a transport name (``"shm"``, ``"nixl"``, ``"ucx"`` or
+    ``"module:factory"``, created and owned here) or an already created agent (left open at
+    :meth:`close`, with this runtime's registrations and peers removed).
+    """
+
+    def __init__(
+        self,
+        config: RuntimeConfig,
+        transport: Transport | str,
+        *,
+        transport_options: dict[str, Any] | None = None,
+    ) -> None:
+        self.config = config
+        self._freed: list[FreedRequest] = []
+        self._cv = threading.Condition()
+        self._driver = Driver(
+            "producer",
+            config,
+            transport,
+            transport_options=transport_options,
+            on_outcome=self._on_outcome,
+        )
+
+    # -- setup ---------------------------------------------------------------------
+
+    def register_kv_caches(
+        self, geometry: KVGeometry, regions: Sequence[Region] | None = None
+    ) -> None:
+        """Register the rank's KV cache; ``regions`` default to the spans the geometry covers."""
+        self._driver.attach(geometry, regions)
+
+    def handshake_payload(self) -> bytes:
+        """This rank's handshake answer; the engine's listener serves it at (pp, tp)."""
+        return self._driver.handshake_payload()
+
+    # -- engine calls --------------------------------------------------------------
+
+    def request_started(self, request_id: str) -> None:
+        """Optional: the prompt started prefilling (lets an abort come before the finish)."""
+        self._driver.feed(RequestAdded(request_id))
+
+    def prefill_finished(
+        self,
+        request_id: str,
+        block_ids: BlockIdsLike,
+        *,
+        num_tokens: int | None = None,
+    ) -> dict[str, Any]:
+        """Hold ``block_ids`` for consumers; returns the ``kv_transfer_params`` for the proxy.
+
+        An empty block list frees at once (nothing to send); the engine sees the request in
+        :meth:`get_finished` with reason ``nothing_to_send``.
+        """
+        blocks = as_block_ids(block_ids)
+        machine = self._driver.machine
+        if machine is None:
+            raise ConfigError("register_kv_caches before prefill_finished")
+        events: list[Event] = []
+        assert isinstance(machine, ProducerMachine)
+        if machine.request_state(request_id) is ProducerState.ABSENT:
+            events.append(RequestAdded(request_id))
+        events.append(PrefillFinished(request_id, blocks))
+        self._driver.remember_tokens(request_id, num_tokens)
+        self._driver.metrics.request_started(request_id, time.perf_counter())
+        self._driver.feed(*events)
+        return self.kv_transfer_params(request_id, blocks, num_tokens=num_tokens)
+
+    def kv_transfer_params(
+        self,
+        request_id: str,
+        block_ids: BlockIdsLike,
+        *,
+        num_tokens: int | None = None,
+    ) -> dict[str, Any]:
+        """The params a consumer needs to fetch this request (what vLLM's P returns)."""
+        cfg = self.config
+        params: dict[str, Any] = {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_block_ids": [list(g) for g in as_block_ids(block_ids)],
+            "remote_engine_id": cfg.engine_id,
+            "remote_request_id": request_id,
+            "remote_host": cfg.side_channel_host,
+            "remote_port": cfg.side_channel_port,
+            "tp_size": cfg.tp_size,
+            "dcp_size": 1,
+            "pp_size": cfg.pp_size,
+            "remote_blocks_expiry_time": None,
+            "transfer_mode": cfg.mode,
+        }
+        if num_tokens is not None:
+            params["remote_num_tokens"] = num_tokens
+        return params
+
+    def abort(self, request_id: str) -> None:
+        """The engine gave up on the request; its blocks show up in get_finished."""
+        self._driver.feed(Abort(request_id))
+
+    def get_finished(self) -> list[FreedRequest]:
+        """Requests freed since the last call (their blocks are the engine's again)."""
+        with self._cv:
+            out, self._freed = self._freed, []
+        return out
+
+    def wait_finished(self, timeout: float) -> bool:
+        """Block until get_finished has something, or ``timeout`` seconds; True if it has."""
+        with self._cv:
+            return self._cv.wait_for(lambda: bool(self._freed), timeout)
+
+    # -- introspection -------------------------------------------------------------
+
+    @property
+    def metrics(self) -> Metrics:
+        return self._driver.metrics
+
+    @property
+    def transport(self) -> Transport:
+        return self._driver.transport
+
+    def held_blocks(self) -> int:
+        machine = self._driver.machine
+        return machine.held_blocks() if isinstance(machine, ProducerMachine) else 0
+
+    def machine_stats(self) -> dict[str, int]:
+        machine = self._driver.machine
+        return machine.stats.as_dict() if machine is not None else {}
+
+    @property
+    def errors(self) -> list[str]:
+        return list(self._driver.errors)
+
+    def close(self) -> None:
+        """Stop every thread, release transfers, deregister, close an owned transport."""
+        self._driver.close()
+
+    def __enter__(self) -> Producer:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # -- internals -----------------------------------------------------------------
+
+    def _on_outcome(self, action: Outcome) -> None:
+        if isinstance(action, (RequestDone, RequestFailed)):  # pragma: no cover - consumer only
+            return
+        assert isinstance(action, FreeBlocks)
+        with self._cv:
+            self._freed.append(
+                FreedRequest(action.request_id, action.block_ids, action.reason.value)
+            )
+            self._cv.notify_all()

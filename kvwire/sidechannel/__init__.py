@@ -1,0 +1,48 @@
+"""The handshake side channel: a hardened ZMQ ROUTER listener and a retrying REQ client.
+
+Wire-compatible with vLLM 0.31.0's NIXL connector: a vLLM decode worker can fetch
+kvwire's metadata and kvwire can fetch a vLLM prefill engine's.
+"""
+
+from __future__ import annotations
+
+from kvwire.sidechannel.address import parse_host_port, tcp_endpoint
+from kvwire.sidechannel.client import (
+    HandshakeClient,
+    PayloadReplies,
+    RankReply,
+    RetryPolicy,
+)
+from kvwire.sidechannel.frames import (
+    ERROR_PREFIX,
+    GET_META_TAG,
+    decode_clock,
+    decode_request,
+    encode_clock,
+    encode_refusal,
+    encode_request,
+    refusal_reason,
+)
+from kvwire.sidechannel.handshake import PeerHandshake, fetch_agent_metadata
+from kvwire.sidechannel.listener import HandshakeListener, ListenerStats
+
+__all__ = [
+    "ERROR_PREFIX",
+    "GET_META_TAG",
+    "HandshakeClient",
+    "HandshakeListener",
+    "ListenerStats",
+    "PayloadReplies",
+    "PeerHandshake",
+    "RankReply",
+    "RetryPolicy",
+    "decode_clock",
+    "decode_request",
+    "encode_clock",
+    "encode_refusal",
+    "encode_request",
+    "fetch_agent_metadata",
+    "parse_host_port",
+    "refusal_reason",
+    "tcp_endpoint",
+]

@@ -1,0 +1,67 @@
+"""A whole handshake with one peer engine: fetch every needed rank, decode, check identity.
+
+The client fetches raw payloads; this step applies the two-phase decode of the wire core
+(hash first, then the metadata) and the engine-id check, so the runtime and ``kvwire
+probe`` share one definition of "this peer is who the request said it is".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from kvwire.compat import CompatFactors
+from kvwire.errors import HandshakeError, WireDecodeError
+from kvwire.sidechannel.client import HandshakeClient
+from kvwire.wire.handshake import decode_handshake
+from kvwire.wire.schemas import AnyAgentMetadata
+
+
+@dataclass(frozen=True)
+class PeerHandshake:
+    """Decoded metadata per ``(pp_rank, tp_rank)`` and the clock offset to the peer."""
+
+    metadata: dict[tuple[int, int], AnyAgentMetadata]
+    clock_offset: float
+    """Peer clock minus ours, from the lowest-RTT sample."""
+    best_rtt: float
+    attempts: int
+
+
+def fetch_agent_metadata(
+    client: HandshakeClient,
+    host: str,
+    port: int,
+    ranks: Iterable[tuple[int, int]],
+    *,
+    local_hash: str | None,
+    expected_engine_id: str | None = None,
+    version: int = 13,
+    local_factors: CompatFactors | None = None,
+) -> PeerHandshake:
+    """Handshake with the engine at ``host:port`` for the given ranks.
+
+    Raises ``IncompatiblePeerError`` on a hash mismatch (naming the differing factors when
+    they can be known), ``HandshakeTimeoutError`` when a rank stays silent, and
+    ``HandshakeError`` for a refusal, undecodable metadata or the wrong engine.
+    """
+    replies = client.fetch_payloads(host, port, ranks)
+    decoded: dict[tuple[int, int], AnyAgentMetadata] = {}
+    for key, reply in replies.replies.items():
+        try:
+            md = decode_handshake(
+                reply.payload,
+                local_hash=local_hash,
+                version=version,
+                local_factors=local_factors,
+            )
+        except WireDecodeError as exc:
+            raise HandshakeError(
+                f"{host}:{port} rank (pp={key[0]}, tp={key[1]}) sent undecodable metadata: {exc}"
+            ) from exc
+        if expected_engine_id is not None and md.engine_id != expected_engine_id:
+            raise HandshakeError(
+                f"{host}:{port} is engine {md.engine_id!r}, expected {expected_engine_id!r}"
+            )
+        decoded[key] = md
+    return PeerHandshake(decoded, replies.clock_offset, replies.best_rtt, replies.attempts)
