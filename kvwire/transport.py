@@ -187,7 +187,7 @@ def load(name: str) -> TransportFactory:
         if ep.name == name:
             try:
                 loaded: TransportFactory = ep.load()
-            except ImportError as exc:
+            except (ImportError, AttributeError) as exc:
                 raise TransportUnavailableError(
                     f"transport {name!r} is installed but cannot be imported ({exc}); "
                     f"install its extra: pip install 'kvwire[{name}]'"
