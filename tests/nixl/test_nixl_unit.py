@@ -1,0 +1,155 @@
+"""Parts of the NIXL adapter that need no agent: loading, options, errors, descriptors."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from kvwire_nixl import _loader
+from kvwire_nixl._descs import CACHEABLE_ROWS, coalesce, fast_key, prepare
+from kvwire_nixl._errors import status_of, translate
+from kvwire_nixl._options import parse_options
+
+from kvwire.errors import (
+    ConfigError,
+    DescriptorError,
+    PeerMetadataError,
+    TransportUnavailableError,
+)
+from kvwire.transport import load
+
+
+def test_importing_the_adapter_does_not_import_nixl() -> None:
+    code = (
+        "import sys, kvwire_nixl, kvwire.transport as t; t.load('nixl');"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in "
+        "('nixl', 'nixl_cu12', 'nixl_cu13', 'torch')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_entry_point_names_the_factory() -> None:
+    from kvwire_nixl import NixlTransport
+
+    assert load("nixl") is NixlTransport
+
+
+def test_missing_binding_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_loader, "_cached", None)
+    monkeypatch.setattr(_loader, "CANDIDATES", ("kvwire_test_no_such_nixl",))
+    with pytest.raises(TransportUnavailableError, match=r"pip install 'kvwire\[nixl\]'"):
+        _loader.load_nixl()
+    from kvwire_nixl import NixlTransport
+
+    with pytest.raises(TransportUnavailableError, match="kvwire_test_no_such_nixl"):
+        NixlTransport("agent-without-nixl")
+
+
+@pytest.mark.parametrize(
+    ("options", "fragment"),
+    [
+        ({"backend_opts": {}}, "unknown nixl transport option"),
+        ({"progress": "spin"}, "progress must be one of"),
+        ({"telemetry": "maybe"}, "telemetry"),
+        ({"cache_size": "many"}, "cache_size"),
+        ({"progress_min_us": 500, "progress_max_us": 10}, "progress_min_us"),
+        ({"backend": ""}, "backend"),
+        ({"backend_options": ["ucx"]}, "backend_options"),
+    ],
+)
+def test_bad_options_are_config_errors(options: dict[str, object], fragment: str) -> None:
+    with pytest.raises(ConfigError, match=fragment):
+        parse_options(options)
+
+
+def test_options_from_a_command_line_are_converted() -> None:
+    opts = parse_options(
+        {"telemetry": "true", "cache_size": "8", "backend_options": {"num_workers": 2}}
+    )
+    assert opts.telemetry is True and opts.cache_size == 8
+    assert opts.effective_backend_options == {
+        "ucx_error_handling_mode": "none",
+        "num_workers": "2",
+    }
+    assert parse_options({"backend": "POSIX"}).effective_backend_options == {}
+
+
+def test_status_names_come_from_nixl_exceptions() -> None:
+    class nixlNotFoundError(Exception):  # mimics the binding's class name
+        pass
+
+    class nixlRemoteDisconnectError(Exception):
+        pass
+
+    assert status_of(nixlNotFoundError("NIXL_ERR_NOT_FOUND")) == "NIXL_ERR_NOT_FOUND"
+    assert status_of(nixlRemoteDisconnectError("")) == "NIXL_ERR_REMOTE_DISCONNECT"
+    assert status_of(ValueError("bad")) is None
+    err = translate(nixlNotFoundError("NIXL_ERR_NOT_FOUND"), PeerMetadataError, "loading")
+    assert isinstance(err, PeerMetadataError)
+    assert err.status == "NIXL_ERR_NOT_FOUND" and "loading failed" in str(err)
+
+
+def _naive_coalesce(local: np.ndarray, remote: np.ndarray) -> list[list[int]]:
+    rows: list[list[int]] = []
+    for (la, ln, ld), (ra, _, rd) in zip(local.tolist(), remote.tolist(), strict=True):
+        if rows:
+            pla, pln, pld, pra, prd = rows[-1]
+            if pla + pln == la and pra + pln == ra and pld == ld and prd == rd:
+                rows[-1][1] += ln
+                continue
+        rows.append([la, ln, ld, ra, rd])
+    return rows
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.integers(1, 64), st.booleans(), st.booleans(), st.integers(0, 1)),
+        min_size=0,
+        max_size=40,
+    )
+)
+def test_coalesce_merges_exactly_the_runs_adjacent_on_both_sides(
+    spec: list[tuple[int, bool, bool, int]],
+) -> None:
+    local, remote = [], []
+    laddr, raddr = 4096, 1 << 20
+    for length, lgap, rgap, device in spec:
+        laddr += 8 if lgap else 0
+        raddr += 8 if rgap else 0
+        local.append((laddr, length, 0))
+        remote.append((raddr, length, device))
+        laddr += length
+        raddr += length
+    loc = np.array(local, dtype=np.int64).reshape(-1, 3)
+    rem = np.array(remote, dtype=np.int64).reshape(-1, 3)
+    merged_l, merged_r = coalesce(loc, rem)
+    expected = _naive_coalesce(loc, rem)
+    got = [[*a, b[0], b[2]] for a, b in zip(merged_l.tolist(), merged_r.tolist(), strict=True)]
+    assert got == expected
+    assert np.array_equal(merged_l[:, 1], merged_r[:, 1])
+    assert int(merged_l[:, 1].sum()) == int(loc[:, 1].sum())
+
+
+def test_prepare_rejects_what_cannot_pair_up() -> None:
+    good = np.array([[0, 8, 0]], dtype=np.int64)
+    with pytest.raises(DescriptorError):
+        prepare(good, np.array([[0, 16, 0]], dtype=np.int64))
+    with pytest.raises(DescriptorError):
+        prepare(good[:, :2], good[:, :2])
+
+
+def test_fast_key_only_for_small_int64_pairs() -> None:
+    small = np.zeros((4, 3), dtype=np.int64)
+    assert fast_key(small, small) == (small.tobytes(), small.tobytes())
+    assert fast_key(small.astype(np.int32), small) is None
+    assert fast_key(small.reshape(-1), small.reshape(-1)) is None
+    assert fast_key(small, small[:2]) is None
+    big = np.zeros((CACHEABLE_ROWS + 1, 3), dtype=np.int64)
+    assert fast_key(big, big) is None
+    assert fast_key(small.tolist(), small) is None

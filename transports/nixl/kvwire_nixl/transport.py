@@ -1,0 +1,733 @@
+"""The kvwire transport interface over one NIXL agent.
+
+Design choices, each measured on nixl-cu12 1.5.1 (see docs/transports.md, NIXL section):
+
+* **Requests**: a transfer is created with NIXL's plain ``initialize_xfer`` after merging
+  adjacent descriptors in numpy (NIXL's plain path does not merge; its prepped path
+  does, and preparing lists per transfer costs more than it saves for scattered blocks).
+  A finished request of a small descriptor set is kept on ``release`` and re-posted when
+  the very same descriptors move again, which is what NIXL's own fast path is (one
+  ``transfer`` call): kvwire's 4 KiB READ then costs what raw NIXL's does.
+* **Progress**: NIXL's progress thread is off; a light kvwire thread progresses the agent
+  with backoff (``_progress.ProgressThread``), and ``poll`` / ``wait`` /
+  ``drain_notifications`` progress inline. UCX runs with ``ucx_error_handling_mode=none``
+  so an initiator never waits for an idle target.
+* **Errors**: NIXL's exceptions become kvwire ``TransportError`` subclasses with NIXL's
+  status name in ``.status``; a failed transfer is a FAILED state, never dropped.
+
+All calls into the agent hold one lock, so the progress thread and the caller never run
+inside NIXL at the same time (the agent is created without NIXL's own locking).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import ctypes
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from kvwire.errors import (
+    ConfigError,
+    DescriptorError,
+    PeerMetadataError,
+    RegistrationError,
+    TransferFailedError,
+    TransportClosedError,
+    TransportError,
+    TransportUnavailableError,
+    UnknownPeerError,
+)
+from kvwire.transport import (
+    Capabilities,
+    Descs,
+    MemKind,
+    Region,
+    XferState,
+    region_of_array,
+    region_of_tensor,
+)
+from kvwire_nixl._descs import coalesce, fast_key, prepare
+from kvwire_nixl._errors import is_status, status_of, translate
+from kvwire_nixl._loader import load_nixl
+from kvwire_nixl._options import NixlOptions, parse_options
+from kvwire_nixl._progress import ProgressThread
+
+_NOT_FOUND = "NIXL_ERR_NOT_FOUND"
+_PENDING = XferState.PENDING
+_DONE = XferState.DONE
+_NETWORK_BACKENDS = frozenset({"UCX", "LIBFABRIC", "UCCL", "GPUNETIO", "MOONCAKE"})
+
+
+class NixlXfer:
+    """A posted transfer; opaque to callers, who pass it back to poll / release."""
+
+    __slots__ = ("empty_notif", "key", "nixl", "owner", "peer", "state", "status")
+
+    def __init__(
+        self,
+        owner: NixlTransport | None,
+        nixl: Any,
+        key: tuple[Any, ...] | None,
+        peer: str,
+        empty_notif: bool,
+    ) -> None:
+        self.owner = owner
+        self.nixl = nixl
+        self.key = key
+        self.peer = peer
+        self.state = XferState.PENDING
+        self.status: str | None = None
+        self.empty_notif = empty_notif
+
+    def __repr__(self) -> str:
+        return f"<NixlXfer to {self.peer!r} {self.state.name}>"
+
+
+class NixlRegistration:
+    """Memory registered with :meth:`NixlTransport.register`."""
+
+    __slots__ = ("lists", "owner", "regions")
+
+    def __init__(self, owner: NixlTransport, regions: list[Region], lists: list[Any]):
+        self.owner = owner
+        self.regions = regions
+        self.lists = lists  # NIXL registration lists, one per memory kind
+
+
+class NixlTransport:
+    """One NIXL agent as a kvwire transport: ``NixlTransport(name, **options)``.
+
+    Options (all optional): ``backend`` (a NIXL plugin name, default ``"UCX"``),
+    ``backend_options`` (the plugin's init parameters; UCX defaults to
+    ``{"ucx_error_handling_mode": "none"}``), ``progress`` (``"thread"`` | ``"inline"`` |
+    ``"nixl"``), ``progress_min_us`` / ``progress_max_us`` (the progress thread's backoff
+    range), ``spin_us`` (how long ``wait`` polls before it sleeps), ``telemetry`` (NIXL's
+    per-transfer telemetry, read with :meth:`telemetry`), ``cache_size`` (finished
+    requests kept for re-posting; 0 disables).
+    """
+
+    def __init__(self, name: str, **options: Any) -> None:
+        if not isinstance(name, str) or not name:
+            raise ConfigError(f"a NIXL agent needs a non-empty name, got {name!r}")
+        self._opts: NixlOptions = parse_options(options)
+        self._cache_size = self._opts.cache_size
+        self._cache_on = self._cache_size > 0
+        api, bindings = load_nixl()
+        self._bindings = bindings
+        self._name = name
+        self._lock = threading.Lock()
+        self._agent: Any = self._create_agent(api, name, self._opts)
+        self._bind_post()
+        self._peers: set[str] = set()
+        self._registrations: list[NixlRegistration] = []
+        self._vram_spans: list[tuple[int, int]] = []
+        self._remote_kind: dict[tuple[str, str], str] = {}
+        self._cache: dict[tuple[Any, ...], Any] = {}
+        self._inflight: set[NixlXfer] = set()
+        self._live: set[NixlXfer] = set()  # posted, not yet released: close() frees them
+        self._zombies: list[Any] = []  # requests NIXL refused to release yet
+        self._inbox: collections.deque[tuple[str, bytes]] = collections.deque()
+        self._activity = threading.Event()
+        self._last_progress = 0.0
+        self._closed = False
+        self._capabilities: Capabilities | None = None
+        self._created = self._reused = self._posted = self._failed = 0
+        self._sent = self._received = 0
+        self._spin_s = self._opts.spin_us * 1e-6
+        self._min_s = self._opts.progress_min_us * 1e-6
+        self._max_s = self._opts.progress_max_us * 1e-6
+        self._thread: ProgressThread | None = None
+        if self._opts.progress == "thread":
+            self._thread = ProgressThread(
+                name,
+                self._background_progress,
+                lambda: self._last_progress,
+                min_s=self._min_s,
+                max_s=self._max_s,
+            )
+            self._thread.start()
+
+    @staticmethod
+    def _create_agent(api: Any, name: str, opts: NixlOptions) -> Any:
+        config = api.nixl_agent_config(
+            enable_prog_thread=opts.progress == "nixl",
+            backends=[],
+            capture_telemetry=opts.telemetry,
+        )
+        try:
+            agent = api.nixl_agent(name, config)
+        except Exception as exc:
+            raise translate(exc, TransportUnavailableError, "creating a NIXL agent") from exc
+        plugins = list(agent.get_plugin_list())
+        if opts.backend not in plugins:
+            raise TransportUnavailableError(
+                f"NIXL has no plugin {opts.backend!r} here (available: {', '.join(plugins)})"
+            )
+        try:
+            agent.create_backend(opts.backend, opts.effective_backend_options)
+        except Exception as exc:
+            raise translate(
+                exc, TransportUnavailableError, f"starting NIXL backend {opts.backend}"
+            ) from exc
+        return agent
+
+    # -- identity ---------------------------------------------------------------------
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def backend(self) -> str:
+        return self._opts.backend
+
+    @property
+    def capabilities(self) -> Capabilities:
+        if self._capabilities is None:
+            kinds = {MemKind.DRAM}
+            if self._backend_takes("VRAM") and cuda_device_present():
+                kinds.add(MemKind.VRAM)
+            if not self._backend_takes("DRAM"):
+                kinds.discard(MemKind.DRAM)
+            self._capabilities = Capabilities(
+                read=True,
+                write=True,
+                notifications=True,
+                mem_kinds=frozenset(kinds),
+                cross_process=True,
+                cross_host=self._opts.backend in _NETWORK_BACKENDS,
+                max_descriptors=None,
+                ordered_notifications=self._ordered_notifications(),
+            )
+        return self._capabilities
+
+    def _ordered_notifications(self) -> bool:
+        """UCX with one worker sends every notification to a peer on one endpoint, in
+        order (a transfer's after its data); more workers may overtake each other."""
+        workers = self._opts.effective_backend_options.get("num_workers", "1")
+        return self._opts.backend == "UCX" and workers.strip() == "1"
+
+    def _backend_takes(self, kind: str) -> bool:
+        if self._agent is None:
+            return kind == "DRAM"
+        with self._lock:
+            types = self._agent.get_backend_mem_types(self._opts.backend)
+        return f"{kind}_SEG" in types
+
+    # -- memory -----------------------------------------------------------------------
+
+    def register(self, regions: Sequence[Region | Any]) -> NixlRegistration:
+        """Register regions (``Region``s; numpy arrays and torch tensors are converted)."""
+        agent = self._open_agent()
+        items = [_as_region(r) for r in regions]
+        by_kind: dict[MemKind, list[tuple[int, int, int, str]]] = {}
+        for region in items:
+            if region.kind not in self.capabilities.mem_kinds:
+                raise RegistrationError(
+                    f"cannot register {region.kind.value} memory: this agent moves only "
+                    f"{sorted(k.value for k in self.capabilities.mem_kinds)}"
+                )
+            by_kind.setdefault(region.kind, []).append(
+                (region.addr, region.length, region.device_id, "")
+            )
+        lists: list[Any] = []
+        with self._lock:
+            try:
+                for kind, rows in by_kind.items():
+                    lists.append(agent.register_memory(rows, kind.value))
+            except Exception as exc:
+                for done in lists:  # best effort: the registration already failed
+                    with contextlib.suppress(Exception):
+                        agent.deregister_memory(done)
+                raise translate(exc, RegistrationError, "registering memory with NIXL") from exc
+        handle = NixlRegistration(self, items, lists)
+        self._registrations.append(handle)
+        self._rebuild_spans()
+        return handle
+
+    def deregister(self, handle: object) -> None:
+        agent = self._open_agent()
+        if not isinstance(handle, NixlRegistration) or handle.owner is not self:
+            raise RegistrationError("not a registration of this agent")
+        if handle not in self._registrations:
+            raise RegistrationError("this registration was already deregistered")
+        self._registrations.remove(handle)
+        self._rebuild_spans()
+        with self._lock:
+            self._clear_cache()  # kept requests may point into the memory
+            try:
+                for reg_list in handle.lists:
+                    agent.deregister_memory(reg_list)
+            except Exception as exc:
+                raise translate(exc, RegistrationError, "deregistering memory") from exc
+
+    def _rebuild_spans(self) -> None:
+        self._vram_spans = [
+            (r.addr, r.addr + r.length)
+            for reg in self._registrations
+            for r in reg.regions
+            if r.kind is MemKind.VRAM
+        ]
+
+    def _local_kind(self, local: Descs) -> str:
+        if self._vram_spans:
+            addr = int(local[0, 0])
+            for start, end in self._vram_spans:
+                if start <= addr < end:
+                    return "VRAM"
+        return "DRAM"
+
+    # -- peers ------------------------------------------------------------------------
+
+    def local_metadata(self) -> bytes:
+        """NIXL's own agent metadata blob (what vLLM sends), covering every registration."""
+        agent = self._open_agent()
+        with self._lock:
+            try:
+                return bytes(agent.get_agent_metadata())
+            except Exception as exc:
+                raise translate(exc, TransportError, "reading the agent metadata") from exc
+
+    def add_peer(self, blob: bytes) -> str:
+        """Load (or refresh) a peer from its metadata blob; returns the peer's agent name."""
+        agent = self._open_agent()
+        if not isinstance(blob, (bytes, bytearray, memoryview)) or not len(blob):
+            raise PeerMetadataError(f"peer metadata must be non-empty bytes, got {type(blob)}")
+        with self._lock:
+            try:
+                raw = agent.add_remote_agent(bytes(blob))
+            except Exception as exc:
+                raise translate(exc, PeerMetadataError, "loading peer metadata") from exc
+            peer = raw.decode() if isinstance(raw, bytes) else str(raw)
+            self._drop_cached(peer)  # its regions may have changed
+        self._peers.add(peer)
+        return peer
+
+    def remove_peer(self, peer: str) -> None:
+        agent = self._open_agent()
+        if peer not in self._peers:
+            raise UnknownPeerError(f"no peer named {peer!r}")
+        self._peers.discard(peer)
+        with self._lock:
+            self._drop_cached(peer)
+            try:
+                agent.remove_remote_agent(peer)
+            except Exception as exc:
+                raise translate(exc, UnknownPeerError, f"removing peer {peer!r}") from exc
+
+    @property
+    def peers(self) -> frozenset[str]:
+        return frozenset(self._peers)
+
+    # -- transfers --------------------------------------------------------------------
+
+    def read(self, peer: str, local: Descs, remote: Descs, notify: bytes | None = None) -> NixlXfer:
+        return self._post("READ", peer, local, remote, notify)
+
+    def write(
+        self, peer: str, local: Descs, remote: Descs, notify: bytes | None = None
+    ) -> NixlXfer:
+        return self._post("WRITE", peer, local, remote, notify)
+
+    def _post(self, op: str, peer: str, local: object, remote: object, notify: object) -> NixlXfer:
+        agent = self._agent
+        if agent is None or self._closed:
+            raise TransportClosedError(f"NIXL agent {self._name!r} is closed")
+        if peer not in self._peers:
+            raise UnknownPeerError(f"no peer named {peer!r}; add it with add_peer first")
+        if notify is not None and not isinstance(notify, bytes):
+            if not isinstance(notify, (bytearray, memoryview)):
+                raise DescriptorError(f"a notification must be bytes, got {type(notify)}")
+            notify = bytes(notify)
+        message = notify or b""  # NIXL cannot attach an empty one: sent after DONE instead
+        key: tuple[Any, ...] | None = None
+        request = None
+        if self._cache_on:
+            small = fast_key(local, remote)
+            if small is not None:
+                key = (op, peer, bool(message), small[0], small[1])
+                request = self._cache.pop(key, None)
+        if request is None:
+            loc, rem = prepare(local, remote)
+            if loc.shape[0] == 0:
+                return self._empty_transfer(peer, notify)
+            request = self._create_request(op, peer, *coalesce(loc, rem), message)
+            self._created += 1
+        else:
+            self._reused += 1
+        xfer = NixlXfer(self, request, key, peer, notify is not None and not message)
+        with self._lock:
+            try:
+                core = self._core_post
+                if core is not None:
+                    posted = core(request._handle, message)
+                else:
+                    posted = agent.transfer(request, message)
+            except Exception as exc:
+                self._release_request(request)
+                raise translate(exc, TransferFailedError, f"posting a {op} to {peer!r}") from exc
+            self._posted += 1
+            self._live.add(xfer)
+            if posted == self._success:
+                if xfer.empty_notif:
+                    self._finish(xfer)
+                else:
+                    xfer.state = XferState.DONE
+            elif posted == self._in_progress:
+                self._inflight.add(xfer)
+            else:
+                self._fail(xfer, "NIXL_ERR_BACKEND")
+        return xfer
+
+    def _bind_post(self) -> None:
+        """Post through the binding's ``postXferReq`` when it is there: the same call
+        ``nixl_agent.transfer`` makes, minus its string mapping (0.2 us of a 1.2 us post)."""
+        core = getattr(self._agent, "agent", None)
+        post = getattr(core, "postXferReq", None)
+        success = getattr(self._bindings, "NIXL_SUCCESS", None)
+        in_progress = getattr(self._bindings, "NIXL_IN_PROG", None)
+        self._core_post: Any = None
+        self._success: Any = "DONE"
+        self._in_progress: Any = "PROC"
+        if post is not None and success is not None and in_progress is not None:
+            self._core_post, self._success, self._in_progress = post, success, in_progress
+
+    def _create_request(self, op: str, peer: str, loc: Descs, rem: Descs, message: bytes) -> Any:
+        agent = self._agent
+        local_kind = self._local_kind(loc)
+        preferred = self._remote_kind.get((peer, local_kind), local_kind)
+        other = "VRAM" if preferred == "DRAM" else "DRAM"
+        failure: BaseException | None = None
+        with self._lock:
+            local_list = agent.get_xfer_descs(loc, local_kind)
+            for remote_kind in (preferred, other):
+                try:
+                    request = agent.initialize_xfer(
+                        op, local_list, agent.get_xfer_descs(rem, remote_kind), peer, message
+                    )
+                except Exception as exc:
+                    if failure is None:
+                        failure = exc
+                    if is_status(exc, _NOT_FOUND):
+                        continue  # maybe the peer's memory is of the other kind
+                    break
+                self._remote_kind[(peer, local_kind)] = remote_kind
+                return request
+        assert failure is not None
+        status = status_of(failure)
+        cls = (
+            DescriptorError
+            if status in (_NOT_FOUND, "NIXL_ERR_INVALID_PARAM")
+            else (TransferFailedError)
+        )
+        raise translate(
+            failure, cls, f"creating a {op} of {loc.shape[0]} descriptor(s) with {peer!r}"
+        ) from failure
+
+    def _empty_transfer(self, peer: str, notify: bytes | None) -> NixlXfer:
+        xfer = NixlXfer(self, None, None, peer, False)
+        xfer.state = XferState.DONE
+        self._live.add(xfer)
+        if notify is not None:
+            self.notify(peer, notify)  # nothing to land first
+        return xfer
+
+    def poll(self, handle: object) -> XferState:
+        if type(handle) is NixlXfer and handle.owner is self and not self._closed:
+            state = handle.state  # the common case, checked inline: the latency path
+            if state is not _PENDING:
+                return state
+        xfer = self._own(handle)
+        if xfer.state is _PENDING:
+            with self._lock:
+                self._refresh(xfer)
+        return xfer.state
+
+    def _refresh(self, xfer: NixlXfer) -> None:
+        """Ask NIXL for a pending transfer's state (lock held); checking progresses it."""
+        try:
+            state = self._agent.check_xfer_state(xfer.nixl)
+        except Exception as exc:
+            self._fail(xfer, status_of(exc) or f"{type(exc).__name__}: {exc}")
+            return
+        self._last_progress = time.monotonic()
+        if state == "DONE":
+            self._finish(xfer)
+        elif state != "PROC":
+            self._fail(xfer, "NIXL_ERR_BACKEND")
+
+    def _finish(self, xfer: NixlXfer) -> None:
+        xfer.state = XferState.DONE
+        self._inflight.discard(xfer)
+        if xfer.empty_notif:
+            xfer.empty_notif = False
+            try:
+                self._agent.send_notif(xfer.peer, b"")
+            except Exception as exc:
+                self._fail(xfer, status_of(exc) or str(exc))
+
+    def _fail(self, xfer: NixlXfer, status: str) -> None:
+        xfer.state = XferState.FAILED
+        xfer.status = status
+        xfer.key = None  # never re-post a request that failed
+        self._inflight.discard(xfer)
+        self._failed += 1
+
+    def release(self, handle: object) -> None:
+        """Forget a transfer: abort it if running; keep a finished small request for reuse."""
+        xfer = self._own(handle)
+        self._live.discard(xfer)
+        request, xfer.nixl, xfer.owner = xfer.nixl, None, None
+        if request is None:
+            return
+        key = xfer.key
+        if key is not None and xfer.state is _DONE:
+            cache = self._cache
+            cache[key] = request
+            if len(cache) > self._cache_size:
+                oldest = next(iter(self._cache))
+                with self._lock:
+                    self._release_request(self._cache.pop(oldest))
+            return
+        self._inflight.discard(xfer)
+        with self._lock:
+            self._release_request(request)
+
+    def _release_request(self, request: Any) -> None:
+        try:
+            request.release()
+        except Exception:
+            self._zombies.append(request)  # still running and not abortable: retry later
+
+    def _own(self, handle: object) -> NixlXfer:
+        if self._closed:
+            raise TransportClosedError(f"NIXL agent {self._name!r} is closed")
+        if not isinstance(handle, NixlXfer) or handle.owner is not self:
+            raise TransportError("not a live transfer of this agent (released already?)")
+        return handle
+
+    def failure_reason(self, handle: object) -> str:
+        """NIXL's status name for a FAILED transfer ('' while it has not failed)."""
+        xfer = self._own(handle)
+        return xfer.status or ""
+
+    def telemetry(self, handle: object) -> dict[str, int] | None:
+        """NIXL's record of one transfer (times in microseconds), or None without
+        ``telemetry=True`` or before NIXL has one."""
+        xfer = self._own(handle)
+        if xfer.nixl is None or not self._opts.telemetry:
+            return None
+        with self._lock:
+            try:
+                record = self._agent.get_xfer_telemetry(xfer.nixl)
+            except Exception:
+                return None
+        return {
+            "start_us": int(record.startTime),
+            "post_us": int(record.postDuration),
+            "xfer_us": int(record.xferDuration),
+            "bytes": int(record.totalBytes),
+            "descriptors": int(record.descCount),
+        }
+
+    def stats(self) -> dict[str, int]:
+        """Counters since creation: requests created / reused, posts, failures,
+        notifications, and the progress thread's rounds."""
+        out = {
+            "requests_created": self._created,
+            "requests_reused": self._reused,
+            "posted": self._posted,
+            "failed": self._failed,
+            "notifications_sent": self._sent,
+            "notifications_received": self._received,
+        }
+        out["requests_kept"] = len(self._cache)
+        out["in_flight"] = len(self._inflight)
+        if self._thread is not None:
+            out["progress_rounds"] = self._thread.rounds
+            out["progress_skipped"] = self._thread.skipped
+        return out
+
+    # -- notifications and progress ---------------------------------------------------
+
+    def notify(self, peer: str, message: bytes) -> None:
+        agent = self._open_agent()
+        if peer not in self._peers:
+            raise UnknownPeerError(f"no peer named {peer!r}; add it with add_peer first")
+        if not isinstance(message, (bytes, bytearray, memoryview)):
+            raise TransportError(f"a notification must be bytes, got {type(message)}")
+        with self._lock:
+            try:
+                agent.send_notif(peer, bytes(message))
+            except Exception as exc:
+                cls = UnknownPeerError if is_status(exc, _NOT_FOUND) else TransferFailedError
+                raise translate(exc, cls, f"notifying {peer!r}") from exc
+        self._sent += 1
+
+    def drain_notifications(self) -> list[tuple[str, bytes]]:
+        self._open_agent()
+        with self._lock:
+            self._progress_locked()
+            out = list(self._inbox)
+            self._inbox.clear()
+        self._received += len(out)
+        return out
+
+    def wait(self, timeout: float) -> None:
+        """Progress until a transfer ends or a notification arrives, or ``timeout`` passes:
+        polling for ``spin_us`` (transfers here finish inside progress calls), then
+        sleeping with doubling pauses, woken early by the progress thread."""
+        self._open_agent()
+        now = time.monotonic()
+        deadline = now + max(timeout, 0.0)
+        self._activity.clear()
+        if self._step() or timeout <= 0:
+            return
+        spin_end = min(deadline, now + self._spin_s)
+        while time.monotonic() < spin_end:
+            if self._step():
+                return
+        pause = self._min_s
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return
+            if self._activity.wait(min(pause, remaining)) or self._step():
+                return
+            pause = min(pause * 2, self._max_s)
+
+    def _step(self) -> bool:
+        """One round of inline progress; True when something happened for the caller."""
+        with self._lock:
+            if self._agent is None:
+                return True
+            changed = self._progress_locked()
+            for xfer in list(self._inflight):
+                self._refresh(xfer)
+                changed = changed or xfer.state is not XferState.PENDING
+        return changed or bool(self._inbox)
+
+    def _progress_locked(self) -> bool:
+        """Move the agent once (lock held): fetch notifications into the inbox."""
+        try:
+            fresh = self._agent.get_new_notifs()
+        except Exception as exc:
+            raise translate(exc, TransportError, "progressing the NIXL agent") from exc
+        self._last_progress = time.monotonic()
+        got = False
+        for peer, messages in fresh.items():
+            sender = peer.decode() if isinstance(peer, bytes) else str(peer)
+            for message in messages:
+                self._inbox.append((sender, bytes(message)))
+                got = True
+        if self._zombies:
+            self._retry_zombies()
+        return got
+
+    def _retry_zombies(self) -> None:
+        pending, self._zombies = self._zombies, []
+        for request in pending:
+            self._release_request(request)
+
+    def _background_progress(self) -> bool:
+        with self._lock:
+            if self._agent is None or self._closed:
+                return False
+            got = self._progress_locked()
+        if got:
+            self._activity.set()
+        return got
+
+    # -- teardown ---------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Abort what runs, give back every registration and peer, stop the thread, and
+        drop the agent (NIXL frees its workers, threads and sockets with it)."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._thread is not None:
+            self._thread.stop()
+        with self._lock:
+            agent, self._agent = self._agent, None
+            for xfer in list(self._live):
+                if xfer.nixl is not None:
+                    self._release_request(xfer.nixl)
+                xfer.nixl, xfer.owner = None, None
+            self._live.clear()
+            self._inflight.clear()
+            self._clear_cache()
+            self._retry_zombies()
+            self._zombies.clear()
+            for reg in self._registrations:  # closing: nothing useful to report on failure
+                for reg_list in reg.lists:
+                    with contextlib.suppress(Exception):
+                        agent.deregister_memory(reg_list)
+            self._registrations.clear()
+            for peer in self._peers:  # a dead peer may refuse a clean goodbye
+                with contextlib.suppress(Exception):
+                    agent.remove_remote_agent(peer)
+            self._peers.clear()
+            # the bound post method holds the binding's agent alive: drop it too
+            self._core_post = None
+            del agent
+
+    def __enter__(self) -> NixlTransport:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- helpers ----------------------------------------------------------------------
+
+    def _open_agent(self) -> Any:
+        agent = self._agent
+        if agent is None or self._closed:
+            raise TransportClosedError(f"NIXL agent {self._name!r} is closed")
+        return agent
+
+    def _clear_cache(self) -> None:
+        kept, self._cache = self._cache, {}
+        for request in kept.values():
+            self._release_request(request)
+
+    def _drop_cached(self, peer: str) -> None:
+        stale = [key for key in self._cache if key[1] == peer]
+        for key in stale:
+            self._release_request(self._cache.pop(key))
+        self._remote_kind = {k: v for k, v in self._remote_kind.items() if k[0] != peer}
+
+
+def _as_region(item: object) -> Region:
+    if isinstance(item, Region):
+        return item
+    if hasattr(item, "data_ptr") and hasattr(item, "is_contiguous"):
+        return region_of_tensor(item)
+    if hasattr(item, "ctypes") and hasattr(item, "flags"):
+        return region_of_array(item)  # type: ignore[arg-type]
+    raise RegistrationError(
+        f"cannot register {type(item).__name__}: pass kvwire Regions, numpy arrays or tensors"
+    )
+
+
+_cuda_answer: bool | None = None
+
+
+def cuda_device_present() -> bool:
+    """Whether the CUDA driver sees a device, asked through libcuda itself (no torch)."""
+    global _cuda_answer
+    if _cuda_answer is None:
+        try:
+            cuda = ctypes.CDLL("libcuda.so.1")
+            count = ctypes.c_int(0)
+            _cuda_answer = (
+                cuda.cuInit(0) == 0
+                and cuda.cuDeviceGetCount(ctypes.byref(count)) == 0
+                and count.value > 0
+            )
+        except OSError:
+            _cuda_answer = False
+    return _cuda_answer
