@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.kvwire-installed
 
 export UCX_NET_DEVICES ?= lo
 
-.PHONY: demo test lint typecheck unit venv clean
+.PHONY: demo test lint typecheck unit venv clean fuzz
 
 $(STAMP): pyproject.toml constraints-dev.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -22,8 +22,8 @@ demo: $(STAMP)
 	$(BIN)/kvwire demo
 
 lint: $(STAMP)
-	$(BIN)/ruff check kvwire transports conformance tests
-	$(BIN)/ruff format --check kvwire transports conformance tests
+	$(BIN)/ruff check kvwire transports conformance tests fuzz
+	$(BIN)/ruff format --check kvwire transports conformance tests fuzz
 
 typecheck: $(STAMP)
 	$(BIN)/mypy --strict kvwire
@@ -32,6 +32,24 @@ unit: $(STAMP)
 	$(BIN)/python -m pytest -q
 
 test: lint typecheck unit
+
+# Fuzz every wire decoder for FUZZ_SECONDS (FUZZ_TARGET=all, or one name from
+# `fuzz/fuzz_decoders.py --list`). atheris (prebuilt wheel) is installed on first use; where
+# it cannot be, the same targets run under Hypothesis for the same time.
+FUZZ_SECONDS ?= 60
+FUZZ_TARGET  ?= all
+ATHERIS_VERSION ?= 3.0.0
+fuzz: $(STAMP)
+	@if $(BIN)/python -c 'import atheris' 2>/dev/null \
+	   || $(BIN)/python -m pip install -q atheris==$(ATHERIS_VERSION); then \
+	  $(BIN)/python fuzz/fuzz_decoders.py --engine atheris \
+	    --target $(FUZZ_TARGET) --seconds $(FUZZ_SECONDS); \
+	else \
+	  echo "make fuzz: atheris $(ATHERIS_VERSION) did not install; running the Hypothesis" \
+	    "engine for $(FUZZ_SECONDS)s instead (not coverage-guided)" >&2; \
+	  $(BIN)/python fuzz/fuzz_decoders.py --engine hypothesis \
+	    --target $(FUZZ_TARGET) --seconds $(FUZZ_SECONDS); \
+	fi
 
 clean:
 	rm -rf $(VENV) build dist

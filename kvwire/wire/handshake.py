@@ -33,6 +33,7 @@ GET_META_MSG = b"get_meta_msg"
 MAX_REQUEST_SIZE = 64
 """A handshake request is 17 bytes or so; anything much larger is not one."""
 MAX_CLOCK_REPLY_SIZE = 16
+_MAX_DETAIL = 2000
 
 
 def encode_handshake_request(pp_rank: int, tp_rank: int) -> bytes:
@@ -254,6 +255,8 @@ def _refuse(
         theirs = str(remote_version) if remote_version is not None else _version_hint(payload)
         head = f"compatibility hash mismatch (our version {version}, peer version {theirs})"
     detail = f"; differing factors: {format_differences(differing)}" if differing else ""
+    if len(detail) > _MAX_DETAIL:  # the peer chose these values: keep the message one line
+        detail = detail[:_MAX_DETAIL] + "..."
     raise IncompatiblePeerError(
         f"incompatible peer: {head}; local hash {local_hash[:16]}, remote hash "
         f"{remote_hash[:16]}{detail}",

@@ -20,7 +20,14 @@ import msgspec
 NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
 Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
-BlockIds = list[list[NonNegInt]]
+# Caps on the outer length of nested lists and maps from peers. Without them a message
+# within the size limit could cost 64x its size in memory (a one-byte empty msgpack array
+# becomes a 56-byte Python list) and seconds of CPU; real engines stay far below these.
+MAX_KV_GROUPS = 1024
+MAX_REGIONS = 1 << 16
+MAX_FACTORS = 64
+
+BlockIds = Annotated[list[list[NonNegInt]], msgspec.Meta(max_length=MAX_KV_GROUPS)]
 """Block ids per KV-cache group: one list per group."""
 
 
@@ -45,7 +52,7 @@ class AgentMetadataV13(msgspec.Struct, frozen=True, gc=False):
     region_mem_types: list[str] | None = None
     dcp_size: int = 1
     pcp_size: int = 1
-    region_members: list[list[str]] = []
+    region_members: Annotated[list[list[str]], msgspec.Meta(max_length=MAX_REGIONS)] = []
     packed_member_layouts: dict[str, tuple[int, int]] = {}
 
 
@@ -75,7 +82,7 @@ class AgentMetadataV14(msgspec.Struct, frozen=True, gc=False):
     dcp_size: int = 1
     pcp_size: int = 1
     ple_block_len: int | None = None
-    region_members: list[list[str]] = []
+    region_members: Annotated[list[list[str]], msgspec.Meta(max_length=MAX_REGIONS)] = []
     packed_member_layouts: dict[str, tuple[int, int]] = {}
 
 
@@ -84,7 +91,11 @@ AnyAgentMetadata = AgentMetadataV13 | AgentMetadataV14
 # Values a compatibility factor can take: scalars, or one level of nesting for the
 # speculative-decoding sub-factors. Spelled out so decoding a peer's factors stays bounded.
 FactorScalar = str | int | float | bool | None
-FactorValue = FactorScalar | list[int] | dict[str, FactorScalar | list[int]]
+FactorValue = (
+    FactorScalar
+    | list[int]
+    | Annotated[dict[str, FactorScalar | list[int]], msgspec.Meta(max_length=MAX_FACTORS)]
+)
 
 
 class KVWireHello(msgspec.Struct, frozen=True, gc=False, omit_defaults=True):
@@ -96,7 +107,7 @@ class KVWireHello(msgspec.Struct, frozen=True, gc=False, omit_defaults=True):
     """
 
     connector_version: int
-    factors: dict[str, FactorValue] | None = None
+    factors: Annotated[dict[str, FactorValue], msgspec.Meta(max_length=MAX_FACTORS)] | None = None
 
 
 class HandshakePayload(msgspec.Struct, frozen=True, gc=False, omit_defaults=True):
