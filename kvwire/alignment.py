@@ -6,6 +6,14 @@ the layers, or v13 rows that pack several layers' pages together), both advertis
 names of each region (v12) and regions pair by name instead; a packed member narrows its
 region to the member's page (v13).
 
+Region *names* (``region_names``, the first layer of each region) matter exactly where vLLM
+0.31.0 looks at them (``_validate_remote_agent_handshake``): when regions pair by index and
+the peer advertises names, they must equal ours, region by region. A peer that advertises
+no names is paired by index unchecked; where both sides advertise members, the members say
+which layers a region holds and the names are not compared (vLLM rewrites them after
+aligning by members). A pipeline stage facing a peer that holds every layer takes the run
+of the peer's regions whose names are ours (vLLM slices the same window by layer offset).
+
 Every check that fails adds one line naming the region, the expected and the actual value;
 all of them are raised together as one :class:`~kvwire.errors.IncompatiblePeerError`, so an
 operator fixes a deployment in one round.
@@ -130,23 +138,69 @@ def _needs_name_routing(local: KVGeometry, remote: RemoteGeometry) -> bool:
     return local_members != [r.members for r in remote.regions]
 
 
+def _stage_window(local: KVGeometry, remote: RemoteGeometry) -> int | None:
+    """Where a pipeline stage's regions start among a peer's that cover more layers.
+
+    vLLM slices the peer's regions at the stage's layer offset and then requires the names
+    in that window to be ours; kvwire has no layer offset, so it finds the window by those
+    same names. None when the names do not place it (or it is not that situation).
+    """
+    count = len(local.regions)
+    if local.pp_size == 1 or len(remote.regions) <= count:
+        return None
+    ours = [r.name for r in local.regions]
+    theirs = [r.name for r in remote.regions]
+    if not all(ours) or any(name is None for name in theirs):
+        return None
+    starts = [
+        start
+        for start in range(len(theirs) - count + 1)
+        if theirs[start] == ours[0] and theirs[start : start + count] == ours
+    ]
+    return starts[0] if len(starts) == 1 else None
+
+
 def _pair_by_index(
-    local: KVGeometry, remote: RemoteGeometry, problems: _Problems
+    local: KVGeometry, remote: RemoteGeometry, policy: PeerPolicy, problems: _Problems
 ) -> list[tuple[RegionView, RegionView]]:
+    offset = 0
     if len(local.regions) != len(remote.regions):
-        problems.add(
-            "region count",
-            len(local.regions),
-            len(remote.regions),
-            "regions pair by index when layer names are not advertised by both sides",
-        )
-        return []
+        window = _stage_window(local, remote)
+        if window is None:
+            note = "regions pair by index when layer names are not advertised by both sides"
+            if local.pp_size > 1 and len(remote.regions) > len(local.regions):
+                note = (
+                    "a pipeline stage finds its layers among the peer's regions by region "
+                    "names or members, and the peer's do not contain ours in order"
+                )
+            problems.add("region count", len(local.regions), len(remote.regions), note)
+            return []
+        offset = window
+    # Members, when both sides advertise them, already matched region by region (or the
+    # regions would pair by name): they, not the names, say which layers a region holds.
+    # vLLM still compares names there unless the local side is a pipeline stage.
+    members_decide = (
+        remote.advertises_members
+        and any(r.members for r in local.regions)
+        and (local.pp_size > 1 or not policy.vllm_strict)
+    )
     pairs = []
     for i, region in enumerate(local.regions):
-        remote_name = remote.regions[i].name
-        if region.name and remote_name is not None and remote_name != region.name:
-            problems.add(f"region {i} name", repr(region.name), repr(remote_name))
-        pairs.append((_local_view(local, i, None), _remote_view(remote, i, None, region.group_id)))
+        j = i + offset
+        remote_name = remote.regions[j].name
+        if (
+            not members_decide
+            and region.name
+            and remote_name is not None
+            and remote_name != region.name
+        ):
+            problems.add(
+                f"region {i} name",
+                repr(region.name),
+                repr(remote_name),
+                "regions pair by index, and the peer names this one differently",
+            )
+        pairs.append((_local_view(local, i, None), _remote_view(remote, j, None, region.group_id)))
     return pairs
 
 
@@ -325,7 +379,7 @@ def validate_peer(
     if _needs_name_routing(local, remote):
         views = _pair_by_name(local, remote, problems)
     else:
-        views = _pair_by_index(local, remote, problems)
+        views = _pair_by_index(local, remote, policy, problems)
     pairs = tuple(RegionPair(lv, rv, local.kind_of(lv.index)) for lv, rv in views)
     for pair in pairs:
         _check_pair(local, remote, pair, problems)

@@ -287,7 +287,10 @@ class KVGeometry:
             "physical_blocks_per_logical_kv_block": self.physical_blocks_per_logical,
             "region_num_blocks": [r.num_blocks for r in regions],
             "region_group_ids": [r.group_id for r in regions],
-            "region_names": [r.name or f"region{i}" for i, r in enumerate(regions)],
+            # vLLM compares a peer's names with its own layer names when it pairs regions
+            # by index, and skips the check when there are none: advertise made-up names
+            # and no vLLM peer would accept us.
+            "region_names": [r.name for r in regions] if all(r.name for r in regions) else None,
             "region_mem_types": [r.mem_kind for r in regions],
             "dcp_size": self.dcp_size,
             "pcp_size": self.pcp_size,

@@ -38,6 +38,7 @@ T_HEARTBEAT = 3
 T_IDLE = 4
 T_RELEASE = 5
 T_REGISTRATION = 6
+T_PARKED = 7
 
 
 class InvariantViolation(KVWireError):
@@ -51,6 +52,10 @@ class MachineStats:
         "aborts_ignored",
         "actions",
         "completions_duplicate",
+        "completions_parked",
+        "completions_parked_applied",
+        "completions_parked_dropped",
+        "completions_parked_expired",
         "completions_unknown",
         "engines_evicted",
         "events",
@@ -77,6 +82,13 @@ class MachineStats:
         self.aborts_ignored = 0
         self.actions = 0
         self.completions_duplicate = 0
+        self.completions_parked = 0
+        """Push write notifications held for a request not yet awaiting writes."""
+        self.completions_parked_applied = 0
+        self.completions_parked_dropped = 0
+        """Refused (buffer full) or discarded (their request ended before awaiting writes)."""
+        self.completions_parked_expired = 0
+        """Parked for ``registration_timeout_s`` without their request awaiting writes."""
         self.completions_unknown = 0
         self.engines_evicted = 0
         self.events = 0
@@ -177,6 +189,8 @@ class MachineCore:
         self._attempts = 0
         self._last_now = float("-inf")
         self._handlers: dict[type[Event], Callable[[Any, float, list[Action]], None]] = {}
+        self._event_type: type[Event] = Timer
+        """The type of the event being handled (the table key of what it causes)."""
 
     # ----------------------------------------------------------------- public surface
 
@@ -192,6 +206,7 @@ class MachineCore:
         if now < self._last_now:
             raise LocalProtocolError(f"time went backwards: {now} < {self._last_now}")
         self._last_now = now
+        self._event_type = type(event)
         heap = self._heap
         before = heap[0][0] if heap else None
         out: list[Action] = []

@@ -51,6 +51,10 @@ class MachineConfig(msgspec.Struct, frozen=True, kw_only=True):
     registration_timeout_s: float = 30.0
     """Push, consumer: fail a request whose writes have not all arrived by then.
     Push, producer: drop an unmatched registration (or remember a finished one) this long."""
+    max_parked_completions: int = 10_000
+    """Push, consumer: write notifications held for requests not yet awaiting writes (over
+    all requests); beyond this they are dropped and counted. Each expires after
+    ``registration_timeout_s``."""
     release_retry_s: float = 1.0
     """How long to wait before asking again to release a handle whose release failed."""
     check_invariants: bool = True
@@ -59,7 +63,7 @@ class MachineConfig(msgspec.Struct, frozen=True, kw_only=True):
     def __post_init__(self) -> None:
         if not isinstance(self.engine_id, str) or not self.engine_id:
             raise ConfigError("engine_id must be a non-empty string")
-        for name in ("tp_size", "pp_size"):
+        for name in ("tp_size", "pp_size", "max_parked_completions"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name} must be an int >= 1, got {value!r}")

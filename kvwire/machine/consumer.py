@@ -3,7 +3,10 @@
 Pull: the rank READs the producer's blocks, one remote rank at a time (the next READ is
 posted only once the previous one is confirmed, so nothing is posted after a request's first
 failure), with the completion notification attached. Push: the rank registers its blocks
-with every producer rank and counts their write notifications, under a watchdog.
+with every producer rank and counts their write notifications, under a watchdog. A write
+notification can beat the request to this rank (the producer writes to every consumer rank
+once the first rank's registration arrives), so one for a request that is not awaiting
+writes yet is parked, bounded in number and age, and counted when the request gets there.
 
 A request ends in exactly one of ``RequestDone`` / ``RequestFailed``, and only once no
 transfer into its blocks is running; after that the machine forgets it.
@@ -17,6 +20,7 @@ from kvwire import topology
 from kvwire.errors import KVWireError, LocalProtocolError, RemoteProtocolError
 from kvwire.machine._core import (
     T_HEARTBEAT,
+    T_PARKED,
     T_WATCHDOG,
     Engine,
     InvariantViolation,
@@ -53,8 +57,10 @@ from kvwire.machine.events import (
 )
 from kvwire.machine.table import (
     CONSUMER,
+    PARKED,
     ConsumerState,
     EngineState,
+    ParkedState,
     TransferState,
     successors,
 )
@@ -109,6 +115,18 @@ class _Req:
         self.hb = False
 
 
+class _Parked:
+    """Push write notifications for one request id that is not awaiting writes yet: the
+    first world size each distinct sender announced (a repeat is a duplicate)."""
+
+    __slots__ = ("counts", "rid", "state")
+
+    def __init__(self, rid: str) -> None:
+        self.rid = rid
+        self.state = ParkedState.PARKED
+        self.counts: dict[str, int] = {}
+
+
 class ConsumerMachine(MachineCore):
     """Sans-IO state of one consumer rank: ``handle(event, now) -> list[Action]``."""
 
@@ -120,6 +138,8 @@ class ConsumerMachine(MachineCore):
         self._terminal: set[str] = set()
         self._ended_now: set[str] = set()
         self._plans: dict[tuple[int, int], tuple[list[RemoteRank], list[RemoteRank]]] = {}
+        self._parked: dict[str, _Parked] = {}
+        self._parked_count = 0
         self._handlers = {
             RequestAdded: self._on_added,
             AllocationDone: self._on_alloc,
@@ -144,6 +164,13 @@ class ConsumerMachine(MachineCore):
     def live_requests(self) -> int:
         return len(self._reqs)
 
+    def parked_completions(self) -> int:
+        """Push write notifications parked right now (what a leak check compares to 0)."""
+        return self._parked_count
+
+    def parked_state(self, request_id: str) -> ParkedState:
+        return ParkedState.PARKED if request_id in self._parked else ParkedState.ABSENT
+
     # ----------------------------------------------------------------- request events
 
     def _on_added(self, event: RequestAdded, now: float, out: list[Action]) -> None:
@@ -165,6 +192,7 @@ class ConsumerMachine(MachineCore):
         if problem is not None:
             out.append(PeerMisbehaved(problem, remote.engine_id or None, rid))
             self.stats.remote_errors += 1
+            self._discard_parked(rid)
             self._terminal_out(rid, RequestFailed(rid, (), FailReason.PROTOCOL, problem), out)
             return
         engine = self._engine(
@@ -370,6 +398,12 @@ class ConsumerMachine(MachineCore):
         )
         req.state = S.AWAIT_WRITES
         self._arm(now + self.config.registration_timeout_s, T_WATCHDOG, req)
+        entry = self._unpark(req.rid, ParkedState.APPLIED)
+        if entry is not None:
+            self.stats.completions_parked_applied += len(entry.counts)
+            for sender, count in entry.counts.items():
+                if self._count_write(req, sender, count, out):
+                    break
 
     def _registration(self, req: _Req, blocks: BlockIds) -> bytes:
         cfg = self.config
@@ -461,27 +495,78 @@ class ConsumerMachine(MachineCore):
             self.stats.notifications_unexpected += 1
             return
         req = self._reqs.get(msg.request_id)
-        if req is None:
-            self.stats.completions_unknown += 1
+        if req is not None and req.state is S.AWAIT_WRITES:
+            successors(CONSUMER, req.state, NotificationReceived, f"request {req.rid!r}")
+            self._count_write(req, event.sender, msg.count, out)
             return
-        if req.state is not S.AWAIT_WRITES:
+        if (S.ABSENT if req is None else req.state, NotificationReceived) not in CONSUMER:
             self.stats.notifications_unexpected += 1
             return
-        successors(CONSUMER, req.state, NotificationReceived, f"request {req.rid!r}")
-        if msg.count != req.engine.tp_size:
+        self._park(msg.request_id, event.sender, msg.count, now)
+
+    def _count_write(self, req: _Req, sender: str, count: int, out: list[Action]) -> bool:
+        """Count one producer rank's write notification; True if the request ended."""
+        if count != req.engine.tp_size:
             self._protocol_failure(
                 req,
-                f"write notification says producer world size {msg.count}, "
+                f"write notification says producer world size {count}, "
                 f"handshake said {req.engine.tp_size}",
                 out,
             )
-            return
-        if event.sender in req.senders:
+            return True
+        if sender in req.senders:
             self.stats.completions_duplicate += 1
-            return
-        req.senders.add(event.sender)
+            return False
+        req.senders.add(sender)
         if len(req.senders) >= req.expected:
             self._finish(req, out)
+            return True
+        return False
+
+    # ----------------------------------------------------------------- parked completions
+
+    def _park(self, rid: str, sender: str, count: int, now: float) -> None:
+        """Hold a write notification until ``rid`` awaits writes (or it expires)."""
+        entry = self._parked.get(rid)
+        if entry is not None and sender in entry.counts:
+            self.stats.completions_duplicate += 1
+            return
+        if self._parked_count >= self.config.max_parked_completions:
+            self.stats.completions_parked_dropped += 1
+            return
+        if entry is None:
+            self._parked_step(ParkedState.ABSENT, ParkedState.PARKED, rid)
+            entry = _Parked(rid)
+            self._parked[rid] = entry
+            self._arm(now + self.config.registration_timeout_s, T_PARKED, entry)
+        else:
+            self._parked_step(entry.state, ParkedState.PARKED, rid)
+        entry.counts[sender] = count
+        self._parked_count += 1
+        self.stats.completions_parked += 1
+
+    def _unpark(self, rid: str, outcome: ParkedState) -> _Parked | None:
+        """Take ``rid``'s parked notifications out of the buffer, ending in ``outcome``."""
+        entry = self._parked.pop(rid, None)
+        if entry is None:
+            return None
+        self._parked_step(entry.state, outcome, rid)
+        entry.state = outcome
+        self._parked_count -= len(entry.counts)
+        return entry
+
+    def _discard_parked(self, rid: str) -> None:
+        entry = self._unpark(rid, ParkedState.DISCARDED)
+        if entry is not None:
+            self.stats.completions_parked_dropped += len(entry.counts)
+
+    def _parked_step(self, state: ParkedState, outcome: ParkedState, rid: str) -> None:
+        """With invariant checks on: the table allows ``outcome`` for the current event."""
+        if self._check and outcome not in PARKED.get((state, self._event_type), ()):
+            raise InvariantViolation(
+                f"parked completions for {rid!r}: {state.value} -> {outcome.value} "
+                f"on {self._event_type.__name__} is not in the table"
+            )
 
     # ----------------------------------------------------------------- timers
 
@@ -493,6 +578,11 @@ class ConsumerMachine(MachineCore):
             if self._reqs.get(req.rid) is req and req.state is S.AWAIT_WRITES:
                 successors(CONSUMER, req.state, Timer, f"request {req.rid!r}")
                 self._fail_now(req, FailReason.TIMEOUT, "producer writes did not arrive", out)
+        elif kind == T_PARKED:
+            entry: _Parked = subject
+            if self._parked.get(entry.rid) is entry:
+                self._unpark(entry.rid, ParkedState.EXPIRED)
+                self.stats.completions_parked_expired += len(entry.counts)
 
     # ----------------------------------------------------------------- endings
 
@@ -548,6 +638,7 @@ class ConsumerMachine(MachineCore):
             raise InvariantViolation(f"request {req.rid!r} ends with transfers still running")
         self._hb_drop(req)
         del self._reqs[req.rid]
+        self._discard_parked(req.rid)
         engine = req.engine
         engine.refs -= 1
         engine.last_active = self._last_now

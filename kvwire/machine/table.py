@@ -1,7 +1,9 @@
 """Every legal transition of the transfer state machines, in one place.
 
-Four tables, one per kind of thing that has a state: a consumer request, a producer request,
-a transfer (a posted READ/WRITE), and a remote engine (its handshake). Each maps
+Five tables, one per kind of thing that has a state: a consumer request, a producer request,
+a transfer (a posted READ/WRITE), a remote engine (its handshake), and a parked completion
+(push: a producer's write notification that reached a consumer rank before the request it
+names was awaiting writes). Each maps
 ``(state, event type) -> the states the thing may be in afterwards``. The machines look the
 pair up *before* acting: a pair that is missing is an event the state does not accept and
 raises :class:`~kvwire.errors.LocalProtocolError` (the driver broke the protocol), except for
@@ -96,6 +98,22 @@ class TransferState(_State):
     ENDED = "ended"
 
 
+class ParkedState(_State):
+    """Push, consumer: write notifications held for one request id that is not awaiting
+    writes yet (unknown, or still allocating / handshaking). With consumer TP > 1 a producer
+    writes to every consumer rank as soon as the *first* rank's registration reaches it, so
+    another rank can see the notification before its engine hands it the request."""
+
+    ABSENT = "absent"
+    PARKED = "parked"
+    APPLIED = "applied"
+    """The request started awaiting writes: the notifications were counted."""
+    EXPIRED = "expired"
+    """``registration_timeout_s`` passed before the request was awaiting writes."""
+    DISCARDED = "discarded"
+    """The request ended (failed or aborted) before awaiting writes."""
+
+
 class EngineState(_State):
     """What this rank knows about one remote engine."""
 
@@ -108,13 +126,16 @@ C = ConsumerState
 CONSUMER: dict[tuple[ConsumerState, type[Event]], frozenset[ConsumerState]] = {
     (C.ABSENT, RequestAdded): frozenset({C.WAIT_ALLOC, C.FAILED}),
     (C.ABSENT, Abort): frozenset({C.ABSENT}),
+    (C.ABSENT, NotificationReceived): frozenset({C.ABSENT}),
     (C.WAIT_ALLOC, AllocationDone): frozenset(
         {C.WAIT_PEER, C.TRANSFERRING, C.AWAIT_WRITES, C.DONE, C.FAILED}
     ),
     (C.WAIT_ALLOC, Abort): frozenset({C.FAILED}),
-    (C.WAIT_PEER, HandshakeDone): frozenset({C.TRANSFERRING, C.AWAIT_WRITES, C.FAILED}),
+    (C.WAIT_ALLOC, NotificationReceived): frozenset({C.WAIT_ALLOC}),
+    (C.WAIT_PEER, HandshakeDone): frozenset({C.TRANSFERRING, C.AWAIT_WRITES, C.DONE, C.FAILED}),
     (C.WAIT_PEER, HandshakeFailed): frozenset({C.FAILED}),
     (C.WAIT_PEER, Abort): frozenset({C.FAILED}),
+    (C.WAIT_PEER, NotificationReceived): frozenset({C.WAIT_PEER}),
     (C.TRANSFERRING, TransferPosted): frozenset({C.TRANSFERRING}),
     (C.TRANSFERRING, TransferDone): frozenset({C.TRANSFERRING, C.DONE}),
     (C.TRANSFERRING, TransferFailed): frozenset({C.DRAINING, C.FAILED}),
@@ -170,6 +191,20 @@ TRANSFER: dict[tuple[TransferState, type[Event]], frozenset[TransferState]] = {
     (X.RELEASING, ReleaseFailed): frozenset({X.RELEASE_FAILED}),
 }
 
+K = ParkedState
+PARKED: dict[tuple[ParkedState, type[Event]], frozenset[ParkedState]] = {
+    # Parked, or refused (stays absent) when the buffer is full.
+    (K.ABSENT, NotificationReceived): frozenset({K.PARKED, K.ABSENT}),
+    (K.PARKED, NotificationReceived): frozenset({K.PARKED}),
+    # The request starts awaiting writes (or ends) while allocating / handshaking.
+    (K.PARKED, AllocationDone): frozenset({K.PARKED, K.APPLIED, K.DISCARDED}),
+    (K.PARKED, HandshakeDone): frozenset({K.PARKED, K.APPLIED, K.DISCARDED}),
+    (K.PARKED, RequestAdded): frozenset({K.PARKED, K.DISCARDED}),
+    (K.PARKED, HandshakeFailed): frozenset({K.PARKED, K.DISCARDED}),
+    (K.PARKED, Abort): frozenset({K.PARKED, K.DISCARDED}),
+    (K.PARKED, Timer): frozenset({K.PARKED, K.EXPIRED, K.DISCARDED}),
+}
+
 E = EngineState
 ENGINE: dict[tuple[EngineState, type[Event]], frozenset[EngineState]] = {
     (E.HANDSHAKING, HandshakeDone): frozenset({E.READY, E.ABSENT}),
@@ -186,6 +221,7 @@ TABLES: dict[str, Mapping[Any, frozenset[Any]]] = {
     "producer": PRODUCER,
     "transfer": TRANSFER,
     "engine": ENGINE,
+    "parked": PARKED,
 }
 
 PEER_EVENTS: frozenset[type[Event]] = frozenset({NotificationReceived})

@@ -16,7 +16,6 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import ctypes
-import logging
 import os
 import threading
 import time
@@ -38,12 +37,12 @@ from kvwire.errors import (
 )
 from kvwire.geometry import KVGeometry, RemoteGeometry
 from kvwire.layout import PeerLayout
+from kvwire.logs import get_logger
 from kvwire.machine import (
     Action,
     ArmTimer,
     CancelTransfer,
     ConsumerMachine,
-    ConsumerState,
     Event,
     EvictEngine,
     FreeBlocks,
@@ -72,10 +71,7 @@ from kvwire.runtime.metrics import Metrics
 from kvwire.sidechannel import HandshakeClient, fetch_agent_metadata
 from kvwire.transport import Descs, MemKind, Region, Transport, XferState, create
 from kvwire.wire.handshake import encode_handshake_payload
-from kvwire.wire.notifications import decode_notification
-from kvwire.wire.schemas import AgentMetadataV13, AgentMetadataV14, Completion
-
-log = logging.getLogger("kvwire.runtime")
+from kvwire.wire.schemas import AgentMetadataV13, AgentMetadataV14
 
 Outcome = FreeBlocks | RequestDone | RequestFailed
 Machine = ProducerMachine | ConsumerMachine
@@ -149,6 +145,13 @@ class Driver:
         self.role = role
         self.config = config
         self.metrics = Metrics(role)
+        self.log = get_logger(
+            "kvwire.runtime",
+            engine=config.engine_id,
+            role=role,
+            rank=f"pp{config.pp_rank}/tp{config.tp_rank}",
+            transport=transport if isinstance(transport, str) else type(transport).__name__,
+        )
         self._clock = clock
         self._on_outcome = on_outcome
         self._agent_name = config.agent_name or (
@@ -172,9 +175,6 @@ class Driver:
         self._engines: dict[str, _PeerEngine] = {}
         self._xfers: dict[int, _Xfer] = {}
         self._num_tokens: dict[str, int] = {}
-        self._early: dict[str, list[tuple[float, str, bytes]]] = {}
-        """Push, consumer: write completions that beat this rank's own registration."""
-        self._early_count = 0
         self._client = HandshakeClient(config.handshake)
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._thread: threading.Thread | None = None
@@ -248,7 +248,10 @@ class Driver:
                     try:
                         self.transport.release(xfer.handle)
                     except TransportError as exc:
-                        log.warning("release of transfer %d at close failed: %s", xfer.xfer_id, exc)
+                        self.log.warning(
+                            "release of transfer %d at close failed: %s", xfer.xfer_id, exc,
+                            extra={"peer": xfer.engine_id, "request_id": xfer.request_id},
+                        )  # fmt: skip
             self._xfers.clear()
             if not self._owns_transport:
                 for engine in self._engines.values():
@@ -258,7 +261,7 @@ class Driver:
                     try:
                         self.transport.deregister(self._registration)
                     except TransportError as exc:
-                        log.warning("deregister at close failed: %s", exc)
+                        self.log.warning("deregister at close failed: %s", exc)
             self._engines.clear()
             self._registration = None
         self._client.close()
@@ -278,8 +281,6 @@ class Driver:
             self._feeding = True
             try:
                 self._pump()
-                if self._early:
-                    self._replay_early()
             finally:
                 self._feeding = False
 
@@ -320,7 +321,10 @@ class Driver:
             self._forget_engine(action.engine_id, evicted=True)
         elif isinstance(action, PeerMisbehaved):
             self.metrics.count("peer_misbehaved")
-            log.warning("peer %s misbehaved: %s", action.engine_id or "?", action.detail)
+            self.log.warning(
+                "peer %s misbehaved: %s", action.engine_id or "?", action.detail,
+                extra={"peer": action.engine_id, "request_id": action.request_id},
+            )  # fmt: skip
         elif isinstance(action, ArmTimer):
             pass  # the background thread reads next_deadline() on every turn
         else:  # pragma: no cover - a new action type the driver does not know
@@ -384,7 +388,10 @@ class Driver:
                 self.metrics.count("notifications_sent")
             except TransportError as exc:
                 self.metrics.count("notifications_dropped")
-                log.info("notification to %s failed: %s", rank.agent, exc)
+                self.log.info(
+                    "notification to %s failed: %s", rank.agent, exc,
+                    extra={"peer": action.engine_id, "request_id": action.request_id},
+                )  # fmt: skip
 
     def _release(self, xid: int, *, cancelled: bool) -> None:
         xfer = self._xfers.get(xid)
@@ -419,6 +426,10 @@ class Driver:
             self.metrics.request_ended(rid, now, "done")
         else:
             self.metrics.request_ended(rid, now, "failed", action.reason.value)
+            self.log.info(
+                "request failed (%s): %s", action.reason.value, action.detail,
+                extra={"request_id": rid},
+            )  # fmt: skip
         self._on_outcome(action)
 
     def _transfer_ended(self, xfer: _Xfer, *, ok: bool) -> None:
@@ -466,7 +477,10 @@ class Driver:
                 else "error"
             )  # fmt: skip
             self.metrics.handshake(False, time.perf_counter() - t0, kind)
-            log.info("handshake with %s failed: %s", action.engine_id, exc)
+            self.log.info(
+                "handshake with %s failed: %s", action.engine_id, exc,
+                extra={"peer": f"{action.host}:{action.port}"},
+            )  # fmt: skip
             self._feed_quietly(HandshakeFailed(action.engine_id, action.attempt, str(exc)))
             return
         try:
@@ -500,7 +514,7 @@ class Driver:
         except LocalProtocolError as exc:
             if not self._closed:
                 self.errors.append(f"{type(event).__name__}: {exc}")
-                log.error("machine refused %s: %s", type(event).__name__, exc)
+                self.log.error("machine refused %s: %s", type(event).__name__, exc)
 
     def _retire_stale(self, peer: _PeerEngine) -> None:
         busy = {x.agent for x in self._xfers.values()}
@@ -513,7 +527,7 @@ class Driver:
         try:
             self.transport.remove_peer(agent)
         except TransportError as exc:
-            log.debug("remove_peer(%s): %s", agent, exc)
+            self.log.debug("remove_peer(%s): %s", agent, exc, extra={"peer": agent})
 
     def _forget_engine(self, engine_id: str, *, evicted: bool) -> None:
         peer = self._engines.get(engine_id)
@@ -533,7 +547,7 @@ class Driver:
                 self._turn()
             except Exception as exc:  # keep serving; record what went wrong
                 self.errors.append(f"{type(exc).__name__}: {exc}")
-                log.exception("kvwire %s driver turn failed", self.role)
+                self.log.exception("kvwire %s driver turn failed", self.role)
                 self._stop.wait(self.config.poll_interval_s)
                 continue
             with self._lock:
@@ -588,8 +602,7 @@ class Driver:
                 events.append(PeerLost(engine_id))
             for sender, data in self.transport.drain_notifications():
                 self.metrics.count("notifications_received")
-                if not self._hold_early(sender, data):
-                    events.append(NotificationReceived(sender, data))
+                events.append(NotificationReceived(sender, data))
             deadline = self.machine.next_deadline()
             if deadline is not None and deadline <= self._clock():
                 events.append(Timer())
@@ -597,56 +610,6 @@ class Driver:
                 self.feed(*events)
             for engine_id in lost:
                 self._forget_engine(engine_id, evicted=False)
-
-    # ------------------------------------------------------------------ early completions
-
-    def _hold_early(self, sender: str, data: bytes) -> bool:
-        """Keep a push write completion for a request this rank has not registered yet.
-
-        With D TP > 1 a producer writes to every D rank it serves as soon as the *first*
-        rank's registration reaches it, so another D rank can get the completion before the
-        engine handed it the request. The machine would count it as unknown and the request
-        would wait for its watchdog; holding it until the request is awaiting writes keeps
-        the write. Bounded in count and age (the registration timeout).
-        """
-        if self.role != "consumer" or self.config.mode != "push":
-            return False
-        machine = self.machine
-        if not isinstance(machine, ConsumerMachine):
-            return False
-        try:
-            msg = decode_notification(data)
-        except KVWireError:
-            return False
-        if not isinstance(msg, Completion):
-            return False
-        state = machine.request_state(msg.request_id)
-        if state not in (ConsumerState.ABSENT, ConsumerState.WAIT_ALLOC, ConsumerState.WAIT_PEER):
-            return False
-        if self._early_count >= 10_000:
-            return False
-        self._early.setdefault(msg.request_id, []).append((self._clock(), sender, data))
-        self._early_count += 1
-        return True
-
-    def _replay_early(self) -> None:
-        machine = self.machine
-        assert isinstance(machine, ConsumerMachine)
-        horizon = self._clock() - self.config.registration_timeout_s
-        for rid in list(self._early):
-            state = machine.request_state(rid)
-            held = self._early[rid]
-            if state is ConsumerState.AWAIT_WRITES:
-                del self._early[rid]
-                self._early_count -= len(held)
-                self._events.extend(NotificationReceived(s, d) for _, s, d in held)
-            elif held[-1][0] < horizon:
-                del self._early[rid]
-                self._early_count -= len(held)
-        if self._events:
-            self._pump()
-            if any(machine.request_state(r) is ConsumerState.AWAIT_WRITES for r in self._early):
-                self._replay_early()
 
 
 def _zero_host_ranges(ranges: Descs) -> None:

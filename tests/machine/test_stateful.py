@@ -37,13 +37,16 @@ from kvwire.machine import (
     RequestAdded,
     RequestDone,
     RequestFailed,
+    SendNotification,
     StartHandshake,
     Timer,
     TransferDone,
     TransferFailed,
+    TransferMode,
     TransferPosted,
 )
-from kvwire.wire.notifications import encode_heartbeat
+from kvwire.wire.notifications import decode_notification, encode_heartbeat
+from kvwire.wire.schemas import PushRegistration
 
 SETTINGS = settings(
     max_examples=150,
@@ -323,7 +326,154 @@ class ProducerModel(RuleBasedStateMachine):
         assert self.m.held_blocks() == 0
 
 
+def _registers(action: SendNotification) -> bool:
+    """A registration with blocks (an empty one tells the producer to free, nothing more)."""
+    msg = decode_notification(action.data)
+    return isinstance(msg, PushRegistration) and any(msg.local_block_ids)
+
+
+class PushConsumerModel(RuleBasedStateMachine):
+    """A push consumer (TP 1) written to by a producer with TP 2: two distinct writers
+    complete a request. Write notifications arrive at any time, before the request exists
+    or while it allocates or handshakes; the model parks them exactly as the protocol says
+    (until the request awaits writes, at most ``REG_S`` after the first, per request id)."""
+
+    REG_S = 10.0
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.m = ConsumerMachine(
+            MachineConfig(engine_id="D", mode=TransferMode.PUSH, registration_timeout_s=self.REG_S)
+        )
+        self.now = 0.0
+        self.state: dict[str, str] = {}  # live request -> wait_alloc | wait_peer | await
+        self.ended: set[str] = set()
+        self.counted: dict[str, set[str]] = {}
+        self.parked: dict[str, tuple[float, set[str]]] = {}  # rid -> (first parked, senders)
+        self.await_since: dict[str, float] = {}
+        self.empty: set[str] = set()
+        self.attempt: int | None = None
+        self.attempt_deadline = 0.0
+
+    def feed(self, event: Any, dt: float = 0.01) -> list[Action]:
+        self.now += dt
+        if isinstance(event, Timer):
+            for rid, (since, _) in list(self.parked.items()):
+                if self.now >= since + self.REG_S:
+                    del self.parked[rid]
+        actions = self.m.handle(event, self.now)
+        for a in actions:
+            rid = getattr(a, "request_id", None)
+            if rid is not None:
+                assert rid not in self.ended, f"{type(a).__name__} after {rid} ended"
+            if isinstance(a, StartHandshake):
+                assert self.attempt is None
+                self.attempt = a.attempt
+                self.attempt_deadline = self.now + 5.0
+            elif isinstance(a, SendNotification) and rid is not None and _registers(a):
+                # The registration: the request now awaits writes and takes what was parked.
+                assert self.state[rid] in ("wait_alloc", "wait_peer")
+                self.state[rid] = "await"
+                self.await_since[rid] = self.now
+                _, senders = self.parked.pop(rid, (0.0, set()))
+                self.counted[rid] = set(senders)
+            elif isinstance(a, RequestDone):
+                assert rid in self.state
+                assert rid in self.empty or len(self.counted.get(rid, ())) >= 2, (
+                    f"{rid} done with writers {self.counted.get(rid)}"
+                )
+                self._ended(rid)
+            elif isinstance(a, RequestFailed):
+                assert rid in self.state
+                if self.state[rid] == "await":
+                    assert len(self.counted.get(rid, ())) < 2, f"{rid} failed after both writes"
+                    timed_out = self.now >= self.await_since[rid] + self.REG_S
+                    assert timed_out or a.reason.value == "aborted", a
+                self._ended(rid)
+        for rid, st_ in self.state.items():
+            if st_ == "await":
+                assert len(self.counted.get(rid, ())) < 2, f"{rid} has both writes but is live"
+        return actions
+
+    def _ended(self, rid: str) -> None:
+        self.ended.add(rid)
+        del self.state[rid]
+        self.parked.pop(rid, None)
+
+    @rule(rid=st.sampled_from(IDS))
+    def add(self, rid: str) -> None:
+        if rid in self.state or rid in self.ended:
+            return
+        self.state[rid] = "wait_alloc"
+        remote = RemotePrefill(
+            engine_id="P", request_id=f"p-{rid}", host="h", port=1, block_ids=(), tp_size=2
+        )
+        self.feed(RequestAdded(rid, remote))
+
+    @rule(rid=st.sampled_from(IDS), n=st.integers(0, 3))
+    def allocate(self, rid: str, n: int) -> None:
+        if self.state.get(rid) != "wait_alloc":
+            return
+        if n == 0:
+            self.empty.add(rid)
+        else:
+            self.state[rid] = "wait_peer"  # the registration (if READY) moves it on
+        self.feed(AllocationDone(rid, (tuple(range(100, 100 + n)),)))
+
+    @precondition(lambda self: self.attempt is not None)
+    @rule(ok=st.booleans())
+    def handshake(self, ok: bool) -> None:
+        attempt = self.attempt
+        assert attempt is not None
+        self.attempt = None
+        self.feed(HandshakeDone("P", attempt, 2) if ok else HandshakeFailed("P", attempt))
+
+    @rule(rid=st.sampled_from(IDS), sender=st.sampled_from(["p0", "p1"]))
+    def write_notification(self, rid: str, sender: str) -> None:
+        if self.state.get(rid) == "await":
+            self.counted[rid].add(sender)
+        else:
+            since, senders = self.parked.get(rid, (self.now + 0.01, set()))
+            senders.add(sender)
+            self.parked[rid] = (since, senders)
+        self.feed(NotificationReceived(sender, f"{rid}:2".encode()))
+
+    @rule(rid=st.sampled_from(IDS))
+    def abort(self, rid: str) -> None:
+        self.feed(Abort(rid))
+
+    @rule(dt=st.sampled_from([0.5, 2.0, 6.0]))
+    def tick(self, dt: float) -> None:
+        attempt = self.attempt
+        self.feed(Timer(), dt)
+        if attempt is not None and attempt == self.attempt and self.now >= self.attempt_deadline:
+            self.attempt = None
+
+    @rule()
+    def peer_lost(self) -> None:
+        self.feed(PeerLost("P"))
+
+    @invariant()
+    def agrees(self) -> None:
+        assert self.m.live_requests() == len(self.state)
+        assert self.m.parked_completions() == sum(len(s) for _, s in self.parked.values())
+
+    def teardown(self) -> None:
+        for _ in range(4):
+            for rid in sorted(r for r, st_ in self.state.items() if st_ == "wait_alloc"):
+                self.allocate(rid, 1)
+            if self.attempt is not None:
+                attempt, self.attempt = self.attempt, None
+                self.feed(HandshakeDone("P", attempt, 2))
+            self.tick(6.0)
+        self.feed(Timer(), 100.0)
+        assert not self.state, f"stuck: {sorted(self.state)}"
+        assert self.m.parked_completions() == 0, "parked notifications leaked"
+
+
 TestConsumerModel = ConsumerModel.TestCase
 TestConsumerModel.settings = SETTINGS
 TestProducerModel = ProducerModel.TestCase
 TestProducerModel.settings = SETTINGS
+TestPushConsumerModel = PushConsumerModel.TestCase
+TestPushConsumerModel.settings = SETTINGS

@@ -36,7 +36,7 @@ from kvwire.machine import (
     TransferPosted,
     TransferState,
 )
-from kvwire.machine.table import CONSUMER, ENGINE, PRODUCER, TRANSFER
+from kvwire.machine.table import CONSUMER, ENGINE, PARKED, PRODUCER, TRANSFER, ParkedState
 
 # Events addressed to the request itself: a state that does not list them must refuse them.
 DIRECT = {
@@ -51,6 +51,7 @@ DIRECT = {
 
 CONSUMER_STATES = [
     ("absent", PULL),
+    ("absent", PUSH),
     ("wait_alloc", PULL),
     ("wait_peer", PULL),
     ("transferring", PULL),
@@ -165,6 +166,51 @@ def test_producer_pair(state: str, mode: Any, etype: type[Any]) -> None:
         assert after is before, f"{etype.__name__} moved {state} outside the table"
     else:
         assert after in allowed, (state, etype.__name__, after)
+
+
+# (parked notifications for d1?, the request's own state): push, so parking applies.
+PARKED_SETUPS = [
+    ("absent", "absent"),
+    ("absent", "wait_alloc"),
+    ("parked", "absent"),
+    ("parked", "wait_alloc"),
+    ("parked", "wait_peer"),
+]
+
+
+def _parked_outcome(at: ConsumerAt, before: dict[str, int]) -> ParkedState:
+    stats = at.m.stats
+    if stats.completions_parked_applied > before["completions_parked_applied"]:
+        return ParkedState.APPLIED
+    if stats.completions_parked_expired > before["completions_parked_expired"]:
+        return ParkedState.EXPIRED
+    if stats.completions_parked_dropped > before["completions_parked_dropped"]:
+        return ParkedState.DISCARDED
+    return at.m.parked_state("d1")
+
+
+@pytest.mark.parametrize(("parked", "request_state"), PARKED_SETUPS)
+@pytest.mark.parametrize("etype", EVENT_TYPES, ids=lambda t: t.__name__)
+def test_parked_pair(parked: str, request_state: str, etype: type[Any]) -> None:
+    at = ConsumerAt(request_state, PUSH)
+    if parked == "parked":
+        at.step(NotificationReceived("p-agent", b"d1:1"))
+    before = at.m.parked_state("d1")
+    assert before.value == parked
+    allowed = PARKED.get((before, etype))
+    counters = at.m.stats.as_dict()
+    event = _consumer_event(at, etype, far=True)
+    try:
+        at.step(event, 1e6 if etype is Timer else 1e-4)
+    except LocalProtocolError:
+        assert at.m.parked_state("d1") is before  # a refused event changes nothing
+        return
+    after = _parked_outcome(at, counters)
+    if allowed is None:
+        assert after is before, f"{etype.__name__} moved parked {parked} outside the table"
+    else:
+        assert after in allowed, (parked, request_state, etype.__name__, after)
+    assert at.m.parked_completions() == (1 if after is ParkedState.PARKED else 0)
 
 
 def _transfer_at(state: str) -> tuple[ConsumerAt, int]:
