@@ -6,14 +6,14 @@ STAMP  := $(VENV)/.kvwire-installed
 
 export UCX_NET_DEVICES ?= lo
 
-.PHONY: demo test lint typecheck unit venv clean fuzz
+.PHONY: demo test lint typecheck unit venv clean fuzz docs
 
 $(STAMP): pyproject.toml constraints-dev.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	# torch first and pinned: the CPU wheel on disk, never a CUDA download.
 	$(BIN)/python -m pip install -q -c constraints-dev.txt torch
-	$(BIN)/python -m pip install -q -c constraints-dev.txt -e '.[dev,nixl,ucx]'
+	$(BIN)/python -m pip install -q -c constraints-dev.txt -e '.[dev,docs,nixl,ucx]'
 	touch $(STAMP)
 
 venv: $(STAMP)
@@ -22,16 +22,23 @@ demo: $(STAMP)
 	$(BIN)/kvwire demo
 
 lint: $(STAMP)
-	$(BIN)/ruff check kvwire transports conformance tests fuzz
-	$(BIN)/ruff format --check kvwire transports conformance tests fuzz
+	$(BIN)/ruff check kvwire transports conformance tests fuzz scripts
+	$(BIN)/ruff format --check kvwire transports conformance tests fuzz scripts
 
 typecheck: $(STAMP)
-	$(BIN)/mypy --strict kvwire
+	$(BIN)/mypy --strict kvwire transports/shm/kvwire_shm transports/nixl/kvwire_nixl \
+	  transports/ucx/kvwire_ucx conformance/kvwire_conformance scripts/gen_docs.py
 
 unit: $(STAMP)
 	$(BIN)/python -m pytest -q
 
-test: lint typecheck unit
+# The documentation site (mkdocs-material, strict: any warning fails). Pages derived from
+# code (state diagrams, CLI reference) are regenerated first.
+docs: $(STAMP)
+	$(BIN)/python scripts/gen_docs.py
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
+
+test: lint typecheck docs unit
 
 # Fuzz every wire decoder for FUZZ_SECONDS (FUZZ_TARGET=all, or one name from
 # `fuzz/fuzz_decoders.py --list`). atheris (prebuilt wheel) is installed on first use; where

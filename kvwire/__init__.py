@@ -10,6 +10,7 @@ from kvwire.compat import CompatFactors, SpeculativeFactors, compatibility_hash,
 from kvwire.errors import (
     ConfigError,
     DescriptorError,
+    HandshakeAuthError,
     HandshakeError,
     HandshakeTimeoutError,
     IncompatiblePeerError,
@@ -97,6 +98,7 @@ __all__ = [
     # errors
     "ConfigError",
     "DescriptorError",
+    "HandshakeAuthError",
     "HandshakeError",
     "HandshakeTimeoutError",
     "IncompatiblePeerError",

@@ -77,6 +77,11 @@ class HandshakeTimeoutError(HandshakeError, TimeoutError):
     """The peer did not answer the handshake in time."""
 
 
+class HandshakeAuthError(HandshakeError):
+    """The authenticated handshake failed: no secret, a different secret, a peer that does
+    not authenticate, or an answer that is forged or replayed. No metadata was used."""
+
+
 class ConfigError(KVWireError, ValueError):
     """A configuration value or a command-line argument is invalid."""
 

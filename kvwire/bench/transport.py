@@ -10,7 +10,11 @@ the transport offers its own host allocator (``conformance_allocators``, e.g. sh
 peer-mappable segments) the headline uses it, and plain numpy memory is reported beside it
 as ``<transport>.read.<size>.numpy.GBps``. If a module
 ``kvwire_<transport>.rawbench`` exists, its ``raw_baseline(quick) -> list[Result]`` adds
-the raw library's own figures.
+the raw library's own figures. If it has ``paired_benchmark(quick, memcpy_sample) ->
+list[Result]`` instead, that replaces this module's measurement of the transport: it times
+the adapter and the raw library against one target and the same memory, in turns (the
+only fair comparison on a shared machine), calling ``memcpy_sample(label, nbytes)`` so the
+memcpy baseline is sampled between its repetitions too.
 """
 
 from __future__ import annotations
@@ -34,19 +38,25 @@ LATENCY_BYTES = 4096
 class _Memcpy:
     """The baseline: one numpy copy of the same bytes in one process, pages warm.
 
-    Sampled between the transport's own repetitions, so both see the same machine load.
+    Sampled between the transport's own repetitions, so both see the same machine load;
+    which of the two goes first alternates, so neither always inherits the other's caches.
     """
 
     def __init__(self) -> None:
         self.buffers: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         self.samples: dict[str, list[float]] = {}
 
-    def sample(self, label: str, nbytes: int) -> None:
+    def warm(self, label: str, nbytes: int) -> None:
+        """Allocate (once) and copy without timing, so every page is in place."""
         if label not in self.buffers:
             src = np.random.default_rng(0).integers(0, 256, nbytes, dtype=np.uint8)
-            dst = np.ones_like(src)
-            np.copyto(dst, src)
-            self.buffers[label] = (src, dst)
+            self.buffers[label] = (src, np.ones_like(src))
+        src, dst = self.buffers[label]
+        np.copyto(dst, src)
+
+    def sample(self, label: str, nbytes: int) -> None:
+        if label not in self.buffers:
+            self.warm(label, nbytes)
         src, dst = self.buffers[label]
         t0 = time.perf_counter()
         np.copyto(dst, src)
@@ -96,17 +106,25 @@ def _measure(name: str, allocator: str, quick: bool, memcpy: _Memcpy) -> dict[st
             local.register([region_of_array(array)])
             regions.append((count, size, label, int(array.ctypes.data), remote["addr"], array))
         peer_name = local.add_peer(peer.metadata())
-        for count, size, label, laddr, raddr, _ in regions:
-            ldescs = _scattered(laddr, count, size, seed=1)
-            rdescs = _scattered(raddr, count, size, seed=2)
-            for _ in range(2):
-                _read(local, peer_name, ldescs, rdescs)  # warm both sides' pages and mappings
+        shapes = [
+            (count, size, label, _scattered(la, count, size, 1), _scattered(ra, count, size, 2))
+            for count, size, label, la, ra, _ in regions
+        ]
+        for _ in range(3):  # warm every page and mapping of both sides before any timing
+            for count, size, label, ldescs, rdescs in shapes:
+                memcpy.warm(label, count * size)
+                _read(local, peer_name, ldescs, rdescs)
+        for count, size, label, ldescs, rdescs in shapes:
             samples = []
-            for _ in range(repeats):
-                memcpy.sample(label, count * size)
+            for i in range(repeats):
+                # Alternate which goes first, so neither always runs on the other's leftovers.
+                if i % 2 == 0:
+                    memcpy.sample(label, count * size)
                 t0 = time.perf_counter()
                 _read(local, peer_name, ldescs, rdescs)
                 samples.append(count * size / (time.perf_counter() - t0) / 1e9)
+                if i % 2 == 1:
+                    memcpy.sample(label, count * size)
             out[label] = float(np.median(samples))
             out[f"{label}.min"], out[f"{label}.max"] = min(samples), max(samples)
         _, _, _, laddr, raddr, _ = regions[0]
@@ -122,25 +140,39 @@ def _measure(name: str, allocator: str, quick: bool, memcpy: _Memcpy) -> dict[st
     return out
 
 
-def _raw_baselines(name: str, quick: bool) -> list[Result]:
+def _rawbench(name: str) -> Any:
+    """The transport's ``kvwire_<name>.rawbench`` module, or None."""
     try:
-        module = importlib.import_module(f"kvwire_{name}.rawbench")
+        return importlib.import_module(f"kvwire_{name}.rawbench")
     except ModuleNotFoundError as exc:
         if exc.name and exc.name.startswith(f"kvwire_{name}"):
-            return []
+            return None
         raise
+
+
+def _raw_baselines(name: str, quick: bool) -> list[Result]:
+    module = _rawbench(name)
+    if module is None or hasattr(module, "paired_benchmark"):
+        return []  # none, or measured together with the adapter (see run)
     results: list[Result] = module.raw_baseline(quick)
     return results
 
 
 def run(args: argparse.Namespace) -> Report:
-    names = list(getattr(args, "transport", None) or ["shm"])
+    from kvwire.bench.sweeps import installed_transports
+
+    names = list(getattr(args, "transport", None) or installed_transports())
     quick = bool(getattr(args, "quick", False))
     memcpy = _Memcpy()
     measured: list[tuple[str, str, dict[str, float]]] = []
+    paired: list[Result] = []
     for name in names:
         if ":" in name:
             raise ConfigError(f"bench transport wants an installed transport name, not {name!r}")
+        paired_benchmark = getattr(_rawbench(name), "paired_benchmark", None)
+        if paired_benchmark is not None:  # adapter and raw library in turns, one target
+            paired.extend(paired_benchmark(quick, memcpy.sample))
+            continue
         factory: Any = load(name)
         extra = list(getattr(factory, "conformance_allocators", ()))
         # The headline uses the memory the transport moves best (its own allocator when it
@@ -175,6 +207,11 @@ def run(args: argparse.Namespace) -> Report:
                 )
             )
         report.add(Result(f"{name}.read.4KiB{suffix}.us", figures["latency_us"], "us"))
+    report.results.extend(paired)
     for name in names:
         report.results.extend(_raw_baselines(name, quick))
+    from kvwire.bench import mooncake, sweeps  # sweeps and the optional Mooncake peer
+
+    mooncake.add_baseline(report, quick)
+    sweeps.run_sweeps(report, names, quick)
     return report

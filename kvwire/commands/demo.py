@@ -46,6 +46,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--role", choices=("both", "prefill", "decode"), default="both")
     parser.add_argument("--listen", metavar="HOST:PORT", help="--role prefill: control address")
     parser.add_argument("--connect", metavar="HOST:PORT", help="--role decode: the prefill side")
+    parser.add_argument(
+        "--secret-file",
+        metavar="PATH",
+        help="shared secret: authenticated handshakes (give it to both roles; chmod 600)",
+    )
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     _add_engine_arguments(parser)
@@ -53,8 +58,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.engine:
+        if args.secret_file:
+            raise ConfigError("--secret-file is not supported with --engine")
         return _run_engine_demo(args)
     from kvwire.demo.run import DemoOptions, log, run_local
+    from kvwire.sidechannel import load_secret
+
+    secret = load_secret(args.secret_file) if args.secret_file else None
 
     options = DemoOptions(
         model=args.model,
@@ -68,6 +78,7 @@ def run(args: argparse.Namespace) -> int:
         d_tp=args.d_tp,
         lease_s=args.lease,
         progress=not args.no_progress,
+        secret=secret,
     )
     if args.role == "prefill":
         return _run_prefill(options, args.listen)
@@ -130,6 +141,9 @@ def _run_decode(options: DemoOptions, connect: str | None) -> Summary:
     client = control.PrefillClient(host, port)
     try:
         hello = client.hello()
+        if bool(hello.get("authenticated")) != (options.secret is not None):
+            need = "needs" if hello.get("authenticated") else "runs without"
+            raise ConfigError(f"the prefill side {need} --secret-file; give both roles the same")
         options = dataclasses.replace(
             options, model=hello["model"], layers=int(hello["layers"]), p_tp=int(hello["tp"]),
             mode=hello["mode"], transport=hello["transport"],

@@ -3,6 +3,7 @@
 With --factors FILE (a JSON object of compatibility factors, as `kvwire compat-hash`
 takes) it also says whether this engine would be compatible and which factors differ:
 the tool for "hash mismatch" at 3 a.m. Exit status 1 when --factors shows a mismatch.
+With --secret-file it speaks the authenticated handshake of an engine that requires it.
 """
 
 from __future__ import annotations
@@ -27,6 +28,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--timeout", type=float, default=5.0, help="seconds per attempt")
     parser.add_argument("--retries", type=int, default=1)
+    parser.add_argument(
+        "--secret-file",
+        metavar="PATH",
+        help="shared secret of an engine that runs authenticated handshakes",
+    )
     parser.add_argument("--json", action="store_true", help="print JSON")  # fmt: skip
 
 
@@ -35,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
 
     from kvwire.compat import CompatFactors, compatibility_hash, explain, format_differences
     from kvwire.errors import ConfigError, HandshakeError, IncompatiblePeerError, WireDecodeError
-    from kvwire.sidechannel import HandshakeClient, RetryPolicy, parse_host_port
+    from kvwire.sidechannel import HandshakeClient, RetryPolicy, load_secret, parse_host_port
     from kvwire.wire.handshake import decode_handshake, decode_handshake_payload, peer_version
 
     host, port = parse_host_port(args.address)
@@ -49,8 +55,9 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError(f"cannot read factors from {args.factors}: {exc}") from None
         if not isinstance(local, dict):
             raise ConfigError(f"{args.factors} does not hold a JSON object of factors")
+    secret = load_secret(args.secret_file) if args.secret_file else None
     policy = RetryPolicy(timeout=args.timeout, retries=args.retries)
-    with HandshakeClient(policy) as client:
+    with HandshakeClient(policy, secret=secret) as client:
         replies = client.fetch_payloads(host, port, [(args.pp_rank, args.tp_rank)])
     reply = replies.replies[(args.pp_rank, args.tp_rank)]
     try:
@@ -66,6 +73,7 @@ def run(args: argparse.Namespace) -> int:
         "clock_offset_s": reply.offset,
         "compatibility_hash": payload.compatibility_hash,
         "peer": "kvwire" if payload.kvwire is not None else "vLLM (or kvwire without factors)",
+        "authenticated": secret is not None,
         "peer_version": peer_version(payload),
         "decoded_as_version": version,
         "metadata": _metadata_dict(msgspec.to_builtins(metadata), len(metadata.agent_metadata)),
@@ -118,7 +126,8 @@ def _text(report: dict[str, Any]) -> str:
     md = report["metadata"]
     lines = [
         f"{report['address']} rank pp={report['rank']['pp']} tp={report['rank']['tp']}: "
-        f"{report['peer']}, rtt {report['rtt_ms']:.2f} ms, clock offset "
+        f"{report['peer']}{' (authenticated)' if report['authenticated'] else ''}, "
+        f"rtt {report['rtt_ms']:.2f} ms, clock offset "
         f"{report['clock_offset_s']:+.6f} s",
         f"  compatibility_hash  {report['compatibility_hash']}",
     ]

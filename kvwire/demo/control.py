@@ -54,7 +54,8 @@ def _handle(engine: PrefillEngine, msg: dict[str, Any]) -> tuple[dict[str, Any],
     if op == "hello":
         return {"ok": True, "model": opts.model, "layers": opts.layers, "tp": opts.tp,
                 "mode": opts.mode, "transport": opts.transport,
-                "engine_id": opts.engine_id}, False  # fmt: skip
+                "engine_id": opts.engine_id,
+                "authenticated": opts.secret is not None}, False  # fmt: skip
     if op == "prefill":
         params = engine.prefill(str(msg["rid"]), int(msg["index"]), int(msg["num_tokens"]))
         return {"ok": True, "params": params}, False

@@ -36,6 +36,8 @@ class EngineOptions:
     """The host peers are told to dial (defaults to ``host``)."""
     lease_s: float = 30.0
     handshake_timeout: float = 5.0
+    secret: bytes | None = field(default=None, repr=False)
+    """Shared secret of the authenticated handshake; None: vLLM's plain handshake."""
 
     def rank_init(self, role: str, rank: int, side_channel_port: int) -> dict[str, Any]:
         return {
@@ -52,6 +54,7 @@ class EngineOptions:
             "side_channel_port": side_channel_port,
             "lease_s": self.lease_s,
             "handshake_timeout": self.handshake_timeout,
+            "secret": self.secret.hex() if self.secret is not None else None,
         }
 
 
@@ -82,7 +85,7 @@ class PrefillEngine:
 
     def __init__(self, options: EngineOptions) -> None:
         self.options = options
-        self._listener = HandshakeListener({}, host=options.host, port=0)
+        self._listener = HandshakeListener({}, host=options.host, port=0, secret=options.secret)
         self._ranks: list[RankProcess] = []
         self._pool = _Blocks(options.num_blocks)
         self._held: dict[str, tuple[list[int], set[int]]] = {}
@@ -217,7 +220,7 @@ class DecodeEngine:
 
     def __init__(self, options: EngineOptions) -> None:
         self.options = options
-        self._listener = HandshakeListener({}, host=options.host, port=0)
+        self._listener = HandshakeListener({}, host=options.host, port=0, secret=options.secret)
         self._events: queue.Queue[tuple[int, dict[str, Any] | None]] = queue.Queue()
         self._ranks: list[RankProcess] = []
         self._pool = _Blocks(options.num_blocks)

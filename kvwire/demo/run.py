@@ -11,7 +11,7 @@ import sys
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
@@ -35,6 +35,8 @@ class DemoOptions:
     d_tp: int = 1
     lease_s: float = 30.0
     progress: bool = True
+    secret: bytes | None = field(default=None, repr=False)
+    """Both engines' handshake secret (``--secret-file``); None: plain handshakes."""
 
     def validate(self) -> None:
         if self.tokens < 1 or self.requests < 1 or self.concurrency < 1:
@@ -60,6 +62,7 @@ class DemoOptions:
             engine_id=f"{role}-{uuid.uuid4().hex[:8]}",
             host=host,
             lease_s=self.lease_s,
+            secret=self.secret,
         )
 
 

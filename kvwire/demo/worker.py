@@ -75,6 +75,7 @@ def _config(init: dict[str, Any], spec: CacheSpec) -> RuntimeConfig:
         compat=spec.compat(init["mode"]),
         lease_s=float(init.get("lease_s", 30.0)),
         handshake=RetryPolicy(timeout=float(init.get("handshake_timeout", 5.0)), retries=1),
+        secret=bytes.fromhex(init["secret"]) if init.get("secret") else None,
     )
 
 

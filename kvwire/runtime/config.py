@@ -15,6 +15,7 @@ from kvwire.compat import CompatFactors
 from kvwire.errors import ConfigError
 from kvwire.machine import MachineConfig, TransferMode
 from kvwire.sidechannel import RetryPolicy
+from kvwire.sidechannel.auth import check_secret
 from kvwire.wire.versions import SUPPORTED_VERSIONS
 
 Mode = Literal["pull", "push"]
@@ -54,6 +55,10 @@ class RuntimeConfig:
     agent_name: str | None = None
     """The transport agent's name; default ``{engine_id}-{role}-pp{p}-tp{t}-{pid}``."""
     check_invariants: bool = True
+    secret: bytes | None = field(default=None, repr=False)
+    """Shared secret of the authenticated handshake (``kvwire.sidechannel.auth``): this
+    rank's handshakes then require peers that hold it. None: vLLM's plain handshake. Load
+    it with :func:`~kvwire.sidechannel.load_secret`; it never appears in a repr or a log."""
 
     def __post_init__(self) -> None:
         if not self.engine_id or "," in self.engine_id:
@@ -71,6 +76,8 @@ class RuntimeConfig:
                 f"compat factors say transfer_mode {self.compat.transfer_mode!r}, "
                 f"the runtime runs {self.mode!r}"
             )
+        if self.secret is not None:
+            check_secret(self.secret, "RuntimeConfig.secret")
         self.machine_config()  # validates the rest (ranks, durations)
 
     @property

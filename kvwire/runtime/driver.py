@@ -28,6 +28,7 @@ import numpy as np
 from kvwire import topology
 from kvwire.errors import (
     ConfigError,
+    DescriptorError,
     HandshakeError,
     HandshakeTimeoutError,
     IncompatiblePeerError,
@@ -175,7 +176,7 @@ class Driver:
         self._engines: dict[str, _PeerEngine] = {}
         self._xfers: dict[int, _Xfer] = {}
         self._num_tokens: dict[str, int] = {}
-        self._client = HandshakeClient(config.handshake)
+        self._client = HandshakeClient(config.handshake, secret=config.secret)
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
@@ -361,6 +362,13 @@ class Driver:
                 )
         except KVWireError as exc:
             self._events.append(TransferFailed(xid, f"post failed: {exc}"))
+            if isinstance(exc, TransportError) and not isinstance(exc, DescriptorError):
+                # The transport refused the peer itself (it died or restarted: NIXL reports
+                # REMOTE_DISCONNECT at post). Forget it so the next request handshakes again
+                # instead of every request failing against a dead agent.
+                self.metrics.count("peers_lost")
+                self._events.append(PeerLost(action.engine_id))
+                self._forget_engine(action.engine_id, evicted=False)
             return
         now = self._clock()
         self._xfers[xid] = _Xfer(

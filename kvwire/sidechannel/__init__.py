@@ -1,12 +1,14 @@
 """The handshake side channel: a hardened ZMQ ROUTER listener and a retrying REQ client.
 
 Wire-compatible with vLLM 0.31.0's NIXL connector: a vLLM decode worker can fetch
-kvwire's metadata and kvwire can fetch a vLLM prefill engine's.
+kvwire's metadata and kvwire can fetch a vLLM prefill engine's. Opt-in beyond vLLM: a
+shared-secret authenticated handshake (``secret=``, ``load_secret``) and rate limits.
 """
 
 from __future__ import annotations
 
 from kvwire.sidechannel.address import parse_host_port, tcp_endpoint
+from kvwire.sidechannel.auth import load_secret
 from kvwire.sidechannel.client import (
     HandshakeClient,
     PayloadReplies,
@@ -24,6 +26,7 @@ from kvwire.sidechannel.frames import (
     refusal_reason,
 )
 from kvwire.sidechannel.handshake import PeerHandshake, fetch_agent_metadata
+from kvwire.sidechannel.limits import ListenerLimits, RateLimit
 from kvwire.sidechannel.listener import HandshakeListener, ListenerStats
 
 __all__ = [
@@ -31,10 +34,12 @@ __all__ = [
     "GET_META_TAG",
     "HandshakeClient",
     "HandshakeListener",
+    "ListenerLimits",
     "ListenerStats",
     "PayloadReplies",
     "PeerHandshake",
     "RankReply",
+    "RateLimit",
     "RetryPolicy",
     "decode_clock",
     "decode_request",
@@ -42,6 +47,7 @@ __all__ = [
     "encode_refusal",
     "encode_request",
     "fetch_agent_metadata",
+    "load_secret",
     "parse_host_port",
     "refusal_reason",
     "tcp_endpoint",

@@ -8,6 +8,11 @@ good) with exponential backoff, and every failure is a typed ``HandshakeError``.
 ``fetch_payloads`` returns raw payload bytes, so the same client serves ``kvwire probe``
 (which wants to show a peer it cannot talk to) and the runtime (which decodes with the
 local compatibility hash).
+
+With a ``secret`` every rank is fetched through the authenticated handshake
+(``kvwire.sidechannel.auth``) and a peer that does not prove it holds the same secret is a
+``HandshakeAuthError``: the client never falls back to plain mode. A refusal for rate
+limiting is retried like a timeout.
 """
 
 from __future__ import annotations
@@ -18,9 +23,26 @@ from dataclasses import dataclass
 
 import zmq
 
-from kvwire.errors import ConfigError, HandshakeError, HandshakeTimeoutError, WireDecodeError
+from kvwire.errors import (
+    ConfigError,
+    HandshakeAuthError,
+    HandshakeError,
+    HandshakeTimeoutError,
+    WireDecodeError,
+)
 from kvwire.sidechannel.address import is_ipv6, tcp_endpoint
-from kvwire.sidechannel.frames import decode_clock, encode_request, refusal_reason
+from kvwire.sidechannel.auth import ClientAuth, encode_proof
+from kvwire.sidechannel.frames import (
+    AUTH_REASON,
+    RATE_LIMITED_REASON,
+    decode_clock,
+    encode_request,
+    refusal_reason,
+)
+
+
+class _RateLimited(Exception):
+    """The peer refused for rate limiting: worth another attempt after the backoff."""
 
 
 @dataclass(frozen=True)
@@ -69,7 +91,7 @@ class HandshakeClient:
     """Fetch handshake payloads from listeners; one instance may serve many peers.
 
     Owns a ZMQ context; ``close`` releases it. Thread-safe in the sense that each call
-    uses its own socket.
+    uses its own socket. ``secret`` switches to the authenticated handshake.
     """
 
     def __init__(
@@ -79,8 +101,10 @@ class HandshakeClient:
         max_reply_bytes: int = 64 << 20,
         clock: Callable[[], float] = time.perf_counter,
         sleep: Callable[[float], None] = time.sleep,
+        secret: bytes | None = None,
     ) -> None:
         self.policy = policy or RetryPolicy()
+        self._auth = ClientAuth(secret) if secret is not None else None
         self._max_reply_bytes = max_reply_bytes
         self._clock = clock
         self._sleep = sleep
@@ -102,9 +126,10 @@ class HandshakeClient:
     ) -> PayloadReplies:
         """Ask ``host:port`` for each ``(pp_rank, tp_rank)`` in turn.
 
-        Raises ``HandshakeTimeoutError`` when a rank stays silent through every retry and
-        ``HandshakeError`` when the peer refuses or answers with something that is not a
-        handshake answer.
+        Raises ``HandshakeTimeoutError`` when a rank stays silent through every retry,
+        ``HandshakeAuthError`` when authentication fails either way (we lack the peer's
+        secret, or the peer does not prove it has ours), and ``HandshakeError`` when the
+        peer refuses or answers with something that is not a handshake answer.
         """
         wanted = list(dict.fromkeys(ranks))
         if not wanted:
@@ -115,21 +140,26 @@ class HandshakeClient:
         sock = self._open(endpoint)
         try:
             for pp_rank, tp_rank in wanted:
+                limited = False
                 for attempt in range(self.policy.retries + 1):
                     if attempt:
                         sock.close(linger=0)
                         self._sleep(self.policy.delay(attempt))
                         sock = self._open(endpoint)
                     attempts += 1
-                    reply = self._ask(sock, pp_rank, tp_rank)
+                    try:
+                        reply = self._ask(sock, pp_rank, tp_rank)
+                    except _RateLimited:
+                        limited, reply = True, None
                     if reply is not None:
                         replies[(pp_rank, tp_rank)] = self._check(endpoint, reply)
                         break
                 else:
-                    raise HandshakeTimeoutError(
-                        f"no handshake answer from {endpoint} for rank "
-                        f"(pp={pp_rank}, tp={tp_rank}) after {self.policy.retries + 1} "
-                        f"attempts of {self.policy.timeout:g} s"
+                    what = "rate limited by" if limited else "no handshake answer from"
+                    error = HandshakeError if limited else HandshakeTimeoutError
+                    raise error(
+                        f"{what} {endpoint} for rank (pp={pp_rank}, tp={tp_rank}) after "
+                        f"{self.policy.retries + 1} attempts of {self.policy.timeout:g} s"
                     )
         finally:
             sock.close(linger=0)
@@ -151,21 +181,62 @@ class HandshakeClient:
         return sock
 
     def _ask(self, sock: zmq.Socket[bytes], pp_rank: int, tp_rank: int) -> RankReply | None:
+        """One rank's answer; None when the peer stayed silent (the socket is then spent)."""
+        if self._auth is not None:
+            return self._ask_authenticated(self._auth, sock, pp_rank, tp_rank)
         t_send = self._clock()
-        try:
-            sock.send(encode_request(pp_rank, tp_rank))
-            frames = sock.recv_multipart()
-        except zmq.Again:
+        frames = self._roundtrip(sock, encode_request(pp_rank, tp_rank))
+        if frames is None:
             return None
         t_recv = self._clock()
         if len(frames) != 2:
             raise HandshakeError(f"handshake answer has {len(frames)} frames, expected 2")
         payload, clock_frame = frames
-        reason = refusal_reason(payload)
-        if reason is not None:
-            raise HandshakeError(
-                f"peer refused handshake for rank ({pp_rank}, {tp_rank}): {reason}"
+        _raise_refusal(payload, pp_rank, tp_rank)
+        return self._reply(pp_rank, tp_rank, payload, clock_frame, t_send, t_recv)
+
+    def _ask_authenticated(
+        self, auth: ClientAuth, sock: zmq.Socket[bytes], pp_rank: int, tp_rank: int
+    ) -> RankReply | None:
+        frames = self._roundtrip(sock, auth.hello(pp_rank, tp_rank))
+        if frames is None:
+            return None
+        if len(frames) != 2:
+            raise HandshakeAuthError(f"answer to the hello has {len(frames)} frames, expected 2")
+        _raise_refusal(frames[0], pp_rank, tp_rank)
+        challenge = auth.challenge_of(frames[0])
+        if challenge is None:
+            raise HandshakeAuthError(
+                f"peer answered rank ({pp_rank}, {tp_rank}) without authenticating (a vLLM "
+                "listener or kvwire without a secret); its metadata was not used"
             )
+        proof = auth.prove(pp_rank, tp_rank, challenge)
+        t_send = self._clock()
+        frames = self._roundtrip(sock, encode_proof(proof))
+        if frames is None:
+            return None
+        t_recv = self._clock()
+        if len(frames) == 2:
+            _raise_refusal(frames[0], pp_rank, tp_rank)
+        if len(frames) != 3:
+            raise HandshakeAuthError(f"authenticated answer has {len(frames)} frames, expected 3")
+        sealed, clock_frame, tag = frames
+        payload = auth.open(proof, sealed, clock_frame, tag)
+        return self._reply(pp_rank, tp_rank, payload, clock_frame, t_send, t_recv)
+
+    @staticmethod
+    def _roundtrip(sock: zmq.Socket[bytes], request: bytes) -> list[bytes] | None:
+        try:
+            sock.send(request)
+            return sock.recv_multipart()
+        except zmq.Again:
+            return None
+
+    @staticmethod
+    def _reply(
+        pp_rank: int, tp_rank: int, payload: bytes, clock_frame: bytes, t_send: float,
+        t_recv: float,
+    ) -> RankReply:  # fmt: skip
         try:
             remote = decode_clock(clock_frame)
         except WireDecodeError as exc:
@@ -184,3 +255,14 @@ class HandshakeClient:
         if not reply.payload:
             raise HandshakeError(f"{endpoint} sent an empty handshake payload")
         return reply
+
+
+def _raise_refusal(frame: bytes, pp_rank: int, tp_rank: int) -> None:
+    """Raise the error a refusal frame stands for; return when the frame is not one."""
+    reason = refusal_reason(frame)
+    if reason is None:
+        return
+    if reason.startswith(RATE_LIMITED_REASON):
+        raise _RateLimited(reason)
+    error = HandshakeAuthError if reason.startswith(AUTH_REASON) else HandshakeError
+    raise error(f"peer refused handshake for rank ({pp_rank}, {tp_rank}): {reason}")

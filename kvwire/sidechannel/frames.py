@@ -20,6 +20,10 @@ from kvwire.wire.handshake import (
 
 GET_META_TAG = GET_META_MSG
 ERROR_PREFIX = b"KVWIRE_ERROR:"
+AUTH_REASON = "authentication"
+"""Refusal reasons that start with this are about authentication (``HandshakeAuthError``)."""
+RATE_LIMITED_REASON = "rate limited"
+"""Refusal reasons that start with this are worth retrying after a backoff."""
 MAX_RANK = 1 << 20
 """No engine has a million ranks; anything larger is a malformed request, not a lookup."""
 

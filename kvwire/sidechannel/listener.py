@@ -1,35 +1,55 @@
-"""The handshake listener: a ZMQ ROUTER that serves each rank's encoded payload.
+"""The handshake listener: serves each rank's encoded payload to REQ clients over ZMTP.
 
 Wire-compatible with vLLM's listener (one ROUTER serves every (pp_rank, tp_rank) of an
-engine, payloads encoded once, a clock reading with every answer) but built so that no
-request can stop it: oversize, malformed and unknown-rank requests are answered with a
-refusal (or dropped when they carry no REQ envelope to answer on) and counted, and libzmq
-drops frames above ``max_request_bytes`` before they reach Python at all.
+engine, payloads encoded once, a clock reading with every answer): vLLM's and kvwire's REQ
+clients cannot tell it from a libzmq ROUTER. It speaks ZMTP itself
+(``kvwire.sidechannel.zmtp``) instead of using libzmq's ROUTER because libzmq buffers a
+multipart message without bound until its last frame arrives, which lets any peer exhaust
+the engine's memory; see ``docs/security.md``.
 
-The ROUTER lives on its own thread, which is the only thread that touches it; ``close``
-wakes that thread through an inproc socket and joins it, so shutdown is immediate and
-leaves no socket behind.
+Nothing a peer sends can stop it: oversize, malformed and unknown-rank requests are answered
+with a refusal (or dropped when they carry no REQ envelope to answer on) and counted;
+frames above ``max_request_bytes`` close the connection before they are buffered; every
+connection is bounded in time and memory by :class:`~kvwire.sidechannel.limits.
+ListenerLimits` (``kvwire.sidechannel.server``); token buckets per peer address and overall
+turn a flood into cheap refusals. With a ``secret`` the listener speaks only the
+authenticated handshake (``kvwire.sidechannel.auth``).
+
+The sockets live on one thread, the only one that touches them; ``close`` wakes it through
+a socket pair and joins it, so shutdown is immediate and leaves no socket behind. An
+unexpected error while answering a request is logged and counted, and the loop goes on.
 """
 
 from __future__ import annotations
 
-import logging
+import dataclasses
+import socket
 import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from itertools import count
-
-import zmq
 
 from kvwire.errors import ConfigError, HandshakeError, WireDecodeError
-from kvwire.sidechannel.address import is_ipv6, tcp_endpoint
-from kvwire.sidechannel.frames import decode_request, encode_clock, encode_refusal
-
-log = logging.getLogger(__name__)
+from kvwire.logs import get_logger
+from kvwire.sidechannel.auth import (
+    CHALLENGE_PREFIX,
+    AuthHello,
+    AuthProof,
+    AuthRefused,
+    Challenger,
+    read_auth_request,
+)
+from kvwire.sidechannel.frames import (
+    AUTH_REASON,
+    RATE_LIMITED_REASON,
+    decode_request,
+    encode_clock,
+    encode_refusal,
+)
+from kvwire.sidechannel.limits import ListenerLimits, RequestLimiter
+from kvwire.sidechannel.server import ConnectionServer
 
 Payloads = Mapping[tuple[int, int], bytes]
-_instance_ids = count()
 
 
 @dataclass(frozen=True)
@@ -42,6 +62,26 @@ class ListenerStats:
     refused_oversize: int = 0
     dropped: int = 0
     """Messages with no REQ envelope (nothing to answer on)."""
+    refused_rate_limited: int = 0
+    refused_auth: int = 0
+    """Plain requests to a listener with a secret, hellos to one without, failed proofs."""
+    challenges: int = 0
+    """Challenges issued (authenticated mode); each is half of a handshake, not a refusal."""
+    internal_errors: int = 0
+    """Requests whose handling raised unexpectedly (a bug; the listener carried on)."""
+    connections_accepted: int = 0
+    connections_refused: int = 0
+    """Turned away at accept: the per-address cap, or every slot held by an established
+    connection."""
+    connections_evicted: int = 0
+    """Closed while still in their greeting to make room for a new connection."""
+    connections_timed_out: int = 0
+    """Closed for not finishing the greeting or a started message in time."""
+    connections_idle_closed: int = 0
+    connections_broken: int = 0
+    """Closed for breaking ZMTP or a size limit (a frame or message too large)."""
+    connections_open: int = 0
+    """At the time of the snapshot (a gauge, not a count)."""
 
     @property
     def rejected(self) -> int:
@@ -49,7 +89,9 @@ class ListenerStats:
             self.refused_malformed
             + self.refused_unknown_rank
             + self.refused_oversize
-            + (self.dropped)
+            + self.dropped
+            + self.refused_rate_limited
+            + self.refused_auth
         )
 
 
@@ -57,7 +99,10 @@ class HandshakeListener:
     """Serve pre-encoded handshake payloads on ``host:port`` (port 0 picks a free one).
 
     ``clock`` must be the clock of the process that stamps lease deadlines: the client
-    derives its clock offset to us from it.
+    derives its clock offset to us from it. ``limits`` bound what peers may cost
+    (``max_request_bytes``, when given, overrides the one in ``limits``). With ``secret``
+    (see :func:`~kvwire.sidechannel.auth.load_secret`) only clients holding the same secret
+    get a payload; without it the listener is vLLM's, byte for byte.
     """
 
     def __init__(
@@ -66,31 +111,34 @@ class HandshakeListener:
         host: str = "127.0.0.1",
         port: int = 0,
         *,
-        max_request_bytes: int = 1024,
+        max_request_bytes: int | None = None,
         clock: Callable[[], float] = time.perf_counter,
+        limits: ListenerLimits | None = None,
+        secret: bytes | None = None,
+        monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
-        if max_request_bytes < 64:
-            raise ConfigError("max_request_bytes below 64 cannot hold a handshake request")
+        limits = limits or ListenerLimits()
+        if max_request_bytes is not None:
+            if max_request_bytes < 64:
+                raise ConfigError("max_request_bytes below 64 cannot hold a handshake request")
+            limits = dataclasses.replace(limits, max_request_bytes=max_request_bytes)
+        self.limits = limits
         self._payloads: dict[tuple[int, int], bytes] = dict(payloads)
         self._host = host
         self._requested_port = port
-        self._max_request_bytes = max_request_bytes
+        self._max_request_bytes = limits.max_request_bytes
         self._clock = clock
+        self._monotonic = monotonic
+        self._limiter = RequestLimiter(limits)
+        self._challenger = Challenger(secret, clock=monotonic) if secret is not None else None
+        self._log = get_logger(__name__, listener=f"{host}:{port}")
         self._lock = threading.Lock()
-        self._counts = {
-            "served": 0,
-            "refused_malformed": 0,
-            "refused_unknown_rank": 0,
-            "refused_oversize": 0,
-            "dropped": 0,
-        }
-        self._ctx: zmq.Context[zmq.Socket[bytes]] | None = None
+        self._counts = {f.name: 0 for f in dataclasses.fields(ListenerStats)}
         self._thread: threading.Thread | None = None
-        self._ready = threading.Event()
-        self._start_error: BaseException | None = None
         self._port: int | None = None
-        self._wake_endpoint = f"inproc://kvwire-listener-wake-{next(_instance_ids)}"
-        self._wake: zmq.Socket[bytes] | None = None
+        self._wake: socket.socket | None = None
+        """Our end of the socket pair that stops the serving thread."""
+        self._server: ConnectionServer | None = None
 
     # -- lifecycle -----------------------------------------------------------------
 
@@ -98,33 +146,58 @@ class HandshakeListener:
         """Bind and start serving; returns self once the socket is bound."""
         if self._thread is not None:
             raise HandshakeError("listener already started")
-        self._ctx = zmq.Context()
-        self._wake = self._ctx.socket(zmq.PAIR)
-        self._wake.setsockopt(zmq.LINGER, 0)
-        self._wake.bind(self._wake_endpoint)
+        listening = self._bind()
+        self._port = int(listening.getsockname()[1])
+        self._wake, their_end = socket.socketpair()
+        self._server = ConnectionServer(
+            listening, their_end, self.limits, self._answer, self._count,
+            monotonic=self._monotonic,
+        )  # fmt: skip
         self._thread = threading.Thread(
-            target=self._serve, name="kvwire-handshake-listener", daemon=True
+            target=self._serve,
+            args=(self._server, listening, their_end),
+            name="kvwire-handshake-listener",
+            daemon=True,
         )
         self._thread.start()
-        self._ready.wait()
-        if self._start_error is not None:
-            self._thread.join()
-            self._thread = None
-            self._teardown_context()
-            raise HandshakeError(
-                f"cannot listen on {self._host}:{self._requested_port}: {self._start_error}"
-            ) from self._start_error
+        self._log = get_logger(__name__, listener=f"{self._host}:{self._port}")
         return self
+
+    def _bind(self) -> socket.socket:
+        host: str | None = self._host.strip("[]")
+        if host in ("", "*"):
+            host = None  # every interface
+        try:
+            family, kind, proto, _, address = socket.getaddrinfo(
+                host, self._requested_port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+            )[0]
+            listening = socket.socket(family, kind, proto)
+        except OSError as exc:
+            raise HandshakeError(
+                f"cannot listen on {self._host}:{self._requested_port}: {exc}"
+            ) from exc
+        try:
+            listening.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            listening.bind(address)
+            listening.listen(self.limits.backlog)
+        except OSError as exc:
+            listening.close()
+            raise HandshakeError(
+                f"cannot listen on {self._host}:{self._requested_port}: {exc.strerror or exc}"
+            ) from exc
+        return listening
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop serving and release the socket; safe to call twice."""
         thread, self._thread = self._thread, None
-        if thread is not None and self._wake is not None:
-            self._wake.send(b"stop")
+        wake, self._wake = self._wake, None
+        if thread is not None and wake is not None:
+            wake.send(b"x")
             thread.join(timeout)
             if thread.is_alive():
-                log.error("handshake listener thread did not stop within %.1f s", timeout)
-        self._teardown_context()
+                self._log.error("handshake listener thread did not stop within %.1f s", timeout)
+        if wake is not None:
+            wake.close()
 
     def __enter__(self) -> HandshakeListener:
         return self.start() if self._thread is None else self
@@ -145,12 +218,20 @@ class HandshakeListener:
         return self._port
 
     @property
+    def authenticated(self) -> bool:
+        """Whether this listener requires the shared-secret handshake."""
+        return self._challenger is not None
+
+    @property
     def running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
     def stats(self) -> ListenerStats:
+        server = self._server
         with self._lock:
-            return ListenerStats(**self._counts)
+            counts = dict(self._counts)
+        counts["connections_open"] = server.open_connections if server is not None else 0
+        return ListenerStats(**counts)
 
     def set_payloads(self, payloads: Payloads) -> None:
         """Replace the served payloads (after a re-registration); takes effect at once."""
@@ -160,98 +241,89 @@ class HandshakeListener:
 
     # -- the serving thread ------------------------------------------------------------
 
-    def _serve(self) -> None:
-        assert self._ctx is not None
-        router = self._ctx.socket(zmq.ROUTER)
+    def _serve(
+        self, server: ConnectionServer, listening: socket.socket, wake: socket.socket
+    ) -> None:
         try:
-            router.setsockopt(zmq.LINGER, 0)
-            router.setsockopt(zmq.MAXMSGSIZE, self._max_request_bytes)
-            router.setsockopt(zmq.ROUTER_MANDATORY, 0)
-            router.setsockopt(zmq.SNDHWM, 1000)
-            router.setsockopt(zmq.SNDTIMEO, 0)
-            if is_ipv6(self._host):
-                router.setsockopt(zmq.IPV6, 1)
-            if self._requested_port:
-                router.bind(tcp_endpoint(self._host, self._requested_port))
-                self._port = self._requested_port
-            else:
-                self._port = router.bind_to_random_port(
-                    tcp_endpoint(self._host, 0).rsplit(":", 1)[0]
-                )
-        except zmq.ZMQError as exc:
-            router.close(linger=0)
-            self._start_error = exc
-            self._ready.set()
-            return
-        wake = self._ctx.socket(zmq.PAIR)
-        wake.setsockopt(zmq.LINGER, 0)
-        wake.connect(self._wake_endpoint)
-        self._ready.set()
-        poller = zmq.Poller()
-        poller.register(router, zmq.POLLIN)
-        poller.register(wake, zmq.POLLIN)
-        try:
-            while True:
-                events = dict(poller.poll())
-                if wake in events:
-                    break
-                if router in events:
-                    self._drain(router)
+            server.run()
+        except Exception:
+            self._log.exception("handshake listener stopped by an unexpected error")
+            raise
         finally:
-            router.close(linger=0)
-            wake.close(linger=0)
+            listening.close()
+            wake.close()
 
-    def _drain(self, router: zmq.Socket[bytes]) -> None:
-        while True:
-            try:
-                frames = router.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            try:
-                self._answer(router, frames)
-            except zmq.ZMQError as exc:  # a peer gone before its answer: nothing to do
-                log.debug("handshake answer not sent: %s", exc)
+    def _answer(self, peer: str, message: list[bytes]) -> list[bytes] | None:
+        """The answer to one message from ``peer`` (None: nothing to answer on)."""
+        try:
+            return self._answer_request(peer, message)
+        except Exception:  # a bug must cost one request, never the listener
+            self._count("internal_errors")
+            self._log.exception("unexpected error answering a handshake request")
+            return None
 
-    def _answer(self, router: zmq.Socket[bytes], frames: list[bytes]) -> None:
-        # A REQ peer's message reaches a ROUTER as [identity, b"", body...].
-        if len(frames) < 3 or frames[1] != b"":
+    def _answer_request(self, peer: str, message: list[bytes]) -> list[bytes] | None:
+        # A REQ peer's message is [b"", body...]; the answer goes back the same way.
+        if len(message) < 2 or message[0] != b"":
             self._count("dropped")
-            return
-        identity = frames[0]
-        body = frames[2:]
+            return None
+        if not self._limiter.admit(peer, self._monotonic()):
+            return self._refuse("refused_rate_limited", RATE_LIMITED_REASON)
+        body = message[1:]
         size = sum(len(f) for f in body)
         if size > self._max_request_bytes:
-            self._refuse(router, identity, "refused_oversize", f"request of {size} bytes")
-            return
+            return self._refuse("refused_oversize", f"request of {size} bytes")
         if len(body) != 1:
-            self._refuse(router, identity, "refused_malformed", f"{len(body)} frames, not 1")
-            return
+            return self._refuse("refused_malformed", f"{len(body)} frames, not 1")
+        data = body[0]
         try:
-            key = decode_request(body[0])
+            auth = read_auth_request(data)
+            key = decode_request(data) if auth is None else None
         except WireDecodeError as exc:
-            self._refuse(router, identity, "refused_malformed", str(exc))
-            return
+            return self._refuse("refused_malformed", str(exc))
+        if auth is not None:
+            return self._answer_auth(auth)
+        if self._challenger is not None:
+            return self._refuse(
+                "refused_auth",
+                f"{AUTH_REASON} required: this listener serves only the kvwire "
+                "authenticated handshake (shared secret)",
+            )
+        assert key is not None
+        return self._payload_answer(key, None)
+
+    def _answer_auth(self, msg: AuthHello | AuthProof) -> list[bytes]:
+        challenger = self._challenger
+        if challenger is None:
+            why = f"{AUTH_REASON} is not enabled on this listener (it runs without a secret)"
+            return self._refuse("refused_auth", why)
+        if isinstance(msg, AuthHello):
+            self._count("challenges")
+            return [b"", CHALLENGE_PREFIX + challenger.challenge(), encode_clock(self._clock())]
+        try:
+            challenger.accept(msg)
+        except AuthRefused as exc:
+            return self._refuse("refused_auth", str(exc))
+        return self._payload_answer((msg.pp_rank, msg.tp_rank), msg)
+
+    def _payload_answer(self, key: tuple[int, int], proof: AuthProof | None) -> list[bytes]:
         with self._lock:
             payload = self._payloads.get(key)
         if payload is None:
-            self._refuse(router, identity, "refused_unknown_rank", f"no rank {key} here")
-            return
-        router.send_multipart([identity, b"", payload, encode_clock(self._clock())])
+            return self._refuse("refused_unknown_rank", f"no rank {key} here")
+        clock = encode_clock(self._clock())
         self._count("served")
+        if proof is None:
+            return [b"", payload, clock]
+        assert self._challenger is not None
+        sealed, tag = self._challenger.seal(proof, payload, clock)
+        return [b"", sealed, clock, tag]
 
-    def _refuse(self, router: zmq.Socket[bytes], identity: bytes, kind: str, why: str) -> None:
+    def _refuse(self, kind: str, why: str) -> list[bytes]:
         self._count(kind)
-        log.debug("handshake request refused (%s): %s", kind, why)
-        router.send_multipart([identity, b"", encode_refusal(why), encode_clock(self._clock())])
+        self._log.debug("handshake request refused (%s): %s", kind, why)
+        return [b"", encode_refusal(why), encode_clock(self._clock())]
 
     def _count(self, kind: str) -> None:
         with self._lock:
             self._counts[kind] += 1
-
-    def _teardown_context(self) -> None:
-        if self._wake is not None:
-            self._wake.close(linger=0)
-            self._wake = None
-        if self._ctx is not None:
-            self._ctx.term()
-            self._ctx = None

@@ -27,7 +27,7 @@ DEFAULT_MAX_NOTIFICATION_SIZE = 4 * 1024 * 1024
 """Largest notification accepted unless told otherwise (4 MiB: ~100k heartbeat ids)."""
 
 # Everything msgspec (or the interpreter underneath it) raises for bad input.
-_DECODE_FAILURES = (
+DECODE_FAILURES = (
     msgspec.DecodeError,
     msgspec.ValidationError,
     RecursionError,
@@ -83,7 +83,7 @@ def decode_struct(
         if len(data) > max_size:
             raise WireDecodeError(f"{len(data)} bytes exceeds the limit of {max_size}")
         result: T = decoder.decode(data)
-    except _DECODE_FAILURES as exc:
+    except DECODE_FAILURES as exc:
         label = what or _type_name(type_)
         given = type(data).__name__
         if given not in ("bytes", "bytearray", "memoryview"):
@@ -104,7 +104,7 @@ def convert(obj: Any, type_: type[T], *, what: str | None = None) -> T:
     label = what or _type_name(type_)
     try:
         return msgspec.convert(obj, type_)
-    except _DECODE_FAILURES as exc:
+    except DECODE_FAILURES as exc:
         raise WireDecodeError(f"{label}: {_one_line(exc)}") from None
 
 

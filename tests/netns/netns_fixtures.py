@@ -22,6 +22,7 @@ import importlib.util
 import json
 import os
 import queue
+import re
 import secrets
 import shutil
 import signal
@@ -166,6 +167,26 @@ def b64(data: bytes) -> str:
 
 def unb64(text: str) -> bytes:
     return base64.b64decode(text)
+
+
+UCX_LANE = re.compile(r"\b\w+\(([^)]*)\)")
+"""A lane of a UCX endpoint configuration, ``am(tcp/veth0 cma/memory)``: its transports."""
+
+
+def ucx_lanes(log_lines: Sequence[str]) -> set[tuple[str, str]]:
+    """Every (transport, device) UCX's info log names in an endpoint configuration.
+
+    UCX (``UCX_LOG_LEVEL=info``) logs one line per endpoint configuration, ``<name>
+    inter-node cfg#1 rma_am(tcp/<dev>) am(tcp/<dev>) ...``.
+    """
+    lanes: set[tuple[str, str]] = set()
+    for line in log_lines:
+        if re.search(r"-node cfg#\d", line):
+            for contents in UCX_LANE.findall(line.split("cfg#", 1)[1]):
+                for item in contents.split():
+                    transport, _, device = item.partition("/")
+                    lanes.add((transport, device))
+    return lanes
 
 
 # ---------------------------------------------------------------------------- namespaces

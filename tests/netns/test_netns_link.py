@@ -7,14 +7,13 @@ in the root namespace and only orchestrate.
 
 from __future__ import annotations
 
-import re
 import socket
 import threading
 import time
 from typing import Any
 
 import pytest
-from netns_fixtures import ADDRESS_B, NetnsPair, b64, emit, receive, unb64
+from netns_fixtures import ADDRESS_B, NetnsPair, b64, emit, receive, ucx_lanes, unb64
 
 CUT_TIMEOUT_S = 2.0
 """How long a client waits on a cut link before calling it failed."""
@@ -232,22 +231,6 @@ def test_netns_zmq_req_rep_survives_a_cut(netns_pair: NetnsPair) -> None:
         server.kill()
         if client is not None:
             client.kill()
-
-
-LANE = re.compile(r"\b\w+\(([^)]*)\)")
-"""A lane of a UCX endpoint configuration, ``am(tcp/veth0 cma/memory)``: its transports."""
-
-
-def ucx_lanes(log_lines: list[str]) -> set[tuple[str, str]]:
-    """Every (transport, device) UCX's info log names in an endpoint configuration."""
-    lanes: set[tuple[str, str]] = set()
-    for line in log_lines:
-        if re.search(r"-node cfg#\d", line):
-            for contents in LANE.findall(line.split("cfg#", 1)[1]):
-                for item in contents.split():
-                    transport, _, device = item.partition("/")
-                    lanes.add((transport, device))
-    return lanes
 
 
 def test_ucx_lane_parser_sees_every_transport() -> None:

@@ -173,6 +173,58 @@ def test_release_twice_and_foreign_handles(pair: Pair) -> None:
         pair.b.poll(object())
 
 
+def test_a_released_handle_stays_dead_when_its_request_is_posted_again(pair: Pair) -> None:
+    """Re-posting a kept request makes a new handle: the old one must not see it."""
+    local = pair.descs(pair.dst, [0], [4096])
+    remote = pair.descs(pair.src, [0], [4096])
+    first = pair.a.read(pair.peer_b, local, remote)
+    _done(pair.a, first)
+    second = pair.a.read(pair.peer_b, local.copy(), remote.copy())  # same bytes: re-posted
+    assert second is not first
+    assert pair.a.stats()["requests_reused"] == 1
+    with pytest.raises(TransportError):
+        pair.a.poll(first)
+    with pytest.raises(TransportError):
+        pair.a.release(first)
+    assert wait_for(pair.a, second, TIMEOUT) is XferState.DONE  # untouched by the old one
+    pair.a.release(second)
+    assert pair.a.stats()["requests_kept"] == 1
+
+
+def test_the_reuse_path_rejects_what_the_validating_path_rejects(pair: Pair) -> None:
+    """A kept request skips validation and the peer check only for inputs that would pass
+    them: the same bytes in another shape, or a peer removed since, still fail."""
+    local = pair.descs(pair.dst, [0, 8192], [64, 64])
+    remote = pair.descs(pair.src, [0, 8192], [64, 64])
+    _done(pair.a, pair.a.read(pair.peer_b, local, remote))
+    with pytest.raises(DescriptorError):
+        pair.a.read(pair.peer_b, local.reshape(1, 6), remote.reshape(1, 6))
+    with pytest.raises(DescriptorError):
+        pair.a.read(pair.peer_b, local, remote[:1])
+    pair.a.remove_peer(pair.peer_b)
+    assert pair.a.stats()["requests_kept"] == 0
+    with pytest.raises(UnknownPeerError):
+        pair.a.read(pair.peer_b, local, remote)
+
+
+def test_close_frees_requests_that_handles_still_hold(pair: Pair) -> None:
+    held = pair.a.read(
+        pair.peer_b, pair.descs(pair.dst, [0], [64]), pair.descs(pair.src, [0], [64])
+    )
+    kept = pair.a.read(
+        pair.peer_b, pair.descs(pair.dst, [128], [64]), pair.descs(pair.src, [128], [64])
+    )
+    _done(pair.a, kept)
+    assert wait_for(pair.a, held, TIMEOUT) is XferState.DONE  # never released
+    assert pair.a.stats()["requests_live"] == 2
+    pair.a.close()
+    assert pair.a.stats()["requests_live"] == 0
+    with pytest.raises(TransportClosedError):
+        pair.a.poll(held)
+    with pytest.raises(TransportClosedError):
+        pair.a.release(held)
+
+
 def test_release_of_a_running_transfer_aborts_cleanly(pair: Pair) -> None:
     big_src = np.ones(64 << 20, dtype=np.uint8)
     big_dst = np.zeros(64 << 20, dtype=np.uint8)

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import itertools
+import os
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,6 +17,7 @@ from kvwire_nixl import _loader
 from kvwire_nixl._descs import CACHEABLE_ROWS, coalesce, fast_key, prepare
 from kvwire_nixl._errors import status_of, translate
 from kvwire_nixl._options import parse_options
+from kvwire_nixl._progress import POST_SKIPS, ProgressThread
 
 from kvwire.errors import (
     ConfigError,
@@ -31,6 +36,35 @@ def test_importing_the_adapter_does_not_import_nixl() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_an_agent_process_exits_cleanly() -> None:
+    """Creating and closing an agent, then exiting, must not crash the process (UCX's
+    InfiniBand modules with the system's rdma-core beside the wheel's did, at exit)."""
+    code = (
+        "import os; os.environ.setdefault('UCX_NET_DEVICES', 'lo');"
+        "from kvwire_nixl import NixlTransport;"
+        "NixlTransport('kvwire-test-exit').close(); print('closed')"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "UCX_MODULES"}
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert (out.returncode, out.stdout.strip()) == (0, "closed"), out.stderr[-2000:]
+
+
+def test_ib_modules_are_skipped_only_without_rdma_devices(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.delenv("UCX_MODULES", raising=False)
+    assert _loader.skip_unusable_ib_modules(str(tmp_path / "absent")) is True
+    assert os.environ["UCX_MODULES"] == "^ib*"
+    monkeypatch.setenv("UCX_MODULES", "ib,cma")  # the user's choice stands
+    assert _loader.skip_unusable_ib_modules(str(tmp_path / "absent")) is False
+    assert os.environ["UCX_MODULES"] == "ib,cma"
+    monkeypatch.delenv("UCX_MODULES")
+    assert _loader.skip_unusable_ib_modules(str(tmp_path)) is False  # a device directory
+    assert "UCX_MODULES" not in os.environ
 
 
 def test_entry_point_names_the_factory() -> None:
@@ -153,3 +187,34 @@ def test_fast_key_only_for_small_int64_pairs() -> None:
     big = np.zeros((CACHEABLE_ROWS + 1, 3), dtype=np.int64)
     assert fast_key(big, big) is None
     assert fast_key(small.tolist(), small) is None
+
+
+def _run_until(thread: ProgressThread, rounds: int) -> None:
+    thread.start()
+    deadline = time.monotonic() + 30
+    while thread.rounds < rounds and time.monotonic() < deadline:
+        time.sleep(0.001)
+    thread.stop()
+
+
+def test_progress_thread_runs_every_turn_for_an_idle_owner() -> None:
+    calls: list[int] = []
+
+    def progress() -> bool:
+        calls.append(1)
+        return False  # nothing happened: the idle case
+
+    thread = ProgressThread("idle", progress, lambda: 0.0, min_s=1e-4, max_s=1e-4)
+    _run_until(thread, 5)
+    assert thread.rounds >= 5 and thread.skipped == 0 and len(calls) == thread.rounds
+
+
+def test_progress_thread_yields_to_a_posting_owner_but_never_starves() -> None:
+    posted = itertools.count()  # the owner posts between every two turns
+    thread = ProgressThread(
+        "busy", lambda: False, lambda: 0.0, min_s=1e-4, max_s=1e-4, posts=lambda: next(posted)
+    )
+    _run_until(thread, 4)
+    # every round comes after exactly POST_SKIPS skipped turns (the last may be cut short)
+    assert thread.rounds >= 4
+    assert POST_SKIPS * thread.rounds <= thread.skipped <= POST_SKIPS * (thread.rounds + 1)

@@ -13,6 +13,7 @@ from kvwire.errors import HandshakeError, HandshakeTimeoutError
 from kvwire.sidechannel import (
     HandshakeClient,
     HandshakeListener,
+    ListenerLimits,
     RetryPolicy,
     decode_clock,
     encode_request,
@@ -61,7 +62,11 @@ def _malformed_bodies(rng: random.Random) -> list[list[bytes]]:
 def test_thousand_malformed_requests_then_a_valid_one() -> None:
     rng = random.Random(1234)
     bodies = _malformed_bodies(rng)
-    with HandshakeListener(PAYLOADS, max_request_bytes=1024) as listener:
+    # One DEALER pipelines all 1,000 requests before reading an answer: the default limits
+    # refuse exactly that (rate) and drop answers a peer does not read (queue), so this test,
+    # which wants every answer, lifts both. test_listener_hostile covers the defaults.
+    limits = ListenerLimits.unlimited_rate(queued_per_peer=2000)
+    with HandshakeListener(PAYLOADS, max_request_bytes=1024, limits=limits) as listener:
         endpoint = f"tcp://127.0.0.1:{listener.port}"
         ctx = zmq.Context()
         try:

@@ -8,11 +8,18 @@ import time
 
 import numpy as np
 import pytest
-from kvwire_shm import ShmTransport, allocate
+from kvwire_shm import ShmTransport, _memcopy, allocate
 from kvwire_shm._cma import IOV_MAX
-from kvwire_shm._tables import coalesce
+from kvwire_shm._segments import segment_of
+from kvwire_shm._tables import DRAM, MAPPED, Row, Table, coalesce
 
-from kvwire.errors import ConfigError, PeerMetadataError, TransportClosedError, UnknownPeerError
+from kvwire.errors import (
+    ConfigError,
+    DescriptorError,
+    PeerMetadataError,
+    TransportClosedError,
+    UnknownPeerError,
+)
 from kvwire.transport import XferState, create, region_of_array, wait_for
 
 
@@ -160,3 +167,160 @@ def test_coalesce_merges_only_runs_contiguous_on_both_sides() -> None:
     assert d.tolist() == [0, 20, 100]
     assert s.tolist() == [500, 600, 700]
     assert n.tolist() == [20, 10, 10]
+
+
+# -- the mapped copy engine ------------------------------------------------------------
+
+
+def _layout(rng: np.random.Generator, lengths: np.ndarray) -> np.ndarray:
+    """Offsets placing span i of ``lengths`` in a shuffled order, a gap after each, in a
+    buffer of twice the bytes: no two spans overlap and nothing is contiguous."""
+    order = rng.permutation(lengths.shape[0])
+    room = 2 * lengths[order]
+    offsets = np.empty(lengths.shape[0], dtype=np.int64)
+    offsets[order] = np.cumsum(room) - room
+    return offsets
+
+
+@pytest.mark.parametrize("shape", ["small-groups", "large-spans", "mixed", "tiny-gathered"])
+def test_copy_spans_moves_every_span_and_nothing_else(shape: str) -> None:
+    rng = np.random.default_rng(len(shape))
+    if shape == "small-groups":  # many groups of small spans, GIL kept per group
+        lengths = rng.integers(1, 64 << 10, 400)
+    elif shape == "large-spans":  # every group drops the GIL per span
+        lengths = rng.integers(_memcopy.RELEASE_AT, 3 << 20, 6)
+    elif shape == "mixed":
+        lengths = np.concatenate([rng.integers(1, 4096, 300), [_memcopy.RELEASE_AT, 5 << 20]])
+    else:  # mean under GATHER_BELOW: one numpy gather/scatter
+        lengths = rng.integers(1, 16, 5000)
+    lengths = lengths.astype(np.int64)
+    src_at, dst_at = _layout(rng, lengths), _layout(rng, lengths)
+    total = int(2 * lengths.sum())
+    src = rng.integers(0, 256, total, dtype=np.uint8)
+    dst = np.zeros(total, dtype=np.uint8)
+    assert _memcopy.copy_spans(
+        dst.ctypes.data + dst_at, src.ctypes.data + src_at, lengths, lambda: False
+    )
+    expected = np.zeros_like(dst)
+    for d, s, n in zip(dst_at.tolist(), src_at.tolist(), lengths.tolist(), strict=True):
+        expected[d : d + n] = src[s : s + n]
+    assert np.array_equal(dst, expected)
+
+
+def test_copy_spans_stops_between_groups_once_aborted() -> None:
+    n = 64
+    size = _memcopy.GROUP_BYTES // 4  # four spans per group, sixteen groups
+    src = np.full(n * size, 7, dtype=np.uint8)
+    dst = np.zeros(n * size, dtype=np.uint8)
+    offsets = np.arange(n, dtype=np.int64) * size
+    lengths = np.full(n, size, dtype=np.int64)
+    asked = 0
+
+    def aborted() -> bool:
+        nonlocal asked
+        asked += 1
+        return asked > 2  # lets two groups through
+
+    done = _memcopy.copy_spans(
+        dst.ctypes.data + offsets, src.ctypes.data + offsets, lengths, aborted
+    )
+    assert not done
+    assert (dst[: 2 * _memcopy.GROUP_BYTES] == 7).all()
+    assert not dst[2 * _memcopy.GROUP_BYTES :].any(), "spans after the abort were copied"
+
+
+def test_group_starts_bound_each_group_by_bytes() -> None:
+    lengths = np.random.default_rng(3).integers(1, 300 << 10, 2000).astype(np.int64)
+    starts = _memcopy.group_starts(lengths)
+    assert starts[0] == 0 and (np.diff(starts) > 0).all()
+    sizes = np.add.reduceat(lengths, starts)
+    # A group never exceeds GROUP_BYTES by more than its last span.
+    last = lengths[np.concatenate((starts[1:], [lengths.shape[0]])) - 1]
+    assert (sizes - last < _memcopy.GROUP_BYTES).all()
+    assert int(sizes.sum()) == int(lengths.sum())
+
+
+# -- posting ---------------------------------------------------------------------------
+
+
+def test_descriptor_arrays_may_be_reused_once_read_returns() -> None:
+    """The worker reads the descriptors later; read() must have taken its own copy."""
+    a, b = _pair()
+    try:
+        size = 32 << 20
+        src = allocate(size)
+        src[:] = np.random.default_rng(5).integers(0, 256, size, dtype=np.uint8)
+        dst = np.zeros(size, dtype=np.uint8)
+        b.register([region_of_array(src)])
+        a.register([region_of_array(dst)])
+        peer = a.add_peer(b.local_metadata())
+        whole = np.array([[dst.ctypes.data, size // 2, 0]], dtype=np.int64)
+        busy = a.read(peer, whole, np.array([[src.ctypes.data, size // 2, 0]], dtype=np.int64))
+        local = np.array([[dst.ctypes.data + size // 2, 4096, 0]], dtype=np.int64)
+        remote = np.array([[src.ctypes.data + 4096, 4096, 0]], dtype=np.int64)
+        handle = a.read(peer, local, remote)
+        local[0, 0] = dst.ctypes.data + size - 4096  # the caller moves on to its next transfer
+        remote[0, 0] = src.ctypes.data
+        assert wait_for(a, busy, 30) is XferState.DONE
+        assert wait_for(a, handle, 30) is XferState.DONE
+        half = size // 2
+        assert np.array_equal(dst[half : half + 4096], src[4096:8192])
+        assert not dst[size - 4096 :].any(), "the worker used the caller's later edit"
+    finally:
+        a.close()
+        b.close()
+
+
+def test_single_region_tables_reject_what_is_outside() -> None:
+    start, length = 1 << 40, 1 << 20
+    table = Table([Row(start, length, 0, DRAM, MAPPED, 5)])
+    inside = np.array([[start, length, 0], [start + length - 1, 1, 0]], dtype=np.int64)
+    assert table.locate(inside, "remote").tolist() == [0, 0]
+    big = np.iinfo(np.int64).max
+    for addr, n in [
+        (start - 1, 1),  # before the region
+        (start + length - 1, 2),  # straddles its end
+        (big - 8, 16),  # addr + length overflows int64
+        (start, big),
+    ]:
+        bad = np.array([[start, 1, 0], [addr, n, 0]], dtype=np.int64)
+        with pytest.raises(DescriptorError, match="remote descriptor 1"):
+            table.locate(bad, "remote")
+
+
+# -- pre-faulting a peer's segments ----------------------------------------------------
+
+
+def _rss_kib_of_other_mappings(token: str, own_base: int) -> int:
+    """Resident KiB of this process's mappings of a segment, except the one at own_base."""
+    total, counting = 0, False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split()
+            if "-" in head[0] and len(head) >= 5 and ":" not in head[0]:
+                counting = token in line and int(head[0].split("-")[0], 16) != own_base
+            elif counting and head[0] == "Rss:":
+                total += int(head[1])
+    return total
+
+
+def test_add_peer_prefaults_only_registered_spans() -> None:
+    a, b = _pair()
+    try:
+        src = allocate(16 << 20)
+        src[:] = 1  # every page of the segment exists
+        b.register([region_of_array(src[: 8 << 20])])
+        token = segment_of(src.ctypes.data, 1)
+        assert token is not None
+        base = src.ctypes.data
+        a.add_peer(b.local_metadata())
+        deadline = time.monotonic() + 30
+        while _rss_kib_of_other_mappings(token.token, base) < (8 << 10):
+            assert time.monotonic() < deadline, "the registered span was never pre-faulted"
+            time.sleep(0.01)
+        assert _rss_kib_of_other_mappings(token.token, base) < (16 << 10), (
+            "pages outside the registered span were faulted in too"
+        )
+    finally:
+        a.close()
+        b.close()

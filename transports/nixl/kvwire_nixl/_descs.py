@@ -13,6 +13,7 @@ import numpy as np
 from kvwire.transport import Descs, as_descs, check_pair
 
 _INT64 = np.dtype(np.int64)
+_NDARRAY = np.ndarray
 
 CACHEABLE_ROWS = 1024
 """Transfers of at most this many descriptors keep their NIXL request for reuse; above
@@ -33,18 +34,20 @@ def fast_key(local: object, remote: object) -> tuple[bytes, bytes] | None:
     The bytes only serve to find a request made earlier from arrays with the very same
     content, which were validated then (``tobytes`` copies in C order, so views and
     copies of one array give one key); anything else returns None and takes the
-    validating path. Kept to a handful of attribute reads: this is the 4 KiB hot path.
+    validating path. Kept to a handful of attribute reads: this is the 4 KiB hot path
+    (the dtype test is by identity: numpy's native int64 dtype is one object, and any
+    other spelling of it merely takes the validating path).
     """
-    if type(local) is not np.ndarray or type(remote) is not np.ndarray:
+    if type(local) is not _NDARRAY or type(remote) is not _NDARRAY:
         return None
     shape = local.shape
     if (
-        shape != remote.shape
+        local.dtype is not _INT64
+        or remote.dtype is not _INT64
+        or shape != remote.shape
         or len(shape) != 2
         or shape[1] != 3
         or shape[0] > CACHEABLE_ROWS
-        or local.dtype != _INT64
-        or remote.dtype != _INT64
     ):
         return None
     return local.tobytes(), remote.tobytes()

@@ -27,6 +27,7 @@ def load_nixl() -> tuple[ModuleType, ModuleType]:
     global _cached
     if _cached is not None:
         return _cached
+    skip_unusable_ib_modules()
     errors: list[str] = []
     for name in CANDIDATES:
         try:
@@ -45,6 +46,26 @@ def load_nixl() -> tuple[ModuleType, ModuleType]:
         f"the nixl transport needs NIXL's Python binding, which cannot be imported "
         f"({'; '.join(errors)}); install it with: {INSTALL_HINT}"
     )
+
+
+RDMA_DEVICES = "/sys/class/infiniband"
+
+
+def skip_unusable_ib_modules(devices: str = RDMA_DEVICES) -> bool:
+    """On a host with no RDMA device, keep UCX from loading its InfiniBand modules
+    (``UCX_MODULES=^ib*``, unless the user set ``UCX_MODULES``); True when it did.
+
+    They have nothing to drive there, and they are harmful where the system's rdma-core is
+    installed beside the copy bundled in the wheel: the bundled ``libibverbs`` loads the
+    system's providers, which bring the system's ``libnl`` beside the bundled one, and the
+    two crash the process in ``rtnl_tc_unregister`` when it exits (seen here: every NIXL
+    process exited with SIGSEGV after ``libibverbs1`` was installed by apt). UCX reads the
+    setting when NIXL's UCX plugin loads, so it must be in place before the first agent.
+    """
+    if "UCX_MODULES" in os.environ or os.path.isdir(devices):
+        return False
+    os.environ["UCX_MODULES"] = "^ib*"
+    return True
 
 
 def _quiet_python_logging() -> None:

@@ -1,35 +1,68 @@
-"""Raw NIXL baseline for ``kvwire bench transport --transport nixl``.
+"""kvwire against raw NIXL, for ``kvwire bench transport --transport nixl``.
 
-The same READs the generic transport bench makes through kvwire (256 x 64 KiB and
-32 x 2 MiB scattered blocks, one 4 KiB descriptor for latency), made here with NIXL's
-Python API and nothing of kvwire in between: two processes (this one initiates, a spawned
-one registers the source and stays idle), metadata over a pipe, NIXL's fastest path
-(descriptor lists prepared once, one request re-posted), the progress settings the
-kvwire adapter uses (NIXL's progress thread off, UCX error handling ``none``), and the
-generic bench's sampling (a memcpy of the same bytes before every timed READ), so the two
-figures differ only by what kvwire adds.
+The question is what kvwire adds to NIXL, so both contenders must see the same conditions;
+two separate runs against two separate peer processes differed by 10 % or more on this
+machine for reasons that had nothing to do with kvwire. Here, in one run:
 
-Results: ``nixl_raw.read.64KiB.GBps``, ``nixl_raw.read.2MiB.GBps``,
-``nixl_raw.read.4KiB.us``.
+* **One target.** A spawned process registers the source blocks with a *raw* NIXL agent
+  (NIXL's progress thread off, UCX error handling ``none``, as kvwire configures its own
+  agents) and then stays idle: it never calls into NIXL while samples are taken, so
+  neither initiator is helped or hindered by its progress, and both read the very same
+  remote memory through the very same remote agent.
+* **Two initiators in this process, same memory.** A raw ``nixl_agent`` and a kvwire
+  :class:`NixlTransport` (default options, progress thread included: kvwire as shipped)
+  both register the same destination buffers and load the target's metadata blob, which is
+  NIXL's own (kvwire's ``add_peer`` takes exactly what ``get_agent_metadata`` returns). The
+  descriptor arrays are the same objects for both.
+* **Raw means the NIXL Python API and nothing else**: lists prepared once and one request
+  re-posted with ``transfer`` / ``check_xfer_state`` (NIXL's fastest path). kvwire goes
+  through its public API: ``read`` / ``poll`` / ``release`` per transfer.
+* **Same waiting.** Both spin on the state (raw ``check_xfer_state``, kvwire ``poll``,
+  which calls it), with a deadline set only once a transfer is still running.
+* **Samples in turns.** Every repetition times raw and kvwire back to back, in alternating
+  order, each preceded by a memcpy of the same byte count (the generic bench's baseline,
+  so both see the cache state that copy leaves); latency alternates blocks of
+  ``LATENCY_BLOCK`` calls (alternating single calls moved both medians up a little and
+  the margin to the latency target by under 0.1 us).
+
+Each contender's bytes are checked against the target's content once before timing.
+Results: ``nixl.read.{64KiB,2MiB}.GBps`` and ``nixl.read.4KiB.us`` (baseline: the raw
+figure, ratio: kvwire / raw of the medians), ``nixl_raw.read.{64KiB,2MiB}.GBps``,
+``nixl_raw.read.4KiB.us``, and ``nixl.read.{64KiB,2MiB}.vs_raw``: the median (and range)
+of kvwire / raw over the back-to-back pairs of samples, the steadier ratio when the
+machine's load comes and goes.
 """
 
 from __future__ import annotations
 
 import multiprocessing
 import os
+import statistics
 import time
+import uuid
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
 import numpy as np
 
-from kvwire.bench.report import Result, repeat
+from kvwire.bench.report import Result
 from kvwire.errors import TransportError
+from kvwire.transport import Region, XferState
 
 SHAPES = ((256, 64 << 10, "64KiB"), (32, 2 << 20, "2MiB"))
+REPEATS = {"64KiB": 120, "2MiB": 60}
+"""Repetitions per shape (each times both contenders): about 1.5 and 3 s here. Under the
+load of a shared 2-core machine single samples vary 2-5x, so the medians need this many;
+the paired ratios (``.vs_raw``) settle with fewer."""
+QUICK_REPEATS = 8
 LATENCY_BYTES = 4096
 BACKEND_OPTIONS = {"ucx_error_handling_mode": "none"}
 TIMEOUT_S = 60.0
+LATENCY_BLOCK = 20
+
+MemcpySampler = Callable[[str, int], None]
+"""``sample(label, nbytes)``: time one memcpy of ``nbytes`` (the generic bench's baseline)."""
 
 
 def _agent(name: str) -> Any:
@@ -41,15 +74,19 @@ def _agent(name: str) -> Any:
     return agent
 
 
+def _source_bytes(seed: int, nbytes: int) -> np.ndarray:
+    return np.frombuffer(np.random.default_rng(seed).bytes(nbytes), dtype=np.uint8)
+
+
 def _target(conn: Connection, sizes: list[int]) -> None:
-    """The idle side: one source region per shape, allocated, registered and then filled
-    the way the generic bench's peer does it; then it only waits for 'stop'."""
+    """The idle side: one source region per shape, registered and filled; then it only
+    waits for 'stop' (it never calls into NIXL while the initiators measure)."""
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     agent = _agent(f"kvwire-rawbench-target-{os.getpid()}")
     sources = [np.zeros(n, dtype=np.uint8) for n in sizes]
     for seed, source in enumerate(sources):
         agent.register_memory([(int(source.ctypes.data), source.nbytes, 0, "")], "DRAM")
-        source[:] = np.frombuffer(np.random.default_rng(seed).bytes(source.nbytes), np.uint8)
+        source[:] = _source_bytes(seed, source.nbytes)
     conn.send((agent.get_agent_metadata(), [int(s.ctypes.data) for s in sources]))
     conn.recv()  # 'stop'
     conn.send("stopped")
@@ -64,7 +101,7 @@ def _scattered(base: int, count: int, size: int, seed: int) -> np.ndarray:
     return descs
 
 
-class _Read:
+class _RawRead:
     """One prepared READ request, re-posted on every call (NIXL's fast path)."""
 
     def __init__(self, agent: Any, peer: str, local: np.ndarray, remote: np.ndarray) -> None:
@@ -77,9 +114,10 @@ class _Read:
     def __call__(self) -> None:
         agent, request = self.agent, self.request
         state = agent.transfer(request)
-        deadline = time.monotonic() + TIMEOUT_S
-        while state == "PROC" and time.monotonic() < deadline:
-            state = agent.check_xfer_state(request)
+        if state == "PROC":
+            deadline = time.monotonic() + TIMEOUT_S
+            while state == "PROC" and time.monotonic() < deadline:
+                state = agent.check_xfer_state(request)
         if state != "DONE":
             raise TransportError(f"raw NIXL READ ended {state}")
 
@@ -89,80 +127,214 @@ class _Read:
         self.remote.release()
 
 
-def raw_baseline(quick: bool) -> list[Result]:
-    os.environ.setdefault("UCX_NET_DEVICES", "lo")
-    repeats = 5 if quick else 30
-    sizes = [2 * count * size for count, size, _ in SHAPES]
-    ctx = multiprocessing.get_context("spawn")
-    mine, theirs = ctx.Pipe()
-    target = ctx.Process(target=_target, args=(theirs, sizes), daemon=True)
-    target.start()
-    agent = _agent(f"kvwire-rawbench-initiator-{os.getpid()}")
-    sinks = []
-    for nbytes in sizes:  # as the generic bench: zeroed, then every page touched
-        sink = np.zeros(nbytes, dtype=np.uint8)
-        sink[:] = 1
-        sinks.append(sink)
+class _KvwireRead:
+    """The same READ through kvwire's public API: read, poll until done, release."""
+
+    def __init__(self, transport: Any, peer: str, local: np.ndarray, remote: np.ndarray):
+        self.transport = transport
+        self.peer = peer
+        self.local = local
+        self.remote = remote
+
+    def __call__(self) -> None:
+        transport = self.transport
+        handle = transport.read(self.peer, self.local, self.remote)
+        state = transport.poll(handle)
+        if state is XferState.PENDING:
+            deadline = time.monotonic() + TIMEOUT_S
+            while state is XferState.PENDING and time.monotonic() < deadline:
+                state = transport.poll(handle)
+        transport.release(handle)
+        if state is not XferState.DONE:
+            raise TransportError(f"kvwire NIXL READ ended {state.name}")
+
+
+class _OwnMemcpy:
+    """The memcpy sampler used when no generic bench passes its own (standalone runs)."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+    def __call__(self, label: str, nbytes: int) -> None:
+        if nbytes not in self.buffers:
+            self.buffers[nbytes] = (np.ones(nbytes, np.uint8), np.zeros(nbytes, np.uint8))
+        src, dst = self.buffers[nbytes]
+        np.copyto(dst, src)
+
+
+def _check_moved(
+    read: Callable[[], None], sink: np.ndarray, local: np.ndarray, remote: np.ndarray, source: Any
+) -> None:
+    """One READ into a zeroed sink must land the target's bytes block by block."""
+    sink[:] = 0
+    read()
+    base, remote_base = int(sink.ctypes.data), int(source[1])
+    for (laddr, length, _), (raddr, _, _) in zip(local.tolist(), remote.tolist(), strict=True):
+        got = sink[laddr - base : laddr - base + length]
+        want = source[0][raddr - remote_base : raddr - remote_base + length]
+        if not np.array_equal(got, want):
+            raise TransportError(f"benchmark READ landed wrong bytes at {laddr:#x}")
+
+
+def _bandwidth(
+    contenders: dict[str, Callable[[], None]],
+    nbytes: int,
+    label: str,
+    repeats: int,
+    memcpy: MemcpySampler,
+) -> dict[str, list[float]]:
+    """GB/s samples per contender, timed in turns (order alternating every repetition),
+    each right after a memcpy of the same size."""
+    names = list(contenders)
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    for rep in range(repeats):
+        for name in names if rep % 2 == 0 else names[::-1]:
+            memcpy(label, nbytes)
+            t0 = time.perf_counter()
+            contenders[name]()
+            samples[name].append(nbytes / (time.perf_counter() - t0) / 1e9)
+    return samples
+
+
+def _latency(
+    contenders: dict[str, Callable[[], None]], rounds: int, warmup: int, block: int = LATENCY_BLOCK
+) -> dict[str, list[float]]:
+    """Microseconds per call: each round times ``block`` calls of one contender, then of
+    the other (order alternating by round), so both share the machine's drift while each
+    runs as a steady loop, as a latency-bound caller would."""
+    names = list(contenders)
+    for _ in range(warmup):
+        for fn in contenders.values():
+            fn()
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    clock = time.perf_counter
+    for rnd in range(rounds):
+        for name in names if rnd % 2 == 0 else names[::-1]:
+            fn = contenders[name]
+            out = samples[name]
+            for _ in range(block):
+                t0 = clock()
+                fn()
+                out.append((clock() - t0) * 1e6)
+    return samples
+
+
+class _Rig:
+    """The target process, both initiators and the destination buffers they share; torn
+    down in order (requests, agents, then memory: an agent must deregister buffers that
+    still exist)."""
+
+    def __init__(self, sizes: list[int]) -> None:
+        from kvwire_nixl.transport import NixlTransport
+
+        os.environ.setdefault("UCX_NET_DEVICES", "lo")
+        ctx = multiprocessing.get_context("spawn")
+        self.conn, theirs = ctx.Pipe()
+        self.target = ctx.Process(target=_target, args=(theirs, sizes), daemon=True)
+        self.target.start()
+        self.closers: list[Callable[[], None]] = []
+        self.raw_regs: list[Any] = []
+        self.kvwire: NixlTransport | None = None
+        tag = uuid.uuid4().hex[:8]
+        self.raw: Any = _agent(f"kvwire-rawbench-raw-{tag}")
+        self.kvwire = NixlTransport(f"kvwire-rawbench-kvwire-{tag}")
+        self.sinks = []
+        for nbytes in sizes:  # as the generic bench: zeroed, then every page touched
+            sink = np.zeros(nbytes, dtype=np.uint8)
+            sink[:] = 1
+            self.sinks.append(sink)
+        if not self.conn.poll(TIMEOUT_S):
+            raise TransportError("the raw NIXL target process did not start")
+        metadata, self.remote_bases = self.conn.recv()
+        for sink in self.sinks:
+            row = (int(sink.ctypes.data), sink.nbytes, 0, "")
+            self.raw_regs.append(self.raw.register_memory([row], "DRAM"))
+        self.kvwire.register([Region(int(s.ctypes.data), s.nbytes) for s in self.sinks])
+        peer = self.raw.add_remote_agent(metadata)
+        self.raw_peer = peer.decode() if isinstance(peer, bytes) else str(peer)
+        self.kvwire_peer = self.kvwire.add_peer(metadata)
+
+    def contenders(self, local: np.ndarray, remote: np.ndarray) -> dict[str, Callable[[], None]]:
+        """The same READ both ways, raw first (names are the result prefixes)."""
+        assert self.kvwire is not None
+        raw = _RawRead(self.raw, self.raw_peer, local, remote)
+        self.closers.append(raw.close)
+        return {
+            "nixl_raw": raw,
+            "nixl": _KvwireRead(self.kvwire, self.kvwire_peer, local, remote),
+        }
+
+    def close(self) -> None:
+        for close in self.closers:
+            close()
+        if self.kvwire is not None:
+            self.kvwire.close()
+        if getattr(self, "raw", None) is not None:
+            for reg in self.raw_regs:
+                self.raw.deregister_memory(reg)
+            self.raw = None  # the agent goes before the buffers it registered
+        self.conn.send("stop")
+        if self.conn.poll(TIMEOUT_S):
+            self.conn.recv()
+        self.target.join(TIMEOUT_S)
+        if self.target.is_alive():
+            self.target.kill()
+
+
+def _result(name: str, values: list[float], unit: str, raw: str | None, raw_value: float) -> Result:
+    """Median and range; kvwire's figures carry the raw one as baseline (ratio kvwire/raw)."""
+    value = statistics.median(values)
+    return Result(
+        name,
+        value,
+        unit,
+        baseline=raw,
+        ratio=None if raw is None else value / raw_value,
+        min=min(values),
+        max=max(values),
+    )
+
+
+def paired_benchmark(quick: bool, memcpy: MemcpySampler | None = None) -> list[Result]:
+    """kvwire and raw NIXL reading the same remote memory from one idle target, in turns
+    (see the module docstring); ``memcpy`` is the generic bench's baseline sampler."""
+    sample_memcpy: MemcpySampler = memcpy if memcpy is not None else _OwnMemcpy()
+    rig = _Rig([2 * count * size for count, size, _ in SHAPES])
     results: list[Result] = []
     try:
-        if not mine.poll(TIMEOUT_S):
-            raise TransportError("the raw NIXL target process did not start")
-        metadata, remote_bases = mine.recv()
-        for sink in sinks:
-            agent.register_memory([(int(sink.ctypes.data), sink.nbytes, 0, "")], "DRAM")
-        peer = agent.add_remote_agent(metadata)
-        peer = peer.decode() if isinstance(peer, bytes) else str(peer)
-        for (count, size, label), sink, remote_base in zip(
-            SHAPES, sinks, remote_bases, strict=True
+        for seed, ((count, size, label), sink, remote_base) in enumerate(
+            zip(SHAPES, rig.sinks, rig.remote_bases, strict=True)
         ):
-            read = _Read(
-                agent,
-                peer,
-                _scattered(int(sink.ctypes.data), count, size, seed=1),
-                _scattered(remote_base, count, size, seed=2),
-            )
-            samples = []
-            for _ in range(2):
-                read()  # warm both sides' pages
-            copy_src = np.ones(count * size, dtype=np.uint8)
-            copy_dst = np.zeros_like(copy_src)
-            for _ in range(repeats):
-                # The generic bench samples its memcpy baseline (a copy of the same bytes)
-                # right before every transport READ, which leaves the caches cold; do the
-                # same so raw and kvwire figures see the same cache state.
-                np.copyto(copy_dst, copy_src)
-                t0 = time.perf_counter()
-                read()
-                samples.append(count * size / (time.perf_counter() - t0) / 1e9)
-            read.close()
-            results.append(
-                Result(
-                    f"nixl_raw.read.{label}.GBps",
-                    float(np.median(samples)),
-                    "GB/s",
-                    min=min(samples),
-                    max=max(samples),
-                )
-            )
-        one = _Read(
-            agent,
-            peer,
-            np.array([[int(sinks[0].ctypes.data), LATENCY_BYTES, 0]], dtype=np.int64),
-            np.array([[remote_bases[0], LATENCY_BYTES, 0]], dtype=np.int64),
-        )
-        timing = repeat(one, repeats=50 if quick else 300, warmup=10)
-        one.close()
-        results.append(Result("nixl_raw.read.4KiB.us", timing.median * 1e6, "us"))
+            local = _scattered(int(sink.ctypes.data), count, size, seed=1)
+            remote = _scattered(remote_base, count, size, seed=2)
+            pair = rig.contenders(local, remote)
+            source = (_source_bytes(seed, sink.nbytes), remote_base)
+            for read in pair.values():
+                _check_moved(read, sink, local, remote, source)
+                read()  # warm both sides' pages and the request
+            repeats = QUICK_REPEATS if quick else REPEATS[label]
+            samples = _bandwidth(pair, count * size, label, repeats, sample_memcpy)
+            raw_name = f"nixl_raw.read.{label}.GBps"
+            raw_gbps = statistics.median(samples["nixl_raw"])
+            pairs = [k / r for k, r in zip(samples["nixl"], samples["nixl_raw"], strict=True)]
+            results += [
+                _result(f"nixl.read.{label}.GBps", samples["nixl"], "GB/s", raw_name, raw_gbps),
+                _result(raw_name, samples["nixl_raw"], "GB/s", None, raw_gbps),
+                _result(f"nixl.read.{label}.vs_raw", pairs, "x", None, 1.0),
+            ]
+        one_local = np.array([[int(rig.sinks[0].ctypes.data), LATENCY_BYTES, 0]], np.int64)
+        one_remote = np.array([[rig.remote_bases[0], LATENCY_BYTES, 0]], np.int64)
+        latency = _latency(rig.contenders(one_local, one_remote), 15 if quick else 150, warmup=50)
+        raw_us = statistics.median(latency["nixl_raw"])
+        results += [
+            _result("nixl.read.4KiB.us", latency["nixl"], "us", "nixl_raw.read.4KiB.us", raw_us),
+            _result("nixl_raw.read.4KiB.us", latency["nixl_raw"], "us", None, raw_us),
+        ]
     finally:
-        mine.send("stop")
-        if mine.poll(TIMEOUT_S):
-            mine.recv()
-        target.join(TIMEOUT_S)
-        if target.is_alive():
-            target.kill()
-    return results
+        rig.close()
+    return sorted(results, key=lambda r: (r.name.startswith("nixl_raw"), r.unit, r.name))
 
 
 if __name__ == "__main__":
-    for result in raw_baseline(quick=False):
+    for result in paired_benchmark(quick=False):
         print(result.as_dict())

@@ -42,6 +42,7 @@ _prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong,
 _prctl.restype = ctypes.c_int
 
 U64 = npt.NDArray[np.uint64]
+Addresses = npt.NDArray[np.integer[Any]]
 
 
 def allow_any_ptracer() -> None:
@@ -55,9 +56,9 @@ class CmaError(OSError):
 
 def cma_copy(
     pid: int,
-    local: U64,
-    remote: U64,
-    lengths: U64,
+    local: Addresses,
+    remote: Addresses,
+    lengths: Addresses,
     *,
     write: bool,
     aborted: Callable[[], bool],

@@ -33,7 +33,11 @@ class Row:
 
 
 class Table:
-    """Regions sorted by address; ``locate`` maps each descriptor to the region holding it."""
+    """Regions sorted by address; ``locate`` maps each descriptor to the region holding it.
+
+    Summary flags (``has_vram``, ``route``) let a transfer over a uniform table skip the
+    per-descriptor route and kind lookups: most agents register one kind of memory.
+    """
 
     def __init__(self, rows: Sequence[Row]) -> None:
         ordered = sorted(rows, key=lambda r: r.addr)
@@ -43,6 +47,13 @@ class Table:
         self.kinds = np.array([r.kind for r in ordered], dtype=np.int8)
         self.routes = np.array([r.route for r in ordered], dtype=np.int8)
         self.deltas = np.array([r.delta for r in ordered], dtype=np.int64)
+        self.has_vram = any(r.kind == VRAM for r in ordered)
+        routes = {r.route for r in ordered}
+        self.route = routes.pop() if len(routes) == 1 else -1
+        """The route every region shares, or -1 when they differ."""
+        self._one = (
+            (ordered[0].addr, ordered[0].addr + ordered[0].length) if len(ordered) == 1 else None
+        )
 
     def locate(self, descs: Descs, side: str) -> I64:
         """Index of the region holding each descriptor; DescriptorError names the first miss."""
@@ -53,11 +64,18 @@ class Table:
         length = descs[:, 1]
         if self.starts.shape[0] == 0:
             raise DescriptorError(f"{side} descriptor 0 names memory but no region is registered")
-        idx = np.searchsorted(self.starts, addr, side="right").astype(np.int64) - 1
+        if self._one is not None and not self.has_vram:
+            start, end = self._one
+            if addr.min() >= start and (end - addr >= length).all():
+                return np.zeros(n, dtype=np.int64)
+            idx = np.where(addr >= start, 0, -1)
+        else:
+            idx = np.searchsorted(self.starts, addr, side="right").astype(np.int64) - 1
         safe = np.maximum(idx, 0)
         # end - addr >= length instead of addr + length <= end: no int64 overflow.
         ok = (idx >= 0) & (self.ends[safe] - addr >= length)
-        ok &= (self.kinds[safe] != VRAM) | (descs[:, 2] == self.devs[safe])
+        if self.has_vram:
+            ok &= (self.kinds[safe] != VRAM) | (descs[:, 2] == self.devs[safe])
         if not ok.all():
             bad = int(np.flatnonzero(~ok)[0])
             raise DescriptorError(

@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import ctypes
 import itertools
 import os
+import queue
 import select
 import socket
 import threading
@@ -52,15 +52,15 @@ from kvwire.transport import (
 )
 from kvwire_shm import _cuda
 from kvwire_shm._cma import CmaError, allow_any_ptracer, cma_copy
+from kvwire_shm._memcopy import copy_spans
 from kvwire_shm._notify import NotifyHub, connect, frame
 from kvwire_shm._segments import PeerMapping, SegmentInfo, segment_of
 from kvwire_shm._tables import CMA, CUDA, DRAM, I64, LOCAL, MAPPED, VRAM, Row, Table, coalesce
 
 _MAGIC = "kvwire-shm"
 _VERSION = 1
-_SMALL_DESCRIPTOR = 4096
-"""Below this mean length, mapped copies gather with numpy instead of one memmove each."""
-_ABORT_CHECK_EVERY = 64
+_PREFAULT_STEP = 16 << 20
+"""Bytes of a peer's segment mapped per idle step of the worker (about a millisecond)."""
 
 
 class _RegionMeta(msgspec.Struct, array_like=True):
@@ -104,11 +104,14 @@ class _Peer:
     mappings: list[PeerMapping] = field(default_factory=list)
     cuda_ptrs: list[tuple[int, int]] = field(default_factory=list)
     broken: str | None = None
+    _poller: Any = None
 
     def gone(self) -> bool:
-        poller = select.poll()
-        poller.register(self.pidfd, select.POLLIN)
-        return bool(poller.poll(0))
+        """Whether the peer process has exited (its pidfd turned readable); worker only."""
+        if self._poller is None:
+            self._poller = select.poll()
+            self._poller.register(self.pidfd, select.POLLIN)
+        return bool(self._poller.poll(0))
 
     def send(self, payload: bytes) -> None:
         if self.broken is not None:
@@ -143,12 +146,24 @@ class _Batch:
     device: int = 0
 
 
+@dataclass(frozen=True)
+class _Request:
+    """A checked transfer whose descriptors the worker still has to split and coalesce."""
+
+    local_t: Table
+    remote_t: Table
+    li: I64
+    ri: I64
+    local: Descs
+    remote: Descs
+
+
 @dataclass(eq=False)
 class _Xfer:
     owner: ShmTransport
     peer: _Peer
     write: bool
-    batches: list[_Batch]
+    batches: list[_Batch] | _Request
     notify: bytes | None
     state: XferState = XferState.PENDING
     released: bool = False
@@ -166,27 +181,25 @@ class _Retire:
     peer: _Peer
 
 
-_Job = _Xfer | _Notify | _Retire
+@dataclass(eq=False)
+class _Prefault:
+    """Spans of a new peer's mapped segments to fault in while the worker has nothing to do."""
 
-_counter = itertools.count()
+    steps: list[tuple[PeerMapping, int, int]]
 
 
-def _gather_copy(dst: I64, src: I64, length: I64) -> None:
-    """Copy many small spans with two vectorized index operations, no Python loop."""
-    total = int(length.sum())
-    within = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(length) - length, length)
-    d_base, s_base = int(dst.min()), int(src.min())
-    d_span = int((dst + length).max()) - d_base
-    s_span = int((src + length).max()) - s_base
-    d_view = np.frombuffer(
-        memoryview((ctypes.c_uint8 * d_span).from_address(d_base)), dtype=np.uint8
-    )
-    s_view = np.frombuffer(
-        memoryview((ctypes.c_uint8 * s_span).from_address(s_base)), dtype=np.uint8
-    )
-    d_view[np.repeat(dst - d_base, length) + within] = s_view[
-        np.repeat(src - s_base, length) + within
-    ]
+_Job = _Xfer | _Notify | _Retire | _Prefault
+
+
+def _checked(descs: Descs) -> Descs:
+    """``as_descs`` on a private copy: the worker reads the descriptors after ``read``
+    returned, when the caller may already be filling its array for the next transfer."""
+    if type(descs) is np.ndarray and descs.dtype == np.int64 and descs.ndim == 2:
+        own = descs.copy()
+        if own.shape[1] == 3 and (own.shape[0] == 0 or own[:, :2].min() >= 0):
+            return own  # the usual case, checked with two numpy calls instead of five
+        return as_descs(own)
+    return as_descs(np.array(descs, dtype=np.int64, copy=True))
 
 
 class ShmTransport:
@@ -231,8 +244,7 @@ class ShmTransport:
         self._inbox: list[tuple[str, bytes]] = []
         self._activity = threading.Condition()
         self._pulse = False
-        self._jobs: collections.deque[_Job | None] = collections.deque()
-        self._jobs_cv = threading.Condition()
+        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._hub = NotifyHub(name, self._on_notification)
         self._worker = threading.Thread(
             target=self._work, name=f"kvwire-shm-worker-{name}", daemon=True
@@ -352,7 +364,31 @@ class ShmTransport:
             self._peers[meta.name] = peer
         if old is not None:
             self._enqueue(_Retire(old))
+        steps = self._prefault_steps(peer, meta.regions)
+        if steps:
+            self._enqueue(_Prefault(steps))
         return meta.name
+
+    @staticmethod
+    def _prefault_steps(
+        peer: _Peer, regions: list[_RegionMeta]
+    ) -> list[tuple[PeerMapping, int, int]]:
+        """The peer's registered spans inside mapped segments, cut into worker-sized steps.
+
+        Without this the first transfers over a fresh mapping pay a page fault per few pages
+        (about half again the copy time); only registered spans are touched, so pages the
+        peer never offered are not made resident here.
+        """
+        bases = {mapping.peer_base: mapping for mapping in peer.mappings}
+        steps = []
+        for m in regions:
+            mapping = bases.get(m.seg_base) if m.seg_fd >= 0 else None
+            if mapping is None:
+                continue
+            first = m.addr - m.seg_base
+            for offset in range(first, first + m.length, _PREFAULT_STEP):
+                steps.append((mapping, offset, min(_PREFAULT_STEP, first + m.length - offset)))
+        return steps
 
     def _route(self, peer: _Peer, m: _RegionMeta) -> Row:
         kind = VRAM if m.kind == "VRAM" else DRAM
@@ -406,37 +442,46 @@ class ShmTransport:
     def _post(
         self, peer_name: str, local: Descs, remote: Descs, notify: bytes | None, *, write: bool
     ) -> _Xfer:
+        """Check the descriptors here (a bad one raises at once) and leave the rest to the
+        worker: splitting by route and coalescing happen off the caller's thread, except
+        where VRAM is involved and the split itself can reject the transfer."""
         self._check_open()
         if notify is not None and not isinstance(notify, bytes):
             raise TransportError(f"a notification must be bytes, got {type(notify).__name__}")
         peer = self._peer(peer_name)
-        local = as_descs(local)
-        remote = as_descs(remote)
-        check_pair(local, remote)
+        local = _checked(local)
+        remote = _checked(remote)
+        if local.shape != remote.shape or not (local[:, 1] == remote[:, 1]).all():
+            check_pair(local, remote)
         with self._lock:
             table = self._local
         li = table.locate(local, "local")
         ri = peer.table.locate(remote, "remote")
-        xfer = _Xfer(
-            self, peer, write, self._plan(table, peer.table, li, ri, local, remote, write), notify
-        )
+        request = _Request(table, peer.table, li, ri, local, remote)
+        batches: list[_Batch] | _Request = request
+        if table.has_vram or peer.table.has_vram:
+            batches = self._plan(request, write)
+        xfer = _Xfer(self, peer, write, batches, notify)
         with self._lock:
             self._xfers.add(xfer)
-        self._enqueue(xfer)
+        self._jobs.put(xfer)
         return xfer
 
-    def _plan(
-        self,
-        local_t: Table,
-        remote_t: Table,
-        li: I64,
-        ri: I64,
-        local: Descs,
-        remote: Descs,
-        write: bool,
-    ) -> list[_Batch]:
+    @staticmethod
+    def _plan(request: _Request, write: bool) -> list[_Batch]:
+        local_t, remote_t, li, ri = request.local_t, request.remote_t, request.li, request.ri
+        local, remote = request.local, request.remote
         if local.shape[0] == 0:
             return []
+        if not (local_t.has_vram or remote_t.has_vram) and remote_t.route in (MAPPED, CMA):
+            # One kind of host memory on both sides: one batch, no masks.
+            if remote_t.route == CMA:  # CMA batches keep (local, remote) order
+                d, s = local[:, 0], remote[:, 0]
+            else:
+                raddr = remote[:, 0] + remote_t.deltas[ri]
+                d, s = (raddr, local[:, 0]) if write else (local[:, 0], raddr)
+            dd, ss, ll = coalesce(d, s, local[:, 1])
+            return [_Batch(remote_t.route, dd, ss, ll)] if ll.shape[0] else []
         lkind = local_t.kinds[li]
         route = remote_t.routes[ri]
         laddr = local[:, 0]
@@ -531,19 +576,28 @@ class ShmTransport:
     # -- the worker -------------------------------------------------------------------
 
     def _enqueue(self, job: _Job | None) -> None:
-        with self._jobs_cv:
-            self._jobs.append(job)
-            self._jobs_cv.notify()
+        self._jobs.put(job)
 
     def _work(self) -> None:
+        idle: collections.deque[tuple[PeerMapping, int, int]] = collections.deque()
         while True:
-            with self._jobs_cv:
-                while not self._jobs:
-                    self._jobs_cv.wait()
-                job = self._jobs.popleft()
+            if idle:  # pre-faulting waits for every queued job, one step at a time
+                try:
+                    job = self._jobs.get_nowait()
+                except queue.Empty:
+                    mapping, offset, length = idle.popleft()
+                    try:
+                        mapping.populate(offset, length)
+                    except OSError:  # the kernel cannot: the first copies fault instead
+                        idle.clear()
+                    continue
+            else:
+                job = self._jobs.get()
             if job is None:
                 return
-            if isinstance(job, _Xfer):
+            if isinstance(job, _Prefault):
+                idle.extend(job.steps)
+            elif isinstance(job, _Xfer):
                 self._run(job)
             elif isinstance(job, _Notify):
                 with contextlib.suppress(OSError):
@@ -557,6 +611,8 @@ class ShmTransport:
         try:
             if xfer.peer.gone():
                 raise TransferFailedError(f"peer {xfer.peer.name!r} (pid {xfer.peer.pid}) is gone")
+            if isinstance(xfer.batches, _Request):
+                xfer.batches = self._plan(xfer.batches, xfer.write)
             finished = self._copy(xfer)
             if not finished:
                 return
@@ -579,22 +635,23 @@ class ShmTransport:
         def aborted() -> bool:
             return xfer.released or self._closed
 
+        assert isinstance(xfer.batches, list)
         for batch in xfer.batches:
             if aborted():
                 return False
             if batch.route == CMA:
                 ok = cma_copy(
                     xfer.peer.pid,
-                    batch.dst.astype(np.uint64),
-                    batch.src.astype(np.uint64),
-                    batch.length.astype(np.uint64),
+                    batch.dst,
+                    batch.src,
+                    batch.length,
                     write=xfer.write,
                     aborted=aborted,
                 )
                 if not ok:
                     return False
             elif batch.route == MAPPED:
-                if not self._memmove_all(batch, aborted):
+                if not copy_spans(batch.dst, batch.src, batch.length, aborted):
                     return False
             else:
                 lib = self._cuda
@@ -606,19 +663,6 @@ class ShmTransport:
                     if aborted():
                         return False
                     lib.copy(d, s, n, batch.device)
-        return True
-
-    @staticmethod
-    def _memmove_all(batch: _Batch, aborted: Any) -> bool:
-        n = batch.length.shape[0]
-        if int(batch.length.sum()) < _SMALL_DESCRIPTOR * n:
-            _gather_copy(batch.dst, batch.src, batch.length)
-            return True
-        triples = zip(batch.dst.tolist(), batch.src.tolist(), batch.length.tolist(), strict=False)
-        for i, (d, s, size) in enumerate(triples):
-            if i % _ABORT_CHECK_EVERY == 0 and aborted():
-                return False
-            ctypes.memmove(d, s, size)
         return True
 
     # -- shutdown ---------------------------------------------------------------------
@@ -637,10 +681,11 @@ class ShmTransport:
         for xfer in pending:
             xfer.error = "agent closed"
             xfer.state = XferState.FAILED
-        with self._jobs_cv:
-            leftovers = list(self._jobs)
-            self._jobs.clear()
-        for job in leftovers:
+        while True:
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                break
             if isinstance(job, _Retire):
                 job.peer.close(self._cuda)
         for peer in peers:
