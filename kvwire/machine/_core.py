@@ -8,13 +8,14 @@ when the timer fires).
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from kvwire.errors import KVWireError, LocalProtocolError
 from kvwire.machine.actions import (
     Action,
     ArmTimer,
+    CancelTransfer,
     EvictEngine,
     ReleaseTransfer,
     StartHandshake,
@@ -25,7 +26,11 @@ from kvwire.machine.events import (
     HandshakeDone,
     HandshakeFailed,
     PeerLost,
+    ReleaseFailed,
     Timer,
+    TransferDone,
+    TransferFailed,
+    TransferPosted,
 )
 from kvwire.machine.table import ENGINE, TRANSFER, EngineState, TransferState, successors
 
@@ -171,9 +176,25 @@ class Transfer:
 
 
 class MachineCore:
-    """Timers, engines, transfers and invariant plumbing; subclasses add request logic."""
+    """Timers, engines, transfers and invariant plumbing; subclasses add request logic.
+
+    A request that moves blocks (a consumer's READs, a producer's WRITEs) has the same
+    shape on both sides: a ``plan`` of remote ranks posted one at a time (``next_post``),
+    its live ``xfers`` by id, and a draining state it waits in for every handle to be
+    released after its first failure. The subclass names its request table and the two
+    states; the transfer events are handled here.
+    """
 
     role = "machine"
+    _requests: Mapping[tuple[Any, type[Event]], frozenset[Any]] = {}
+    """The request table of this side (``CONSUMER`` / ``PRODUCER``)."""
+    _moving: Any = None
+    """The request state in which transfers are being posted (TRANSFERRING / WRITING)."""
+    _draining: Any = None
+    """The request state that waits for its transfers' release after a failure."""
+    _end_actions: tuple[type[Action], ...] = ()
+    """The actions that end a request (after one, no action may name it again)."""
+    _ended_word = "ended"
 
     def __init__(self, config: MachineConfig) -> None:
         if not isinstance(config, MachineConfig):
@@ -188,8 +209,22 @@ class MachineCore:
         self._next_xfer = 1
         self._attempts = 0
         self._last_now = float("-inf")
-        self._handlers: dict[type[Event], Callable[[Any, float, list[Action]], None]] = {}
+        self._handlers: dict[type[Event], Callable[[Any, float, list[Action]], None]] = {
+            HandshakeDone: self._on_handshake_done,
+            HandshakeFailed: self._on_handshake_failed,
+            TransferPosted: self._on_xfer,
+            TransferDone: self._on_xfer,
+            TransferFailed: self._on_xfer,
+            ReleaseFailed: self._on_xfer,
+            PeerLost: self._on_peer_lost,
+            Timer: self._on_timer,
+        }
+        """Events both sides handle here; each machine adds its request events."""
         self._event_type: type[Event] = Timer
+        self._ended: set[str] = set()
+        """With invariant checks on: every request id that has ended (they never come back)."""
+        self._ended_now: set[str] = set()
+        """With invariant checks on: the ids that ended during the event being handled."""
         """The type of the event being handled (the table key of what it causes)."""
 
     # ----------------------------------------------------------------- public surface
@@ -428,6 +463,81 @@ class MachineCore:
         successors(TRANSFER, xfer.state, event_type, f"transfer {xfer_id}")
         return xfer
 
+    def _next_transfer(self, req: Any) -> tuple[Any, Transfer]:
+        """The next rank of ``req``'s plan and a new transfer to it, owned by ``req``."""
+        rank = req.plan[req.next_post]
+        req.next_post += 1
+        xfer = self._new_transfer(req)
+        req.xfers[xfer.xfer_id] = xfer
+        return rank, xfer
+
+    def _on_xfer(
+        self,
+        event: TransferPosted | TransferDone | TransferFailed | ReleaseFailed,
+        now: float,
+        out: list[Action],
+    ) -> None:
+        etype = type(event)
+        xfer = self._transfer_for(event.xfer_id, etype)
+        req = xfer.owner
+        successors(self._requests, req.state, etype, f"request {req.rid!r}")
+        if etype is TransferPosted:
+            if xfer.cancel_wanted or req.state is self._draining:
+                xfer.state = TransferState.CANCELLING
+                out.append(CancelTransfer(xfer.xfer_id, req.rid))
+                return
+            xfer.state = TransferState.POSTED
+            if req.next_post < len(req.plan):
+                self._post_next(req, out)
+            return
+        if etype is ReleaseFailed:
+            self._release_failed(xfer, now)
+            return
+        # Released: the transfer is over either way.
+        xfer.state = TransferState.ENDED
+        del self._xfers[xfer.xfer_id]
+        del req.xfers[xfer.xfer_id]
+        if etype is TransferFailed:
+            self.stats.transfers_failed += 1
+            if req.state is self._moving:
+                reason = event.reason if isinstance(event, TransferFailed) else ""
+                self._transfer_failed(req, reason, out)
+                return
+        if req.state is self._draining:
+            if not req.xfers:
+                self._drained(req, out)
+            return
+        if not req.xfers and req.next_post >= len(req.plan):
+            self._transfers_done(req, out)
+
+    def _drain(self, req: Any, out: list[Action]) -> None:
+        """Post nothing more and cancel what runs; the request waits in its draining state
+        until every handle is released (their DMA may still touch its blocks)."""
+        req.next_post = len(req.plan)
+        req.state = self._draining
+        for xfer in req.xfers.values():
+            if xfer.state is TransferState.POSTED:
+                xfer.state = TransferState.CANCELLING
+                out.append(CancelTransfer(xfer.xfer_id, req.rid))
+            elif xfer.state is TransferState.REQUESTED:
+                xfer.cancel_wanted = True
+
+    def _post_next(self, req: Any, out: list[Action]) -> None:
+        """Post the transfer to the next rank of ``req``'s plan."""
+        raise NotImplementedError
+
+    def _transfer_failed(self, req: Any, reason: str, out: list[Action]) -> None:
+        """A transfer of a request that was still moving blocks failed (its first failure)."""
+        raise NotImplementedError
+
+    def _drained(self, req: Any, out: list[Action]) -> None:
+        """The last transfer of a draining request was released: end it as it failed."""
+        raise NotImplementedError
+
+    def _transfers_done(self, req: Any, out: list[Action]) -> None:
+        """Every transfer of the plan was posted and released without failing."""
+        raise NotImplementedError
+
     def _release_failed(self, xfer: Transfer, now: float) -> None:
         """The handle could not be released: DMA may still be running, so the owner keeps
         its blocks; ask again after ``release_retry_s``."""
@@ -436,7 +546,23 @@ class MachineCore:
         self._arm(now + self.config.release_retry_s, T_RELEASE, xfer)
 
     def _verify(self, out: list[Action]) -> None:
-        raise NotImplementedError
+        """No action names a request after the action that ended it (in this call or any
+        earlier one)."""
+        ended_now = self._ended_now
+        ended = self._ended
+        end_actions = self._end_actions
+        seen_end: set[str] = set()
+        for action in out:
+            rid = getattr(action, "request_id", None)
+            if rid is None or rid not in ended:
+                continue
+            if rid in seen_end or rid not in ended_now:
+                raise InvariantViolation(
+                    f"{type(action).__name__} for {self._ended_word} request {rid!r}"
+                )
+            if isinstance(action, end_actions):
+                seen_end.add(rid)
+        ended_now.clear()
 
 
 def rebase_deadline(deadline: float, scheduler_clock: float, now_local: float) -> float:

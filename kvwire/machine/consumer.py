@@ -29,7 +29,6 @@ from kvwire.machine._core import (
 )
 from kvwire.machine.actions import (
     Action,
-    CancelTransfer,
     FailReason,
     PeerMisbehaved,
     PostRead,
@@ -46,14 +45,9 @@ from kvwire.machine.events import (
     HandshakeDone,
     HandshakeFailed,
     NotificationReceived,
-    PeerLost,
-    ReleaseFailed,
     RemotePrefill,
     RequestAdded,
     Timer,
-    TransferDone,
-    TransferFailed,
-    TransferPosted,
 )
 from kvwire.machine.table import (
     CONSUMER,
@@ -61,7 +55,6 @@ from kvwire.machine.table import (
     ConsumerState,
     EngineState,
     ParkedState,
-    TransferState,
     successors,
 )
 from kvwire.wire.notifications import (
@@ -131,29 +124,25 @@ class ConsumerMachine(MachineCore):
     """Sans-IO state of one consumer rank: ``handle(event, now) -> list[Action]``."""
 
     role = "consumer"
+    _requests = CONSUMER
+    _moving = S.TRANSFERRING
+    _draining = S.DRAINING
+    _end_actions = (RequestDone, RequestFailed)
 
     def __init__(self, config: MachineConfig) -> None:
         super().__init__(config)
         self._reqs: dict[str, _Req] = {}
-        self._terminal: set[str] = set()
-        self._ended_now: set[str] = set()
         self._plans: dict[tuple[int, int], tuple[list[RemoteRank], list[RemoteRank]]] = {}
         self._parked: dict[str, _Parked] = {}
         self._parked_count = 0
-        self._handlers = {
-            RequestAdded: self._on_added,
-            AllocationDone: self._on_alloc,
-            Abort: self._on_abort,
-            HandshakeDone: self._on_handshake_done,
-            HandshakeFailed: self._on_handshake_failed,
-            TransferPosted: self._on_xfer,
-            TransferDone: self._on_xfer,
-            TransferFailed: self._on_xfer,
-            ReleaseFailed: self._on_xfer,
-            NotificationReceived: self._on_notification,
-            PeerLost: self._on_peer_lost,
-            Timer: self._on_timer,
-        }
+        self._handlers.update(
+            {
+                RequestAdded: self._on_added,
+                AllocationDone: self._on_alloc,
+                Abort: self._on_abort,
+                NotificationReceived: self._on_notification,
+            }
+        )
 
     # ----------------------------------------------------------------- introspection
 
@@ -177,7 +166,7 @@ class ConsumerMachine(MachineCore):
         rid = event.request_id
         if rid in self._reqs:
             successors(CONSUMER, self._reqs[rid].state, RequestAdded, f"request {rid!r}")
-        if self._check and rid in self._terminal:
+        if self._check and rid in self._ended:
             raise LocalProtocolError(f"request {rid!r} was added twice")
         remote = event.remote
         if remote is None:
@@ -365,10 +354,7 @@ class ConsumerMachine(MachineCore):
             return _ALL_RANKS
 
     def _post_next(self, req: _Req, out: list[Action]) -> None:
-        rank = req.plan[req.next_post]
-        req.next_post += 1
-        xfer = self._new_transfer(req)
-        req.xfers[xfer.xfer_id] = xfer
+        rank, xfer = self._next_transfer(req)
         out.append(
             PostRead(
                 xfer.xfer_id,
@@ -425,63 +411,26 @@ class ConsumerMachine(MachineCore):
 
     # ----------------------------------------------------------------- transfers
 
-    def _on_xfer(
-        self,
-        event: TransferPosted | TransferDone | TransferFailed | ReleaseFailed,
-        now: float,
-        out: list[Action],
-    ) -> None:
-        etype = type(event)
-        xfer = self._transfer_for(event.xfer_id, etype)
-        req: _Req = xfer.owner
-        successors(CONSUMER, req.state, etype, f"request {req.rid!r}")
-        if etype is TransferPosted:
-            if xfer.cancel_wanted or req.state is S.DRAINING:
-                xfer.state = TransferState.CANCELLING
-                out.append(CancelTransfer(xfer.xfer_id, req.rid))
-                return
-            xfer.state = TransferState.POSTED
-            if req.next_post < len(req.plan):
-                self._post_next(req, out)
-            return
-        if etype is ReleaseFailed:
-            self._release_failed(xfer, now)
-            return
-        # Released: the transfer is over either way.
-        xfer.state = TransferState.ENDED
-        del self._xfers[xfer.xfer_id]
-        del req.xfers[xfer.xfer_id]
-        if etype is TransferFailed:
-            self.stats.transfers_failed += 1
-            if req.state is S.TRANSFERRING:
-                reason = event.reason if isinstance(event, TransferFailed) else ""
-                self._begin_failure(req, FailReason.TRANSFER, reason or "transfer failed", out)
-                return
-        if req.state is S.DRAINING:
-            if not req.xfers:
-                self._fail_now(req, req.fail_reason, req.fail_detail, out)
-            return
-        if not req.xfers and req.next_post >= len(req.plan):
-            self._release_producer(req, out, only_unread=True)
-            self._finish(req, out)
+    def _transfer_failed(self, req: _Req, reason: str, out: list[Action]) -> None:
+        self._begin_failure(req, FailReason.TRANSFER, reason or "transfer failed", out)
+
+    def _drained(self, req: _Req, out: list[Action]) -> None:
+        self._fail_now(req, req.fail_reason, req.fail_detail, out)
+
+    def _transfers_done(self, req: _Req, out: list[Action]) -> None:
+        self._release_producer(req, out, only_unread=True)
+        self._finish(req, out)
 
     def _begin_failure(self, req: _Req, reason: FailReason, detail: str, out: list[Action]) -> None:
         """First failure of a request with transfers: post nothing more, cancel what runs,
         and report only once every handle is released (their DMA may target its blocks)."""
         req.fail_reason = reason
         req.fail_detail = detail
-        req.next_post = len(req.plan)
         self._hb_drop(req)
         if not req.xfers:
             self._fail_now(req, reason, detail, out)
             return
-        req.state = S.DRAINING
-        for xfer in req.xfers.values():
-            if xfer.state is TransferState.POSTED:
-                xfer.state = TransferState.CANCELLING
-                out.append(CancelTransfer(xfer.xfer_id, req.rid))
-            elif xfer.state is TransferState.REQUESTED:
-                xfer.cancel_wanted = True
+        self._drain(req, out)
 
     # ----------------------------------------------------------------- notifications
 
@@ -648,27 +597,11 @@ class ConsumerMachine(MachineCore):
         self, rid: str, action: RequestDone | RequestFailed, out: list[Action]
     ) -> None:
         if self._check:
-            if rid in self._terminal:
+            if rid in self._ended:
                 raise InvariantViolation(f"request {rid!r} reported a second terminal outcome")
-            self._terminal.add(rid)
+            self._ended.add(rid)
             self._ended_now.add(rid)
         out.append(action)
-
-    def _verify(self, out: list[Action]) -> None:
-        """No action names a request after the action that ended it (in this call or any
-        earlier one)."""
-        ended_now = self._ended_now
-        terminal = self._terminal
-        seen_end: set[str] = set()
-        for action in out:
-            rid = getattr(action, "request_id", None)
-            if rid is None or rid not in terminal:
-                continue
-            if rid in seen_end or rid not in ended_now:
-                raise InvariantViolation(f"{type(action).__name__} for ended request {rid!r}")
-            if isinstance(action, (RequestDone, RequestFailed)):
-                seen_end.add(rid)
-        ended_now.clear()
 
     def _req(self, rid: str, etype: type[Any]) -> _Req:
         req = self._reqs.get(rid)

@@ -29,7 +29,6 @@ from kvwire.machine._core import (
 )
 from kvwire.machine.actions import (
     Action,
-    CancelTransfer,
     FreeBlocks,
     FreeReason,
     PeerMisbehaved,
@@ -43,20 +42,14 @@ from kvwire.machine.events import (
     HandshakeDone,
     HandshakeFailed,
     NotificationReceived,
-    PeerLost,
     PrefillFinished,
-    ReleaseFailed,
     RequestAdded,
     Timer,
-    TransferDone,
-    TransferFailed,
-    TransferPosted,
 )
 from kvwire.machine.table import (
     PRODUCER,
     EngineState,
     ProducerState,
-    TransferState,
     successors,
 )
 from kvwire.wire.notifications import PUSH_REG_PREFIX, decode_notification, encode_completion
@@ -116,6 +109,11 @@ class ProducerMachine(MachineCore):
     """Sans-IO state of one producer rank: ``handle(event, now) -> list[Action]``."""
 
     role = "producer"
+    _requests = PRODUCER
+    _moving = S.WRITING
+    _draining = S.DRAINING
+    _end_actions = (FreeBlocks,)
+    _ended_word = "freed"
 
     def __init__(self, config: MachineConfig) -> None:
         super().__init__(config)
@@ -130,22 +128,14 @@ class ProducerMachine(MachineCore):
         """Registration ids already matched: a duplicate is ignored (idempotent)."""
         self._held: dict[int, set[int]] = {}
         self._held_count = 0
-        self._freed: set[str] = set()
-        self._freed_now: set[str] = set()
-        self._handlers = {
-            RequestAdded: self._on_added,
-            PrefillFinished: self._on_prefill_finished,
-            Abort: self._on_abort,
-            HandshakeDone: self._on_handshake_done,
-            HandshakeFailed: self._on_handshake_failed,
-            TransferPosted: self._on_xfer,
-            TransferDone: self._on_xfer,
-            TransferFailed: self._on_xfer,
-            ReleaseFailed: self._on_xfer,
-            NotificationReceived: self._on_notification,
-            PeerLost: self._on_peer_lost,
-            Timer: self._on_timer,
-        }
+        self._handlers.update(
+            {
+                RequestAdded: self._on_added,
+                PrefillFinished: self._on_prefill_finished,
+                Abort: self._on_abort,
+                NotificationReceived: self._on_notification,
+            }
+        )
 
     # ----------------------------------------------------------------- introspection
 
@@ -174,7 +164,7 @@ class ProducerMachine(MachineCore):
         self._req_state(rid, RequestAdded)
         if event.remote is not None:
             raise LocalProtocolError("a producer request has no remote side yet (remote=None)")
-        if self._check and rid in self._freed:
+        if self._check and rid in self._ended:
             raise LocalProtocolError(f"request {rid!r} was added twice")
         self._reqs[rid] = _Req(rid)
 
@@ -428,10 +418,7 @@ class ProducerMachine(MachineCore):
     def _post_next(self, req: _Req, out: list[Action]) -> None:
         engine = req.engine
         assert engine is not None
-        rank = req.plan[req.next_post]
-        req.next_post += 1
-        xfer = self._new_transfer(req)
-        req.xfers[xfer.xfer_id] = xfer
+        rank, xfer = self._next_transfer(req)
         out.append(
             PostWrite(
                 xfer.xfer_id,
@@ -467,56 +454,21 @@ class ProducerMachine(MachineCore):
 
     # ----------------------------------------------------------------- transfers
 
-    def _on_xfer(
-        self,
-        event: TransferPosted | TransferDone | TransferFailed | ReleaseFailed,
-        now: float,
-        out: list[Action],
-    ) -> None:
-        etype = type(event)
-        xfer = self._transfer_for(event.xfer_id, etype)
-        req: _Req = xfer.owner
-        successors(PRODUCER, req.state, etype, f"request {req.rid!r}")
-        if etype is TransferPosted:
-            if xfer.cancel_wanted or req.state is S.DRAINING:
-                xfer.state = TransferState.CANCELLING
-                out.append(CancelTransfer(xfer.xfer_id, req.rid))
-                return
-            xfer.state = TransferState.POSTED
-            if req.next_post < len(req.plan):
-                self._post_next(req, out)
-            return
-        if etype is ReleaseFailed:
-            self._release_failed(xfer, now)
-            return
-        xfer.state = TransferState.ENDED
-        del self._xfers[xfer.xfer_id]
-        del req.xfers[xfer.xfer_id]
-        if etype is TransferFailed:
-            self.stats.transfers_failed += 1
-            if req.state is S.WRITING:
-                self._begin_failure(req, FreeReason.FAILED, out)
-                return
-        if req.state is S.DRAINING:
-            if not req.xfers:
-                self._free(req, req.fail_reason, out)
-            return
-        if not req.xfers and req.next_post >= len(req.plan):
-            self._free(req, FreeReason.SENT, out)
+    def _transfer_failed(self, req: _Req, reason: str, out: list[Action]) -> None:
+        self._begin_failure(req, FreeReason.FAILED, out)
+
+    def _drained(self, req: _Req, out: list[Action]) -> None:
+        self._free(req, req.fail_reason, out)
+
+    def _transfers_done(self, req: _Req, out: list[Action]) -> None:
+        self._free(req, FreeReason.SENT, out)
 
     def _begin_failure(self, req: _Req, reason: FreeReason, out: list[Action]) -> None:
         req.fail_reason = reason
-        req.next_post = len(req.plan)
         if not req.xfers:
             self._free(req, reason, out)
             return
-        req.state = S.DRAINING
-        for xfer in req.xfers.values():
-            if xfer.state is TransferState.POSTED:
-                xfer.state = TransferState.CANCELLING
-                out.append(CancelTransfer(xfer.xfer_id, req.rid))
-            elif xfer.state is TransferState.REQUESTED:
-                xfer.cancel_wanted = True
+        self._drain(req, out)
 
     # ----------------------------------------------------------------- timers
 
@@ -554,15 +506,15 @@ class ProducerMachine(MachineCore):
         if self._check:
             if req.xfers:
                 raise InvariantViolation(f"request {rid!r} freed with transfers still running")
-            if rid in self._freed:
+            if rid in self._ended:
                 raise InvariantViolation(f"request {rid!r} freed twice")
             for gi, group in enumerate(req.blocks):
                 held = self._held.get(gi, set())
                 if not held.issuperset(group):
                     raise InvariantViolation(f"request {rid!r} frees blocks it does not hold")
                 held.difference_update(group)
-            self._freed.add(rid)
-            self._freed_now.add(rid)
+            self._ended.add(rid)
+            self._ended_now.add(rid)
         self._held_count -= sum(len(g) for g in req.blocks)
         self._unwait(req)
         del self._reqs[rid]
@@ -585,20 +537,6 @@ class ProducerMachine(MachineCore):
                 )
         req.state = S.FREED
         out.append(FreeBlocks(rid, req.blocks, reason))
-
-    def _verify(self, out: list[Action]) -> None:
-        freed_now = self._freed_now
-        freed = self._freed
-        seen_end: set[str] = set()
-        for action in out:
-            rid = getattr(action, "request_id", None)
-            if rid is None or rid not in freed:
-                continue
-            if rid in seen_end or rid not in freed_now:
-                raise InvariantViolation(f"{type(action).__name__} for freed request {rid!r}")
-            if isinstance(action, FreeBlocks):
-                seen_end.add(rid)
-        freed_now.clear()
 
     def _req_state(self, rid: str, etype: type[Any]) -> _Req:
         req = self._reqs.get(rid)

@@ -8,14 +8,12 @@ the blocks whose contents must not be trusted, to recompute them.
 
 from __future__ import annotations
 
-import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvwire.errors import ConfigError
-from kvwire.geometry import KVGeometry
 from kvwire.machine import (
     Abort,
     AllocationDone,
@@ -25,11 +23,9 @@ from kvwire.machine import (
     RequestDone,
     RequestFailed,
 )
-from kvwire.runtime.config import RuntimeConfig
-from kvwire.runtime.driver import Driver, Outcome
-from kvwire.runtime.metrics import Metrics
+from kvwire.runtime._endpoint import _Endpoint
+from kvwire.runtime.driver import Outcome
 from kvwire.runtime.producer import BlockIdsLike, as_block_ids
-from kvwire.transport import Region, Transport
 from kvwire.wire.params import parse_kv_transfer_params
 
 
@@ -54,34 +50,13 @@ class Finished:
         return bool(self.done or self.failed)
 
 
-class Consumer:
+class Consumer(_Endpoint[Finished]):
     """One decode rank's transfer runtime (see :class:`~kvwire.runtime.Producer` for
     ``transport``)."""
 
-    def __init__(
-        self,
-        config: RuntimeConfig,
-        transport: Transport | str,
-        *,
-        transport_options: dict[str, Any] | None = None,
-    ) -> None:
-        self.config = config
-        self._finished = Finished()
-        self._cv = threading.Condition()
-        self._driver = Driver(
-            "consumer",
-            config,
-            transport,
-            transport_options=transport_options,
-            on_outcome=self._on_outcome,
-        )
+    _role = "consumer"
 
     # -- setup ---------------------------------------------------------------------
-
-    def register_kv_caches(
-        self, geometry: KVGeometry, regions: Sequence[Region] | None = None
-    ) -> None:
-        self._driver.attach(geometry, regions)
 
     def handshake_payload(self) -> bytes:
         """This rank's handshake answer (push mode: producers fetch it to write to us)."""
@@ -132,41 +107,12 @@ class Consumer:
 
     def get_finished(self) -> Finished:
         """Requests done or failed since the last call."""
-        with self._cv:
-            out, self._finished = self._finished, Finished()
-        return out
+        return self._take_finished()
 
-    def wait_finished(self, timeout: float) -> bool:
-        """Block until get_finished has something, or ``timeout`` seconds; True if it has."""
-        with self._cv:
-            return self._cv.wait_for(lambda: bool(self._finished), timeout)
+    # -- internals -----------------------------------------------------------------
 
-    # -- introspection -------------------------------------------------------------
-
-    @property
-    def metrics(self) -> Metrics:
-        return self._driver.metrics
-
-    @property
-    def transport(self) -> Transport:
-        return self._driver.transport
-
-    def machine_stats(self) -> dict[str, int]:
-        machine = self._driver.machine
-        return machine.stats.as_dict() if machine is not None else {}
-
-    @property
-    def errors(self) -> list[str]:
-        return list(self._driver.errors)
-
-    def close(self) -> None:
-        self._driver.close()
-
-    def __enter__(self) -> Consumer:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
+    def _empty_finished(self) -> Finished:
+        return Finished()
 
     def _on_outcome(self, action: Outcome) -> None:
         if isinstance(action, FreeBlocks):  # pragma: no cover - producer only

@@ -9,7 +9,6 @@ registrations and writes — runs on the runtime's threads.
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -18,7 +17,6 @@ from typing import Any
 import numpy as np
 
 from kvwire.errors import ConfigError
-from kvwire.geometry import KVGeometry
 from kvwire.machine import (
     Abort,
     Event,
@@ -30,10 +28,8 @@ from kvwire.machine import (
     RequestDone,
     RequestFailed,
 )
-from kvwire.runtime.config import RuntimeConfig
-from kvwire.runtime.driver import Driver, Outcome
-from kvwire.runtime.metrics import Metrics
-from kvwire.transport import Region, Transport
+from kvwire.runtime._endpoint import _Endpoint
+from kvwire.runtime.driver import Outcome
 
 BlockIdsLike = Sequence[Sequence[int]]
 
@@ -56,7 +52,7 @@ def as_block_ids(block_ids: BlockIdsLike) -> tuple[tuple[int, ...], ...]:
     )
 
 
-class Producer:
+class Producer(_Endpoint[list[FreedRequest]]):
     """One prefill rank's transfer runtime.
 
     ``transport`` is a transport name (``"shm"``, ``"nixl"``, ``"ucx"`` or
@@ -64,31 +60,9 @@ class Producer:
     :meth:`close`, with this runtime's registrations and peers removed).
     """
 
-    def __init__(
-        self,
-        config: RuntimeConfig,
-        transport: Transport | str,
-        *,
-        transport_options: dict[str, Any] | None = None,
-    ) -> None:
-        self.config = config
-        self._freed: list[FreedRequest] = []
-        self._cv = threading.Condition()
-        self._driver = Driver(
-            "producer",
-            config,
-            transport,
-            transport_options=transport_options,
-            on_outcome=self._on_outcome,
-        )
+    _role = "producer"
 
     # -- setup ---------------------------------------------------------------------
-
-    def register_kv_caches(
-        self, geometry: KVGeometry, regions: Sequence[Region] | None = None
-    ) -> None:
-        """Register the rank's KV cache; ``regions`` default to the spans the geometry covers."""
-        self._driver.attach(geometry, regions)
 
     def handshake_payload(self) -> bytes:
         """This rank's handshake answer; the engine's listener serves it at (pp, tp)."""
@@ -159,55 +133,25 @@ class Producer:
 
     def get_finished(self) -> list[FreedRequest]:
         """Requests freed since the last call (their blocks are the engine's again)."""
-        with self._cv:
-            out, self._freed = self._freed, []
-        return out
-
-    def wait_finished(self, timeout: float) -> bool:
-        """Block until get_finished has something, or ``timeout`` seconds; True if it has."""
-        with self._cv:
-            return self._cv.wait_for(lambda: bool(self._freed), timeout)
+        return self._take_finished()
 
     # -- introspection -------------------------------------------------------------
-
-    @property
-    def metrics(self) -> Metrics:
-        return self._driver.metrics
-
-    @property
-    def transport(self) -> Transport:
-        return self._driver.transport
 
     def held_blocks(self) -> int:
         machine = self._driver.machine
         return machine.held_blocks() if isinstance(machine, ProducerMachine) else 0
 
-    def machine_stats(self) -> dict[str, int]:
-        machine = self._driver.machine
-        return machine.stats.as_dict() if machine is not None else {}
-
-    @property
-    def errors(self) -> list[str]:
-        return list(self._driver.errors)
-
-    def close(self) -> None:
-        """Stop every thread, release transfers, deregister, close an owned transport."""
-        self._driver.close()
-
-    def __enter__(self) -> Producer:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
-
     # -- internals -----------------------------------------------------------------
+
+    def _empty_finished(self) -> list[FreedRequest]:
+        return []
 
     def _on_outcome(self, action: Outcome) -> None:
         if isinstance(action, (RequestDone, RequestFailed)):  # pragma: no cover - consumer only
             return
         assert isinstance(action, FreeBlocks)
         with self._cv:
-            self._freed.append(
+            self._finished.append(
                 FreedRequest(action.request_id, action.block_ids, action.reason.value)
             )
             self._cv.notify_all()

@@ -3,6 +3,8 @@ batching past IOV_MAX, metadata checks, options, and waking on activity."""
 
 from __future__ import annotations
 
+import itertools
+import os
 import threading
 import time
 
@@ -208,8 +210,8 @@ def test_copy_spans_moves_every_span_and_nothing_else(shape: str) -> None:
 
 
 def test_copy_spans_stops_between_groups_once_aborted() -> None:
-    n = 64
-    size = _memcopy.GROUP_BYTES // 4  # four spans per group, sixteen groups
+    n = 16
+    size = _memcopy.GROUP_BYTES // 4  # four spans per group, four groups
     src = np.full(n * size, 7, dtype=np.uint8)
     dst = np.zeros(n * size, dtype=np.uint8)
     offsets = np.arange(n, dtype=np.int64) * size
@@ -229,15 +231,18 @@ def test_copy_spans_stops_between_groups_once_aborted() -> None:
     assert not dst[2 * _memcopy.GROUP_BYTES :].any(), "spans after the abort were copied"
 
 
-def test_group_starts_bound_each_group_by_bytes() -> None:
-    lengths = np.random.default_rng(3).integers(1, 300 << 10, 2000).astype(np.int64)
-    starts = _memcopy.group_starts(lengths)
-    assert starts[0] == 0 and (np.diff(starts) > 0).all()
-    sizes = np.add.reduceat(lengths, starts)
-    # A group never exceeds GROUP_BYTES by more than its last span.
-    last = lengths[np.concatenate((starts[1:], [lengths.shape[0]])) - 1]
-    assert (sizes - last < _memcopy.GROUP_BYTES).all()
-    assert int(sizes.sum()) == int(lengths.sum())
+def test_group_bounds_cover_every_span_and_bound_each_group() -> None:
+    lengths = np.random.default_rng(3).integers(1, 3 << 20, 2000).tolist()
+    lengths[7] = 3 * _memcopy.GROUP_BYTES  # larger than a group: a group of its own
+    ends = list(itertools.accumulate(lengths))
+    bounds = _memcopy.group_bounds(ends)
+    assert bounds[0] == 0 and bounds[-1] == len(lengths)
+    assert all(a < b for a, b in itertools.pairwise(bounds))
+    for a, b in itertools.pairwise(bounds):
+        size = sum(lengths[a:b])
+        assert size <= _memcopy.GROUP_BYTES or b == a + 1, (a, b, size)
+        if b < len(lengths):  # a group stops only where the next span would overflow it
+            assert size + lengths[b] > _memcopy.GROUP_BYTES
 
 
 # -- posting ---------------------------------------------------------------------------
@@ -324,3 +329,31 @@ def test_add_peer_prefaults_only_registered_spans() -> None:
     finally:
         a.close()
         b.close()
+
+
+def test_close_wakes_a_blocked_wait_and_leaves_no_descriptor() -> None:
+    before = len(os.listdir("/proc/self/fd"))
+    a = ShmTransport("unit-waiter")
+    outcome: list[str] = []
+
+    def waiter() -> None:
+        try:
+            a.wait(60.0)
+            outcome.append("returned")
+        except TransportClosedError:
+            outcome.append("closed")
+
+    thread = threading.Thread(target=waiter)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not a._waiters:  # the thread is inside wait()
+        assert time.monotonic() < deadline, "the waiter never entered wait()"
+        time.sleep(0.001)
+    t0 = time.monotonic()
+    a.close()
+    thread.join(30)
+    assert not thread.is_alive() and outcome, "close() left a waiter blocked"
+    assert time.monotonic() - t0 < 20
+    assert len(os.listdir("/proc/self/fd")) == before, "an fd outlived close() and its waiter"
+    with pytest.raises(TransportClosedError):
+        a.wait(0.0)

@@ -13,8 +13,10 @@ one call per span there.
 
 from __future__ import annotations
 
+import bisect
 import collections
 import ctypes
+import itertools
 from collections.abc import Callable
 
 import numpy as np
@@ -22,8 +24,9 @@ import numpy.typing as npt
 
 I64 = npt.NDArray[np.int64]
 
-GROUP_BYTES = 1 << 20
-"""Bytes copied per group: the longest the worker keeps the GIL in one stretch (~0.1 ms)."""
+GROUP_BYTES = 4 << 20
+"""Bytes copied per group: the longest the worker keeps the GIL in one stretch (~0.3 ms),
+and how often a running transfer checks whether it was released."""
 RELEASE_AT = 256 << 10
 """A group holding a span this large drops the GIL for each of its copies."""
 GATHER_BELOW = 32
@@ -52,12 +55,17 @@ def gather_copy(dst: I64, src: I64, length: I64) -> None:
     ]
 
 
-def group_starts(length: I64) -> I64:
-    """Index of the first span of each group of about GROUP_BYTES (a span never splits)."""
-    offsets = np.cumsum(length) - length
-    bucket = offsets // GROUP_BYTES
-    starts = np.flatnonzero(bucket[1:] != bucket[:-1]) + 1
-    return np.concatenate(([0], starts)).astype(np.int64)
+def group_bounds(ends: list[int]) -> list[int]:
+    """Where each group of about GROUP_BYTES starts, then the span count, given the running
+    totals ``ends`` of the span lengths; a span never splits, so one larger than a group
+    is a group of its own."""
+    n = len(ends)
+    bounds = [0]
+    while bounds[-1] < n:
+        start = bounds[-1]
+        limit = (ends[start - 1] if start else 0) + GROUP_BYTES
+        bounds.append(max(start + 1, bisect.bisect_right(ends, limit, lo=start)))
+    return bounds
 
 
 def copy_spans(dst: I64, src: I64, length: I64, aborted: Callable[[], bool]) -> bool:
@@ -72,19 +80,16 @@ def copy_spans(dst: I64, src: I64, length: I64, aborted: Callable[[], bool]) -> 
         gather_copy(dst, src, length)
         return True
     d, s, ln = dst.tolist(), src.tolist(), length.tolist()
-    if sum(ln) <= GROUP_BYTES:  # one group: skip the grouping arithmetic
-        if aborted():
-            return False
-        collections.deque(map(_memmove_keeping_gil, d, s, ln), maxlen=0)
-        return True
-    starts = group_starts(length)
-    dropping = (np.maximum.reduceat(length, starts) >= RELEASE_AT).tolist()
-    bounds = [*starts.tolist(), n]
+    bounds = group_bounds(list(itertools.accumulate(ln)))
+    some_large = max(ln) >= RELEASE_AT
     sink: collections.deque[object] = collections.deque(maxlen=0)
-    for g, drop in enumerate(dropping):
+    for a, b in itertools.pairwise(bounds):
         if aborted():
             return False
-        a, b = bounds[g], bounds[g + 1]
-        move = _memmove_dropping_gil if drop else _memmove_keeping_gil
-        sink.extend(map(move, d[a:b], s[a:b], ln[a:b]))
+        if a > 0 or b < n:
+            gd, gs, gn = d[a:b], s[a:b], ln[a:b]
+        else:
+            gd, gs, gn = d, s, ln
+        large = some_large and max(gn) >= RELEASE_AT
+        sink.extend(map(_memmove_dropping_gil if large else _memmove_keeping_gil, gd, gs, gn))
     return True

@@ -54,6 +54,8 @@ class Table:
         self._one = (
             (ordered[0].addr, ordered[0].addr + ordered[0].length) if len(ordered) == 1 else None
         )
+        self.delta = ordered[0].delta if len(ordered) == 1 else None
+        """The one region's address delta, when there is one region."""
 
     def locate(self, descs: Descs, side: str) -> I64:
         """Index of the region holding each descriptor; DescriptorError names the first miss."""
@@ -86,12 +88,21 @@ class Table:
 
 
 def coalesce(dst: I64, src: I64, length: I64) -> tuple[I64, I64, I64]:
-    """Merge runs of descriptors that are contiguous on both sides; drops empty ones."""
-    keep = length > 0
-    dst, src, length = dst[keep], src[keep], length[keep]
+    """Merge runs of descriptors that are contiguous on both sides; drops empty ones.
+
+    Returns its inputs untouched when there is nothing to merge or drop (the common case
+    of scattered blocks), sparing the copies.
+    """
+    if not length.all():
+        keep = length > 0
+        dst, src, length = dst[keep], src[keep], length[keep]
     if dst.shape[0] <= 1:
         return dst, src, length
-    starts_run = np.ones(dst.shape[0], dtype=bool)
-    starts_run[1:] = (dst[1:] != dst[:-1] + length[:-1]) | (src[1:] != src[:-1] + length[:-1])
-    heads = np.flatnonzero(starts_run)
+    joins = (dst + length)[:-1] == dst[1:]
+    if not joins.any():  # nothing continues on the local side: nothing can merge
+        return dst, src, length
+    joins &= (src + length)[:-1] == src[1:]
+    if not joins.any():
+        return dst, src, length
+    heads = np.concatenate(([0], np.flatnonzero(~joins) + 1))
     return dst[heads], src[heads], np.add.reduceat(length, heads)

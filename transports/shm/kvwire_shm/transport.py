@@ -19,6 +19,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import itertools
+import math
 import os
 import queue
 import select
@@ -191,15 +192,28 @@ class _Prefault:
 _Job = _Xfer | _Notify | _Retire | _Prefault
 
 
-def _checked(descs: Descs) -> Descs:
-    """``as_descs`` on a private copy: the worker reads the descriptors after ``read``
-    returned, when the caller may already be filling its array for the next transfer."""
-    if type(descs) is np.ndarray and descs.dtype == np.int64 and descs.ndim == 2:
-        own = descs.copy()
-        if own.shape[1] == 3 and (own.shape[0] == 0 or own[:, :2].min() >= 0):
-            return own  # the usual case, checked with two numpy calls instead of five
-        return as_descs(own)
-    return as_descs(np.array(descs, dtype=np.int64, copy=True))
+def _checked_pair(local: Descs, remote: Descs) -> tuple[Descs, Descs]:
+    """Both descriptor arrays checked (as ``as_descs`` and ``check_pair`` would) and copied:
+    the worker reads them after ``read`` returned, when the caller may already be refilling
+    its arrays. Arrays already in shape cost one copy and a handful of numpy calls; anything
+    else goes the long way, which also words the error."""
+    if (
+        type(local) is np.ndarray
+        and type(remote) is np.ndarray
+        and local.dtype == np.int64
+        and remote.dtype == np.int64
+        and local.ndim == 2
+        and local.shape == remote.shape
+        and local.shape[1] == 3
+    ):
+        n = local.shape[0]
+        both = np.concatenate((local, remote))
+        if n == 0 or (both[:, :2].min() >= 0 and (both[:n, 1] == both[n:, 1]).all()):
+            return both[:n], both[n:]
+    own_local = as_descs(np.array(local, dtype=np.int64, copy=True))
+    own_remote = as_descs(np.array(remote, dtype=np.int64, copy=True))
+    check_pair(own_local, own_remote)
+    return own_local, own_remote
 
 
 class ShmTransport:
@@ -242,8 +256,9 @@ class ShmTransport:
         self._peers: dict[str, _Peer] = {}
         self._xfers: set[_Xfer] = set()
         self._inbox: list[tuple[str, bytes]] = []
-        self._activity = threading.Condition()
-        self._pulse = False
+        self._activity = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
+        self._waiters = 0
+        """Threads inside ``wait``: the last one out closes the eventfd after ``close``."""
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._hub = NotifyHub(name, self._on_notification)
         self._worker = threading.Thread(
@@ -449,12 +464,8 @@ class ShmTransport:
         if notify is not None and not isinstance(notify, bytes):
             raise TransportError(f"a notification must be bytes, got {type(notify).__name__}")
         peer = self._peer(peer_name)
-        local = _checked(local)
-        remote = _checked(remote)
-        if local.shape != remote.shape or not (local[:, 1] == remote[:, 1]).all():
-            check_pair(local, remote)
-        with self._lock:
-            table = self._local
+        local, remote = _checked_pair(local, remote)
+        table = self._local  # swapped whole under the lock, never changed in place
         li = table.locate(local, "local")
         ri = peer.table.locate(remote, "remote")
         request = _Request(table, peer.table, li, ri, local, remote)
@@ -478,7 +489,8 @@ class ShmTransport:
             if remote_t.route == CMA:  # CMA batches keep (local, remote) order
                 d, s = local[:, 0], remote[:, 0]
             else:
-                raddr = remote[:, 0] + remote_t.deltas[ri]
+                delta = remote_t.delta if remote_t.delta is not None else remote_t.deltas[ri]
+                raddr = remote[:, 0] + delta
                 d, s = (raddr, local[:, 0]) if write else (local[:, 0], raddr)
             dd, ss, ll = coalesce(d, s, local[:, 1])
             return [_Batch(remote_t.route, dd, ss, ll)] if ll.shape[0] else []
@@ -562,16 +574,35 @@ class ShmTransport:
         self._signal()
 
     def wait(self, timeout: float) -> None:
-        self._check_open()
-        with self._activity:
-            if not self._pulse:
-                self._activity.wait(max(0.0, timeout))
-            self._pulse = False
+        """Block until a transfer ended or a notification arrived since the last ``wait``,
+        or for ``timeout`` seconds (rounded up to whole milliseconds)."""
+        with self._lock:
+            self._check_open()
+            self._waiters += 1
+        try:
+            poller = select.poll()
+            poller.register(self._activity, select.POLLIN)
+            poller.poll(math.ceil(max(0.0, timeout) * 1000))
+            with contextlib.suppress(BlockingIOError):
+                os.eventfd_read(self._activity)
+        finally:
+            with self._lock:
+                self._waiters -= 1
+                if self._closed and not self._waiters:
+                    self._close_activity()
+
+    def _close_activity(self) -> None:
+        """Close the eventfd once (under the lock, with nobody left in ``wait``)."""
+        if self._activity >= 0:
+            os.close(self._activity)
+            self._activity = -1
 
     def _signal(self) -> None:
-        with self._activity:
-            self._pulse = True
-            self._activity.notify_all()
+        """Wake ``wait``. An eventfd rather than a condition variable: the GIL is let go
+        during the write, so a waiter woken on this core runs on at once instead of
+        bouncing off the GIL the worker still holds."""
+        with contextlib.suppress(OSError):  # full counter (still a wake-up), or closed
+            os.eventfd_write(self._activity, 1)
 
     # -- the worker -------------------------------------------------------------------
 
@@ -692,6 +723,9 @@ class ShmTransport:
             peer.close(self._cuda)
         self._hub.close()
         self._signal()
+        with self._lock:
+            if not self._waiters:
+                self._close_activity()
 
     def __repr__(self) -> str:
         return f"ShmTransport(name={self._name!r}, peers={sorted(self._peers)})"
