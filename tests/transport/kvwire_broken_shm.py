@@ -7,6 +7,7 @@ sits on their PYTHONPATH rather than being imported by the tests.
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 from kvwire_shm import ShmTransport
@@ -30,14 +31,24 @@ class _DoneBeforeCopy(DelegatingTransport):
 
 
 class _NotifiesBeforeData(DelegatingTransport):
+    """Sends the notification, then holds the data back a while before moving it.
+
+    The hold widens the window in which the peer, woken by the early notification, reads
+    stale memory: without it, this bug is a race the suite would usually (not always) win.
+    """
+
+    HOLD_S = 0.3
+
     def read(self, peer: str, local: Descs, remote: Descs, notify: bytes | None = None) -> object:
         if notify is not None:
             self.inner.notify(peer, notify)
+            time.sleep(self.HOLD_S)
         return self.inner.read(peer, local, remote)
 
     def write(self, peer: str, local: Descs, remote: Descs, notify: bytes | None = None) -> object:
         if notify is not None:
             self.inner.notify(peer, notify)
+            time.sleep(self.HOLD_S)
         return self.inner.write(peer, local, remote)
 
 
