@@ -4,8 +4,9 @@ Subclass :class:`TransportSuite` in an adapter's tests, or run ``kvwire conforma
 The pytest plugin (``pytest11`` entry point ``kvwire_conformance.plugin``) adds the
 ``--kvwire-transport`` / ``--kvwire-option`` options and the capability report.
 
-The suite's names load lazily, so the peer agent (:mod:`kvwire_conformance.agent`), which
-``kvwire bench transport`` also drives, imports without pytest or Hypothesis.
+The suite's names load lazily, so importing the package does not pull in pytest or
+Hypothesis. ``PeerAgent`` and ``PeerAgentError`` are re-exported from :mod:`kvwire.peer`,
+where the peer process machinery lives (``kvwire bench transport`` drives it too).
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ _EXPORTS = {
     "Link": "kvwire_conformance.suite",
     "TransportSuite": "kvwire_conformance.suite",
     "capability": "kvwire_conformance.suite",
-    "PeerAgent": "kvwire_conformance.agent",
-    "PeerAgentError": "kvwire_conformance.agent",
+    "PeerAgent": "kvwire.peer.agent",
+    "PeerAgentError": "kvwire.peer.agent",
 }
 
 __all__ = sorted(_EXPORTS)

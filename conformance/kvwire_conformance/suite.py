@@ -8,7 +8,7 @@
         transport = "mine"            # entry-point name or "module:factory"
         options = {"device": "lo"}    # keyword options for the factory, both sides
 
-The test process runs one agent; a peer agent process (:mod:`kvwire_conformance.peer`)
+The test process runs one agent; a peer agent process (:mod:`kvwire.peer.process`)
 runs the other with the same factory and options. Memory is checked with oracle reads and
 writes that never go through the transport. A test whose capability the transport does not
 claim is skipped with the reason.
@@ -27,6 +27,8 @@ import numpy as np
 import pytest
 
 from kvwire.errors import TransportError
+from kvwire.peer import protocol as p
+from kvwire.peer.agent import PeerAgent
 from kvwire.transport import (
     Capabilities,
     MemKind,
@@ -38,8 +40,6 @@ from kvwire.transport import (
     wait_for,
 )
 from kvwire_conformance import memory
-from kvwire_conformance import protocol as p
-from kvwire_conformance.agent import PeerAgent
 from kvwire_conformance.memory import I64, U8
 from kvwire_conformance.resources import leaks_after, snapshot
 

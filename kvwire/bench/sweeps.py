@@ -1,9 +1,9 @@
 """How a transport's cost grows with the work: the sweeps of ``kvwire bench transport``.
 
-For every transport the suite measures, one peer agent process (the conformance suite's
-:class:`~kvwire_conformance.agent.PeerAgent`) holds the remote memory and this process READs
-from it — always between two processes, pages touched before timing, one untimed warm-up
-per point, the median of several repetitions kept:
+For every transport the suite measures, one peer agent process
+(:class:`~kvwire.peer.agent.PeerAgent`, shared with the conformance suite) holds the remote
+memory and this process READs from it — always between two processes, pages touched before
+timing, one untimed warm-up per point, the median of several repetitions kept:
 
 * **bandwidth vs block size** (4 KiB … 8 MiB): the same total bytes as blocks of one size,
   scattered on both sides so nothing coalesces. Baselines in the same run: one numpy copy
@@ -106,8 +106,8 @@ class _Session:
     _array: Any = field(init=False)
 
     def __post_init__(self) -> None:
-        from kvwire_conformance.agent import PeerAgent  # only the bench needs the peer
-        from kvwire_conformance.memory import allocate
+        from kvwire.peer.agent import PeerAgent  # only the bench needs the peer
+        from kvwire.peer.memory import allocate
 
         extra = list(getattr(load(self.name), "conformance_allocators", ()))
         allocator = extra[0] if extra else "numpy"

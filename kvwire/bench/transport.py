@@ -1,8 +1,8 @@
 """``kvwire bench transport``: READ bandwidth and latency of a transport between processes.
 
-For each transport named with ``--transport`` (default ``shm``) a peer agent process (the
-conformance suite's, :mod:`kvwire_conformance.agent`) registers the source blocks, and
-this process READs them: 256 x 64 KiB and 32 x 2 MiB blocks scattered on both sides (so
+For each transport named with ``--transport`` (default ``shm``) a peer agent process
+(:class:`kvwire.peer.PeerAgent`, which the conformance suite uses too) registers the source
+blocks, and this process READs them: 256 x 64 KiB and 32 x 2 MiB blocks scattered on both sides (so
 nothing coalesces), plus one 4 KiB READ for latency. In the same run a single-process
 numpy copy of the same bytes (warm pages) is the baseline every figure is compared with.
 Results are named ``<transport>.read.<size>.GBps`` and ``<transport>.read.4KiB.us``. When
@@ -89,8 +89,8 @@ def _read(local: Transport, peer: str, ldescs: np.ndarray, rdescs: np.ndarray) -
 
 
 def _measure(name: str, allocator: str, quick: bool, memcpy: _Memcpy) -> dict[str, float]:
-    from kvwire_conformance.agent import PeerAgent  # the peer process; only the bench needs it
-    from kvwire_conformance.memory import allocate
+    from kvwire.peer.agent import PeerAgent  # the peer process; only the bench needs it
+    from kvwire.peer.memory import allocate
 
     repeats = 5 if quick else 30
     out: dict[str, float] = {}

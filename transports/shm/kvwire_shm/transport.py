@@ -208,7 +208,11 @@ def _checked_pair(local: Descs, remote: Descs) -> tuple[Descs, Descs]:
     ):
         n = local.shape[0]
         both = np.concatenate((local, remote))
-        if n == 0 or (both[:, :2].min() >= 0 and (both[:n, 1] == both[n:, 1]).all()):
+        # Column by column: numpy reduces a (2n, 2) strided view about 5x slower than two
+        # (2n,) column views, and this is on the caller's thread for every post.
+        if n == 0 or (
+            both[:, 0].min() >= 0 and both[:, 1].min() >= 0 and (both[:n, 1] == both[n:, 1]).all()
+        ):
             return both[:n], both[n:]
     own_local = as_descs(np.array(local, dtype=np.int64, copy=True))
     own_remote = as_descs(np.array(remote, dtype=np.int64, copy=True))

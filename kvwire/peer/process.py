@@ -1,9 +1,10 @@
-"""The peer agent: a separate process that runs the other side of every conformance test.
+"""The peer agent: a separate process that runs the other side of a transport.
 
-Started by :class:`kvwire_conformance.agent.PeerAgent` as
-``python -m kvwire_conformance.peer --fd N --transport SPEC --name NAME --options JSON``.
-It creates the transport with the same factory and options as the test process, then
-obeys commands from :mod:`kvwire_conformance.protocol` until told to close or die.
+Started by :class:`kvwire.peer.agent.PeerAgent` as
+``python -m kvwire.peer.process --fd N --transport SPEC --name NAME --options JSON``.
+It creates the transport with the same factory and options as its commander (the
+conformance suite's test process, or ``kvwire bench transport``), then obeys commands from
+:mod:`kvwire.peer.protocol` until told to close or die.
 """
 
 from __future__ import annotations
@@ -20,9 +21,9 @@ from typing import Any
 
 import numpy as np
 
+from kvwire.peer import memory
+from kvwire.peer import protocol as p
 from kvwire.transport import Transport, XferState, create, region_of_array
-from kvwire_conformance import memory
-from kvwire_conformance import protocol as p
 
 
 class _Agent:
@@ -128,7 +129,7 @@ def _descs(raw: bytes) -> memory.I64:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="kvwire_conformance.peer")
+    parser = argparse.ArgumentParser(prog="kvwire.peer.process")
     parser.add_argument("--fd", type=int, required=True)
     parser.add_argument("--transport", required=True)
     parser.add_argument("--name", required=True)

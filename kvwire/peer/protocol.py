@@ -1,4 +1,4 @@
-"""Commands the suite sends to its peer agent process, and the framing they travel in.
+"""Commands sent to a peer agent process, and the framing they travel in.
 
 msgpack frames with a 4-byte length over a socketpair inherited by the child; stdout and
 stderr stay free for whatever the transport's libraries print.
