@@ -15,23 +15,13 @@ from kvwire.sidechannel.client import (
     RankReply,
     RetryPolicy,
 )
-from kvwire.sidechannel.frames import (
-    ERROR_PREFIX,
-    GET_META_TAG,
-    decode_clock,
-    decode_request,
-    encode_clock,
-    encode_refusal,
-    encode_request,
-    refusal_reason,
-)
+from kvwire.sidechannel.frames import ERROR_PREFIX, encode_refusal, refusal_reason
 from kvwire.sidechannel.handshake import PeerHandshake, fetch_agent_metadata
 from kvwire.sidechannel.limits import ListenerLimits, RateLimit
 from kvwire.sidechannel.listener import HandshakeListener, ListenerStats
 
 __all__ = [
     "ERROR_PREFIX",
-    "GET_META_TAG",
     "HandshakeClient",
     "HandshakeListener",
     "ListenerLimits",
@@ -41,11 +31,7 @@ __all__ = [
     "RankReply",
     "RateLimit",
     "RetryPolicy",
-    "decode_clock",
-    "decode_request",
-    "encode_clock",
     "encode_refusal",
-    "encode_request",
     "fetch_agent_metadata",
     "load_secret",
     "parse_host_port",

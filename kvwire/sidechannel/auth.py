@@ -50,6 +50,7 @@ from pathlib import Path
 import msgspec
 
 from kvwire.errors import ConfigError, HandshakeAuthError, WireDecodeError
+from kvwire.wire.handshake import MAX_RANK
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +62,6 @@ CHALLENGE_BYTES = 40
 MAC_BYTES = 32
 MIN_SECRET_BYTES = 16
 MAX_SECRET_BYTES = 4096
-MAX_RANK = 1 << 20
 
 _CLIENT_LABEL = b"kvwire-auth-v1 client proof\x00"
 _LISTENER_LABEL = b"kvwire-auth-v1 listener answer\x00"

@@ -32,13 +32,8 @@ from kvwire.errors import (
 )
 from kvwire.sidechannel.address import is_ipv6, tcp_endpoint
 from kvwire.sidechannel.auth import ClientAuth, encode_proof
-from kvwire.sidechannel.frames import (
-    AUTH_REASON,
-    RATE_LIMITED_REASON,
-    decode_clock,
-    encode_request,
-    refusal_reason,
-)
+from kvwire.sidechannel.frames import AUTH_REASON, RATE_LIMITED_REASON, refusal_reason
+from kvwire.wire.handshake import decode_clock_reply, encode_handshake_request
 
 
 class _RateLimited(Exception):
@@ -185,7 +180,7 @@ class HandshakeClient:
         if self._auth is not None:
             return self._ask_authenticated(self._auth, sock, pp_rank, tp_rank)
         t_send = self._clock()
-        frames = self._roundtrip(sock, encode_request(pp_rank, tp_rank))
+        frames = self._roundtrip(sock, encode_handshake_request(pp_rank, tp_rank))
         if frames is None:
             return None
         t_recv = self._clock()
@@ -238,7 +233,7 @@ class HandshakeClient:
         t_recv: float,
     ) -> RankReply:  # fmt: skip
         try:
-            remote = decode_clock(clock_frame)
+            remote = decode_clock_reply(clock_frame)
         except WireDecodeError as exc:
             raise HandshakeError(str(exc)) from None
         return RankReply(

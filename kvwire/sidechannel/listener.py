@@ -39,15 +39,10 @@ from kvwire.sidechannel.auth import (
     Challenger,
     read_auth_request,
 )
-from kvwire.sidechannel.frames import (
-    AUTH_REASON,
-    RATE_LIMITED_REASON,
-    decode_request,
-    encode_clock,
-    encode_refusal,
-)
+from kvwire.sidechannel.frames import AUTH_REASON, RATE_LIMITED_REASON, encode_refusal
 from kvwire.sidechannel.limits import ListenerLimits, RequestLimiter
 from kvwire.sidechannel.server import ConnectionServer
+from kvwire.wire.handshake import decode_handshake_request, encode_clock_reply
 
 Payloads = Mapping[tuple[int, int], bytes]
 
@@ -278,7 +273,7 @@ class HandshakeListener:
         data = body[0]
         try:
             auth = read_auth_request(data)
-            key = decode_request(data) if auth is None else None
+            request = decode_handshake_request(data) if auth is None else None
         except WireDecodeError as exc:
             return self._refuse("refused_malformed", str(exc))
         if auth is not None:
@@ -289,8 +284,8 @@ class HandshakeListener:
                 f"{AUTH_REASON} required: this listener serves only the kvwire "
                 "authenticated handshake (shared secret)",
             )
-        assert key is not None
-        return self._payload_answer(key, None)
+        assert request is not None
+        return self._payload_answer((request.pp_rank, request.tp_rank), None)
 
     def _answer_auth(self, msg: AuthHello | AuthProof) -> list[bytes]:
         challenger = self._challenger
@@ -299,7 +294,11 @@ class HandshakeListener:
             return self._refuse("refused_auth", why)
         if isinstance(msg, AuthHello):
             self._count("challenges")
-            return [b"", CHALLENGE_PREFIX + challenger.challenge(), encode_clock(self._clock())]
+            return [
+                b"",
+                CHALLENGE_PREFIX + challenger.challenge(),
+                encode_clock_reply(self._clock()),
+            ]
         try:
             challenger.accept(msg)
         except AuthRefused as exc:
@@ -311,7 +310,7 @@ class HandshakeListener:
             payload = self._payloads.get(key)
         if payload is None:
             return self._refuse("refused_unknown_rank", f"no rank {key} here")
-        clock = encode_clock(self._clock())
+        clock = encode_clock_reply(self._clock())
         self._count("served")
         if proof is None:
             return [b"", payload, clock]
@@ -322,7 +321,7 @@ class HandshakeListener:
     def _refuse(self, kind: str, why: str) -> list[bytes]:
         self._count(kind)
         self._log.debug("handshake request refused (%s): %s", kind, why)
-        return [b"", encode_refusal(why), encode_clock(self._clock())]
+        return [b"", encode_refusal(why), encode_clock_reply(self._clock())]
 
     def _count(self, kind: str) -> None:
         with self._lock:

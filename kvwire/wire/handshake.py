@@ -31,6 +31,8 @@ from kvwire.wire.versions import DEFAULT_VERSION, SUPPORTED_VERSIONS, VLLM_RELEA
 
 GET_META_MSG = b"get_meta_msg"
 MAX_REQUEST_SIZE = 64
+MAX_RANK = 1 << 20
+"""No engine has a million ranks: a larger one is a malformed request, not a lookup."""
 """A handshake request is 17 bytes or so; anything much larger is not one."""
 MAX_CLOCK_REPLY_SIZE = 16
 _MAX_DETAIL = 2000
@@ -39,8 +41,8 @@ _MAX_DETAIL = 2000
 def encode_handshake_request(pp_rank: int, tp_rank: int) -> bytes:
     """``msgpack([b"get_meta_msg", pp_rank, tp_rank])`` (the tag as msgpack bin)."""
     for name, rank in (("pp_rank", pp_rank), ("tp_rank", tp_rank)):
-        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
-            raise WireEncodeError(f"{name} must be a non-negative int, got {rank!r}")
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < MAX_RANK:
+            raise WireEncodeError(f"{name} must be an int in [0, {MAX_RANK}), got {rank!r}")
     return encode_struct((GET_META_MSG, pp_rank, tp_rank))
 
 
@@ -53,8 +55,8 @@ def decode_handshake_request(
     )
     if tag != GET_META_MSG:
         raise WireDecodeError(f"handshake request: unknown tag {tag[:32]!r}")
-    if pp_rank < 0 or tp_rank < 0:
-        raise WireDecodeError(f"handshake request: negative rank ({pp_rank}, {tp_rank})")
+    if not (0 <= pp_rank < MAX_RANK and 0 <= tp_rank < MAX_RANK):
+        raise WireDecodeError(f"handshake request: rank ({pp_rank}, {tp_rank}) out of range")
     return HandshakeRequest(pp_rank=pp_rank, tp_rank=tp_rank)
 
 

@@ -17,7 +17,7 @@ import msgspec
 import pytest
 import zmq
 
-from kvwire import cli
+from kvwire import cli, encode_handshake_request
 from kvwire.errors import ConfigError, HandshakeAuthError
 from kvwire.runtime import RuntimeConfig
 from kvwire.sidechannel import (
@@ -25,7 +25,6 @@ from kvwire.sidechannel import (
     HandshakeClient,
     HandshakeListener,
     RetryPolicy,
-    encode_request,
     load_secret,
     refusal_reason,
 )
@@ -119,7 +118,7 @@ def test_client_without_the_secret_gets_nothing(
     # vLLM's request, byte for byte, straight off a REQ socket: a refusal, no payload.
     sock = _req(zctx, auth_listener.port)
     for rank in PAYLOADS:
-        frames = _ask(sock, encode_request(*rank))
+        frames = _ask(sock, encode_handshake_request(*rank))
         assert len(frames) == 2 and frames[0].startswith(ERROR_PREFIX)
         assert not _leaks(frames)
     # A hello gets a challenge and nothing else; a made-up proof gets a refusal.

@@ -9,14 +9,13 @@ import msgspec
 import pytest
 import zmq
 
+from kvwire import decode_clock_reply, encode_handshake_request
 from kvwire.errors import HandshakeError, HandshakeTimeoutError
 from kvwire.sidechannel import (
     HandshakeClient,
     HandshakeListener,
     ListenerLimits,
     RetryPolicy,
-    decode_clock,
-    encode_request,
     refusal_reason,
 )
 
@@ -38,9 +37,9 @@ def _malformed_bodies(rng: random.Random) -> list[list[bytes]]:
     for _ in range(500):  # random bytes
         bodies.append([rng.randbytes(rng.randint(0, 200))])
     for i in range(150):  # wrong frame counts
-        bodies.append([encode_request(0, 0)] * (2 + i % 3))
+        bodies.append([encode_handshake_request(0, 0)] * (2 + i % 3))
     for i in range(150):  # unknown ranks
-        bodies.append([encode_request(7 + i, i)])
+        bodies.append([encode_handshake_request(7 + i, i)])
     for i in range(100):  # well-formed msgpack, wrong shape or tag
         shapes: list[object] = [
             ["get_meta_msg", 0, 0],
@@ -82,7 +81,7 @@ def test_thousand_malformed_requests_then_a_valid_one() -> None:
                 frames = dealer.recv_multipart()
                 assert frames[0] == b"" and len(frames) == 3
                 assert refusal_reason(frames[1]) is not None
-                decode_clock(frames[2])
+                decode_clock_reply(frames[2])
                 refusals += 1
             assert refusals == len(bodies) == 1000
 
@@ -91,7 +90,7 @@ def test_thousand_malformed_requests_then_a_valid_one() -> None:
             raw.setsockopt(zmq.LINGER, 0)
             raw.connect(endpoint)
             for _ in range(20):
-                raw.send(encode_request(0, 0))
+                raw.send(encode_handshake_request(0, 0))
             # Huge frames: libzmq cuts the connection before Python sees them.
             huge = ctx.socket(zmq.DEALER)
             huge.setsockopt(zmq.LINGER, 0)

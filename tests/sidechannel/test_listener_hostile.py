@@ -26,6 +26,7 @@ from typing import Any
 import pytest
 import zmq
 
+from kvwire import encode_handshake_request
 from kvwire.errors import HandshakeError
 from kvwire.sidechannel import (
     HandshakeClient,
@@ -33,7 +34,6 @@ from kvwire.sidechannel import (
     ListenerLimits,
     RateLimit,
     RetryPolicy,
-    encode_request,
     refusal_reason,
 )
 
@@ -272,7 +272,7 @@ def test_rate_limits_per_address_and_overall() -> None:
                 dealer.setsockopt(zmq.RCVTIMEO, 10_000)
                 dealer.connect(f"tcp://{source}:0;127.0.0.1:{listener.port}")
                 for _ in range(count):
-                    dealer.send_multipart([b"", encode_request(0, 0)])
+                    dealer.send_multipart([b"", encode_handshake_request(0, 0)])
                 answers = [dealer.recv_multipart()[1] for _ in range(count)]
                 dealer.close(linger=0)
                 return answers

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 import kvwire
 from kvwire.wire import codec, handshake
+from kvwire.wire.handshake import MAX_RANK
 
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -120,10 +121,20 @@ def test_notifications_round_trip(msg: Any) -> None:
 
 
 @SETTINGS
-@given(st.integers(0, 2**32), st.integers(0, 2**32))
+@given(st.integers(0, MAX_RANK - 1), st.integers(0, MAX_RANK - 1))
 def test_handshake_request_round_trip(pp: int, tp: int) -> None:
     wire = kvwire.encode_handshake_request(pp, tp)
     assert kvwire.decode_handshake_request(wire) == kvwire.HandshakeRequest(pp, tp)
+
+
+@SETTINGS
+@given(st.integers(MAX_RANK, 2**63 - 1))
+def test_handshake_request_rank_out_of_range_is_refused_both_ways(rank: int) -> None:
+    with pytest.raises(kvwire.WireEncodeError):
+        kvwire.encode_handshake_request(0, rank)
+    forged = msgspec.msgpack.encode((b"get_meta_msg", rank, 0))
+    with pytest.raises(kvwire.WireDecodeError, match="out of range"):
+        kvwire.decode_handshake_request(forged)
 
 
 @SETTINGS
