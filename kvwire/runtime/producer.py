@@ -98,7 +98,7 @@ class Producer(_Endpoint[list[FreedRequest]]):
         self._driver.remember_tokens(request_id, num_tokens)
         self._driver.metrics.request_started(request_id, time.perf_counter())
         self._driver.feed(*events)
-        return self.kv_transfer_params(request_id, blocks, num_tokens=num_tokens)
+        return self._params(request_id, blocks, num_tokens)
 
     def kv_transfer_params(
         self,
@@ -108,11 +108,16 @@ class Producer(_Endpoint[list[FreedRequest]]):
         num_tokens: int | None = None,
     ) -> dict[str, Any]:
         """The params a consumer needs to fetch this request (what vLLM's P returns)."""
+        return self._params(request_id, as_block_ids(block_ids), num_tokens)
+
+    def _params(
+        self, request_id: str, blocks: tuple[tuple[int, ...], ...], num_tokens: int | None
+    ) -> dict[str, Any]:
         cfg = self.config
         params: dict[str, Any] = {
             "do_remote_prefill": True,
             "do_remote_decode": False,
-            "remote_block_ids": [list(g) for g in as_block_ids(block_ids)],
+            "remote_block_ids": [list(g) for g in blocks],
             "remote_engine_id": cfg.engine_id,
             "remote_request_id": request_id,
             "remote_host": cfg.side_channel_host,
