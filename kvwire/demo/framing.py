@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import struct
 import threading
+from collections.abc import Mapping
 from typing import IO, Any
 
 import msgspec
@@ -20,6 +21,13 @@ _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(dict[str, Any])
 
 
+def write_frame(stream: IO[bytes], message: Mapping[str, Any]) -> None:
+    """One message as one frame; for a stream only one thread writes to."""
+    body = _encoder.encode(message)
+    stream.write(_HEADER.pack(len(body)) + body)
+    stream.flush()
+
+
 class FrameWriter:
     """Thread-safe writer of one frame per message."""
 
@@ -27,11 +35,9 @@ class FrameWriter:
         self._stream = stream
         self._lock = threading.Lock()
 
-    def send(self, message: dict[str, Any]) -> None:
-        body = _encoder.encode(message)
+    def send(self, message: Mapping[str, Any]) -> None:
         with self._lock:
-            self._stream.write(_HEADER.pack(len(body)) + body)
-            self._stream.flush()
+            write_frame(self._stream, message)
 
 
 def read_frame(stream: IO[bytes]) -> dict[str, Any] | None:

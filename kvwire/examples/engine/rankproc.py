@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import struct
 import subprocess
 import sys
 import threading
@@ -24,37 +23,27 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict
 from typing import IO, Any
 
-import msgspec
 import torch
 
+from kvwire.demo.framing import read_frame, write_frame
 from kvwire.errors import ConfigError, KVWireError
 from kvwire.examples.engine.config import CacheConfig, ModelConfig
 from kvwire.geometry import KVGeometry, Region, RegionKind
-
-_encode = msgspec.msgpack.Encoder().encode
-_decode = msgspec.msgpack.Decoder().decode
-_HEADER = struct.Struct("<I")
 
 
 class RankProcessError(KVWireError):
     """A rank process died or answered with an error."""
 
 
-def send(stream: IO[bytes], message: Mapping[str, Any]) -> None:
-    body = _encode(message)
-    stream.write(_HEADER.pack(len(body)) + body)
-    stream.flush()
+send = write_frame
+"""One message to a rank pipe: the demo's length-prefixed msgpack frames."""
 
 
 def receive(stream: IO[bytes]) -> dict[str, Any]:
-    header = stream.read(_HEADER.size)
-    if len(header) < _HEADER.size:
+    """The next message from a rank pipe; a closed pipe is a RankProcessError."""
+    message = read_frame(stream)
+    if message is None:
         raise RankProcessError("rank pipe closed")
-    (size,) = _HEADER.unpack(header)
-    body = stream.read(size)
-    if len(body) < size:
-        raise RankProcessError("rank pipe closed mid-message")
-    message: dict[str, Any] = _decode(body)
     return message
 
 
