@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvwire.errors import ConfigError
 
@@ -23,26 +23,56 @@ if TYPE_CHECKING:
     from kvwire.demo.summary import Summary
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
+def add_workload_arguments(
+    parser: argparse.ArgumentParser,
+    *,
+    layers: int = 8,
+    tokens: int = 1024,
+    tp: int = 1,
+    lease: float = 30.0,
+) -> None:
+    """The P/D workload options ``kvwire demo`` and ``kvwire soak`` share (their defaults)."""
     parser.add_argument(
         "--model", default="llama-3-8b", help="llama-3-8b, llama-3-70b or deepseek-v3 (alias: mla)"
     )
     parser.add_argument(
         "--layers",
         type=int,
-        default=8,
-        help="layers of the model to allocate (scales memory; default 8)",
+        default=layers,
+        help=f"layers of the model to allocate (scales memory; default {layers})",
     )
-    parser.add_argument("--tokens", type=int, default=1024, help="prompt tokens per request")
-    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--tokens", type=int, default=tokens, help="prompt tokens per request")
     parser.add_argument(
         "--concurrency", type=int, default=8, help="requests in flight on the decode engine"
     )
     parser.add_argument("--mode", choices=("pull", "push"), default="pull")
     parser.add_argument("--transport", default="shm", help="shm, nixl, ucx or module:factory")
-    parser.add_argument("--p-tp", type=int, default=1, help="prefill TP size (processes)")
-    parser.add_argument("--d-tp", type=int, default=1, help="decode TP size (processes)")
-    parser.add_argument("--lease", type=float, default=30.0, help="producer lease in seconds")
+    parser.add_argument("--p-tp", type=int, default=tp, help="prefill TP size (processes)")
+    parser.add_argument("--d-tp", type=int, default=tp, help="decode TP size (processes)")
+    parser.add_argument("--lease", type=float, default=lease, help="producer lease in seconds")
+
+
+def workload_options(args: argparse.Namespace, **extra: Any) -> DemoOptions:
+    """DemoOptions from the shared workload arguments, plus the caller's own fields."""
+    from kvwire.demo.run import DemoOptions
+
+    return DemoOptions(
+        model=args.model,
+        layers=args.layers,
+        tokens=args.tokens,
+        concurrency=args.concurrency,
+        mode=args.mode,
+        transport=args.transport,
+        p_tp=args.p_tp,
+        d_tp=args.d_tp,
+        lease_s=args.lease,
+        **extra,
+    )
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_workload_arguments(parser)
+    parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--role", choices=("both", "prefill", "decode"), default="both")
     parser.add_argument("--listen", metavar="HOST:PORT", help="--role prefill: control address")
     parser.add_argument("--connect", metavar="HOST:PORT", help="--role decode: the prefill side")
@@ -61,24 +91,12 @@ def run(args: argparse.Namespace) -> int:
         if args.secret_file:
             raise ConfigError("--secret-file is not supported with --engine")
         return _run_engine_demo(args)
-    from kvwire.demo.run import DemoOptions, log, run_local
+    from kvwire.demo.run import log, run_local
     from kvwire.sidechannel import load_secret
 
     secret = load_secret(args.secret_file) if args.secret_file else None
-
-    options = DemoOptions(
-        model=args.model,
-        layers=args.layers,
-        tokens=args.tokens,
-        requests=args.requests,
-        concurrency=args.concurrency,
-        mode=args.mode,
-        transport=args.transport,
-        p_tp=args.p_tp,
-        d_tp=args.d_tp,
-        lease_s=args.lease,
-        progress=not args.no_progress,
-        secret=secret,
+    options = workload_options(
+        args, requests=args.requests, progress=not args.no_progress, secret=secret
     )
     if args.role == "prefill":
         return _run_prefill(options, args.listen)

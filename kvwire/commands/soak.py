@@ -12,6 +12,7 @@ import argparse
 import json
 import sys
 
+from kvwire.commands.demo import add_workload_arguments, workload_options
 from kvwire.errors import ConfigError
 
 
@@ -30,17 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="a killed rank restarts after MIN..MAX seconds (default 0.2 2)",
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of the kill schedule")
-    parser.add_argument("--model", default="llama-3-8b")
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--tokens", type=int, default=512, help="prompt tokens per request")
-    parser.add_argument("--concurrency", type=int, default=8)
-    parser.add_argument("--mode", choices=("pull", "push"), default="pull")
-    parser.add_argument("--transport", default="shm", help="shm, nixl, ucx or module:factory")
-    parser.add_argument("--p-tp", type=int, default=2)
-    parser.add_argument("--d-tp", type=int, default=2)
-    parser.add_argument(
-        "--lease", type=float, default=5.0, help="producer lease in seconds (default 5)"
-    )
+    add_workload_arguments(parser, layers=4, tokens=512, tp=2, lease=5.0)
     parser.add_argument(
         "--report-every", type=float, default=10.0, help="seconds between progress lines"
     )
@@ -48,25 +39,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvwire.demo.run import DemoOptions
     from kvwire.demo.soak import SoakOptions, soak
     from kvwire.transport import load
 
     if args.report_every <= 0:
         raise ConfigError(f"--report-every must be positive, got {args.report_every}")
-    demo = DemoOptions(
-        model=args.model,
-        layers=args.layers,
-        tokens=args.tokens,
-        requests=1,
-        concurrency=args.concurrency,
-        mode=args.mode,
-        transport=args.transport,
-        p_tp=args.p_tp,
-        d_tp=args.d_tp,
-        lease_s=args.lease,
-        progress=False,
-    )
+    demo = workload_options(args, requests=1, progress=False)
     options = SoakOptions(
         seconds=args.seconds,
         chaos=args.chaos,
