@@ -29,8 +29,10 @@ from kvwire.geometry import (
     VALID_MEM_KINDS,
     KVGeometry,
     KVLayout,
+    Region,
     RegionKind,
     RemoteGeometry,
+    RemoteRegion,
     heads_per_rank,
 )
 
@@ -87,10 +89,16 @@ class _Problems:
             raise IncompatiblePeerError("incompatible KV geometry: " + "; ".join(self.lines))
 
 
-def _local_view(geometry: KVGeometry, index: int, member: str | None) -> RegionView:
-    region = geometry.regions[index]
+def _view(
+    index: int,
+    region: Region | RemoteRegion,
+    label: str,
+    member: str | None,
+    device_id: int,
+    group_id: int,
+) -> RegionView:
+    """One side's region as a pair sees it: narrowed to a packed member when one is named."""
     offset, length = 0, region.block_len
-    label = geometry.region_label(index)
     if member is not None and member in region.packed_members:
         offset, length = region.packed_members[member]
         label = f"{label}[{member}]"
@@ -101,8 +109,20 @@ def _local_view(geometry: KVGeometry, index: int, member: str | None) -> RegionV
         block_len=length,
         stride=region.block_stride,
         num_blocks=region.num_blocks,
-        device_id=geometry.region_device(index),
-        group_id=region.group_id,
+        device_id=device_id,
+        group_id=group_id,
+    )
+
+
+def _local_view(geometry: KVGeometry, index: int, member: str | None) -> RegionView:
+    region = geometry.regions[index]
+    return _view(
+        index,
+        region,
+        geometry.region_label(index),
+        member,
+        geometry.region_device(index),
+        region.group_id,
     )
 
 
@@ -110,21 +130,8 @@ def _remote_view(
     remote: RemoteGeometry, index: int, member: str | None, default_group: int
 ) -> RegionView:
     region = remote.regions[index]
-    offset, length = 0, region.block_len
-    label = region.label(index)
-    if member is not None and member in region.packed_members:
-        offset, length = region.packed_members[member]
-        label = f"{label}[{member}]"
-    return RegionView(
-        index=index,
-        label=label,
-        base=region.base_addr + offset,
-        block_len=length,
-        stride=region.block_stride,
-        num_blocks=region.num_blocks,
-        device_id=remote.device_id,
-        group_id=default_group if region.group_id is None else region.group_id,
-    )
+    group = default_group if region.group_id is None else region.group_id
+    return _view(index, region, region.label(index), member, remote.device_id, group)
 
 
 def _needs_name_routing(local: KVGeometry, remote: RemoteGeometry) -> bool:
