@@ -2,8 +2,9 @@
 
 A prefill process (:mod:`kvwire.bench.e2e_peer`, a kvwire ``Producer``) and this process
 (a ``Consumer``) hold Llama-3-8B caches — 32 layers, 8 KV heads of 128, bf16, 16-token
-blocks: 128 KiB per token, 64 KiB per block and layer — in the shm transport's
-peer-mappable memory, and move one request at a time in pull mode:
+blocks: 128 KiB per token, 64 KiB per block and layer — in plain memory, as an engine's
+own tensors (the shm transport reaches it with ``process_vm_readv``), and move one request
+at a time in pull mode:
 
     P: prefill_finished -> params -> D: add_request -> READ -> D: get_finished lists it
 
@@ -20,7 +21,10 @@ this process from warm memory to warm memory, in chunks of at most 512 MiB.
 
 Results: ``e2e.ttkv_<n>.ms`` and ``e2e.ttkv_<n>.ratio_vs_memcpy`` (kvwire's time over
 memcpy's: *smaller* is better, target <= 1.5 at 4k) per prompt length, plus the 4k
-request's breakdown ``e2e.ttkv_4k.<part>_ms`` (see :func:`_breakdown`).
+request's breakdown ``e2e.ttkv_4k.<part>_ms`` (see :func:`_breakdown`). The same run
+with both caches in the shm transport's peer-mappable segments (``kvwire_shm.allocate``,
+copied with ``memmove`` through a mapping) is reported as ``e2e.segment.*``; and with
+glibc tuned to bypass the cache from 64 KiB up as ``e2e.glibc_nt.*``.
 """
 
 from __future__ import annotations
@@ -57,6 +61,9 @@ HEADLINE = 4096
 PROMPTS_FULL = (128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 PROMPTS_QUICK = (128, 512, 1024, 2048, 4096)
 MEMCPY_CHUNK = 512 << 20
+MEMORY = ("plain", "segment")
+"""Where both engines keep their caches: plain memory (``np.empty``, as an engine's own
+tensors; the headline), or the shm transport's peer-mappable segments."""
 NT_TUNABLE = "glibc.cpu.x86_non_temporal_threshold=0x10000"
 """Lets glibc's memmove bypass the cache from 64 KiB up (see the module docstring)."""
 
@@ -229,13 +236,14 @@ def _spec(max_tokens: int) -> CacheSpec:
 
 
 @contextlib.contextmanager
-def _bench(max_tokens: int) -> Iterator[_Bench]:
-    """Both engines with caches for ``max_tokens`` tokens, the handshake done."""
+def _bench(max_tokens: int, memory: str) -> Iterator[_Bench]:
+    """Both engines with caches for ``max_tokens`` tokens in ``memory`` (see MEMORY), the
+    handshake done."""
     spec = _spec(max_tokens)
     engine_id = f"bench-prefill-{uuid.uuid4().hex[:6]}"
     init = {"model": MODEL, "layers": spec.layers, "num_blocks": spec.num_blocks,
-            "transport": TRANSPORT, "engine_id": engine_id}  # fmt: skip
-    buffer = allocate(TRANSPORT, spec.total_bytes)
+            "transport": TRANSPORT, "engine_id": engine_id, "memory": memory}  # fmt: skip
+    buffer = allocate(TRANSPORT, spec.total_bytes, own=memory == "segment")
     scratch = np.ones(min(spec.total_bytes, MEMCPY_CHUNK), dtype=np.uint8)
     prefill = _Prefill(init)
     consumer: Consumer | None = None
@@ -286,14 +294,14 @@ CONTIGUOUS = "contiguous"
 """Key of the headline's samples with in-order blocks (random blocks are keyed by length)."""
 
 
-def measure(quick: bool) -> dict[str, list[Sample]]:
+def measure(quick: bool, memory: str = "plain") -> dict[str, list[Sample]]:
     """Samples per prompt length (and the headline with contiguous blocks), this process
-    being D and one prefill process P."""
+    being D and one prefill process P, both caches in ``memory``."""
     prompts = PROMPTS_QUICK if quick else PROMPTS_FULL
     repeats = 3 if quick else 5
     headline_repeats = 9 if quick else 15
     out: dict[str, list[Sample]] = {}
-    with _bench(max(prompts)) as bench:
+    with _bench(max(prompts), memory) as bench:
         for tokens in prompts:
             bench.request(tokens)  # warm-up at this size
             n = headline_repeats if tokens == HEADLINE else repeats
@@ -360,11 +368,15 @@ def run(args: argparse.Namespace) -> Report:
     quick = bool(getattr(args, "quick", False))
     report = Report("e2e")
     samples = measure(quick)
+    segment = measure(quick, "segment")
     tuned = _measure_tuned(quick)
     lengths = [int(k) for k in samples if k.isdigit()]
     ys = _add(report, "e2e", samples, "")
     memcpy_ms = [_med([s.memcpy * 1e3 for s in samples[str(t)]]) for t in lengths]
-    series = {"numpy memcpy of the same bytes": memcpy_ms}
+    series = {
+        "numpy memcpy of the same bytes": memcpy_ms,
+        "kvwire, caches in kvwire_shm.allocate segments": _add(report, "e2e.segment", segment, ""),
+    }
     if tuned is not None:
         series["kvwire, glibc NT threshold 64 KiB"] = _add(
             report, "e2e.glibc_nt", tuned, ", same tuning"

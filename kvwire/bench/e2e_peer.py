@@ -3,7 +3,8 @@
 Run as ``python -m kvwire.bench.e2e_peer`` by :mod:`kvwire.bench.e2e`; commands arrive as
 demo frames (:mod:`kvwire.demo.framing`) on stdin, answers leave on stdout.
 
-``init`` {model, layers, num_blocks, transport} -> {port}: allocate and fill the cache
+``init`` {model, layers, num_blocks, transport, memory} -> {port}: allocate the cache
+(``memory`` "plain", or "segment" for the transport's own allocator) and fill it
 (every block of every layer holds one byte value, :func:`marker`, so the decode side can
 check cheaply that the right block landed), register it and serve the handshake.
 ``prefill`` {rid, blocks, num_tokens} -> {params, t_start, t_return}: wait until the
@@ -45,7 +46,7 @@ def main() -> int:
     if init is None:
         return 1
     spec = spec_of(init)
-    buffer = allocate(init["transport"], spec.total_bytes)
+    buffer = allocate(init["transport"], spec.total_bytes, own=init["memory"] == "segment")
     view = buffer.reshape(spec.layers, spec.num_blocks, spec.block_len)
     view[:] = marker(spec.layers, np.arange(spec.num_blocks, dtype=np.int64))[:, :, None]
     listener = HandshakeListener({}).start()

@@ -5,10 +5,11 @@ For each transport named with ``--transport`` (default ``shm``) a peer agent pro
 blocks, and this process READs them: 256 x 64 KiB and 32 x 2 MiB blocks scattered on both sides (so
 nothing coalesces), plus one 4 KiB READ for latency. In the same run a single-process
 numpy copy of the same bytes (warm pages) is the baseline every figure is compared with.
-Results are named ``<transport>.read.<size>.GBps`` and ``<transport>.read.4KiB.us``. When
-the transport offers its own host allocator (``conformance_allocators``, e.g. shm's
-peer-mappable segments) the headline uses it, and plain numpy memory is reported beside it
-as ``<transport>.read.<size>.numpy.GBps``. If a module
+Results are named ``<transport>.read.<size>.GBps`` and ``<transport>.read.4KiB.us``, over
+plain numpy memory on both sides: what a serving engine registers is its own tensors.
+When the transport offers its own host allocator (``conformance_allocators``, e.g. shm's
+peer-mappable segments) that memory is measured too, as
+``<transport>.read.<size>.segment.GBps``. If a module
 ``kvwire_<transport>.rawbench`` exists, its ``raw_baseline(quick) -> list[Result]`` adds
 the raw library's own figures. If it has ``paired_benchmark(quick, memcpy_sample) ->
 list[Result]`` instead, that replaces this module's measurement of the transport: it times
@@ -175,10 +176,10 @@ def run(args: argparse.Namespace) -> Report:
             continue
         factory: Any = load(name)
         extra = list(getattr(factory, "conformance_allocators", ()))
-        # The headline uses the memory the transport moves best (its own allocator when it
-        # has one); plain numpy memory is reported beside it.
-        for allocator in [*extra[:1], "numpy"] if extra else ["numpy"]:
-            suffix = ".numpy" if extra and allocator == "numpy" else ""
+        # The headline is plain memory, what engines register; the transport's own
+        # allocator, where it has one, is reported beside it.
+        for allocator in ["numpy", *extra[:1]]:
+            suffix = "" if allocator == "numpy" else ".segment"
             measured.append((name, suffix, _measure(name, allocator, quick, memcpy)))
     report = Report("transport")
     for _, _, label in SHAPES:

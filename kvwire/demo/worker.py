@@ -36,11 +36,12 @@ from kvwire.transport import load
 log = logging.getLogger("kvwire.demo.worker")
 
 
-def allocate(transport: str, nbytes: int) -> npt.NDArray[np.uint8]:
+def allocate(transport: str, nbytes: int, *, own: bool = True) -> npt.NDArray[np.uint8]:
     """Host memory for the KV cache, from the transport's own allocator when it has one
-    (the shm transport maps such memory directly instead of using a syscall per copy)."""
-    factory = load(transport)
-    for spec in getattr(factory, "conformance_allocators", ()):
+    and ``own`` (the shm transport maps such memory directly instead of using a syscall
+    per copy), else plain memory as an engine's own tensors would be."""
+    factory = load(transport) if own else None
+    for spec in getattr(factory, "conformance_allocators", ()) if own else ():
         module_name, _, attr = str(spec).partition(":")
         try:
             alloc = getattr(importlib.import_module(module_name), attr)

@@ -184,65 +184,144 @@ def _layout(rng: np.random.Generator, lengths: np.ndarray) -> np.ndarray:
     return offsets
 
 
-@pytest.mark.parametrize("shape", ["small-groups", "large-spans", "mixed", "tiny-gathered"])
-def test_copy_spans_moves_every_span_and_nothing_else(shape: str) -> None:
+def _run_chunks_on_two_threads(chunks: list, seed: int) -> None:
+    """Every chunk once, in a shuffled order, split between this thread and another."""
+    order = np.random.default_rng(seed).permutation(len(chunks)).tolist()
+    other = threading.Thread(target=lambda: [chunks[i]() for i in order[1::2]])
+    other.start()
+    for i in order[0::2]:
+        chunks[i]()
+    other.join()
+
+
+@pytest.mark.parametrize(
+    "shape", ["small-spans", "shared-64KiB", "large-spans", "mixed", "tiny-gathered"]
+)
+def test_chunks_move_every_span_and_nothing_else(shape: str) -> None:
     rng = np.random.default_rng(len(shape))
-    if shape == "small-groups":  # many groups of small spans, GIL kept per group
+    if shape == "small-spans":  # many chunks of small spans, GIL kept per chunk
         lengths = rng.integers(1, 64 << 10, 400)
-    elif shape == "large-spans":  # every group drops the GIL per span
-        lengths = rng.integers(_memcopy.RELEASE_AT, 3 << 20, 6)
+    elif shape == "shared-64KiB":  # past SHARE_FROM: every copy drops the GIL
+        lengths = np.full(_memcopy.SHARE_FROM // (64 << 10), 64 << 10)
+    elif shape == "large-spans":  # spans longer than a chunk are cut into pieces
+        lengths = rng.integers(_memcopy.RELEASE_FROM, 3 * _memcopy.CHUNK_BYTES, 6)
     elif shape == "mixed":
-        lengths = np.concatenate([rng.integers(1, 4096, 300), [_memcopy.RELEASE_AT, 5 << 20]])
-    else:  # mean under GATHER_BELOW: one numpy gather/scatter
+        lengths = np.concatenate([rng.integers(1, 4096, 300), [_memcopy.RELEASE_FROM, 5 << 20]])
+    else:  # mean under GATHER_BELOW: numpy gather/scatter
         lengths = rng.integers(1, 16, 5000)
     lengths = lengths.astype(np.int64)
     src_at, dst_at = _layout(rng, lengths), _layout(rng, lengths)
     total = int(2 * lengths.sum())
     src = rng.integers(0, 256, total, dtype=np.uint8)
     dst = np.zeros(total, dtype=np.uint8)
-    assert _memcopy.copy_spans(
-        dst.ctypes.data + dst_at, src.ctypes.data + src_at, lengths, lambda: False
-    )
+    chunks, shared = _memcopy.chunks(dst.ctypes.data + dst_at, src.ctypes.data + src_at, lengths)
+    assert shared == (shape == "shared-64KiB")
+    assert len(chunks) >= int(lengths.sum()) // _memcopy.CHUNK_BYTES
+    _run_chunks_on_two_threads(chunks, seed=len(shape))
     expected = np.zeros_like(dst)
     for d, s, n in zip(dst_at.tolist(), src_at.tolist(), lengths.tolist(), strict=True):
         expected[d : d + n] = src[s : s + n]
     assert np.array_equal(dst, expected)
 
 
-def test_copy_spans_stops_between_groups_once_aborted() -> None:
-    n = 16
-    size = _memcopy.GROUP_BYTES // 4  # four spans per group, four groups
-    src = np.full(n * size, 7, dtype=np.uint8)
-    dst = np.zeros(n * size, dtype=np.uint8)
-    offsets = np.arange(n, dtype=np.int64) * size
-    lengths = np.full(n, size, dtype=np.int64)
-    asked = 0
+def test_split_long_cuts_only_spans_that_do_not_overlap_themselves() -> None:
+    big = 2 * _memcopy.CHUNK_BYTES + 5
+    dst = np.array([0, 10 * big, 30 * big], dtype=np.int64)
+    src = np.array([50 * big, 10 * big + 7, 70 * big], dtype=np.int64)  # 2nd overlaps itself
+    length = np.array([big, big, 9], dtype=np.int64)
+    d, s, n = _memcopy.split_long(dst, src, length)
+    assert n.tolist() == [_memcopy.CHUNK_BYTES, _memcopy.CHUNK_BYTES, 5, big, 9]
+    assert d.tolist() == [0, _memcopy.CHUNK_BYTES, 2 * _memcopy.CHUNK_BYTES, 10 * big, 30 * big]
+    assert (s - d).tolist() == [50 * big] * 3 + [7, 40 * big]
 
-    def aborted() -> bool:
-        nonlocal asked
-        asked += 1
-        return asked > 2  # lets two groups through
 
-    done = _memcopy.copy_spans(
-        dst.ctypes.data + offsets, src.ctypes.data + offsets, lengths, aborted
+def test_cma_chunks_copy_within_this_process_on_two_threads() -> None:
+    from kvwire_shm import _cma
+
+    rng = np.random.default_rng(5)
+    lengths = rng.integers(1, 256 << 10, 3000).astype(np.int64)  # > IOV_MAX and > a chunk
+    src_at, dst_at = _layout(rng, lengths), _layout(rng, lengths)
+    total = int(2 * lengths.sum())
+    src = rng.integers(0, 256, total, dtype=np.uint8)
+    dst = np.zeros(total, dtype=np.uint8)
+    chunks = _cma.chunks(
+        os.getpid(), dst.ctypes.data + dst_at, src.ctypes.data + src_at, lengths, write=False
     )
-    assert not done
-    assert (dst[: 2 * _memcopy.GROUP_BYTES] == 7).all()
-    assert not dst[2 * _memcopy.GROUP_BYTES :].any(), "spans after the abort were copied"
+    assert len(chunks) >= max(3, int(lengths.sum()) // _memcopy.CHUNK_BYTES)
+    _run_chunks_on_two_threads(chunks, seed=5)
+    assert np.array_equal(_gather(dst, dst_at, lengths), _gather(src, src_at, lengths)), (
+        "bytes differ after the CMA chunks ran"
+    )
+
+
+def _gather(buf: np.ndarray, offsets: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    spans = zip(offsets.tolist(), lengths.tolist(), strict=True)
+    return np.concatenate([buf[o : o + n] for o, n in spans])
+
+
+_ADDR = np.array([1, 0, 0], dtype=np.int64)
+"""Times an offset: a shift of descriptors' addresses only."""
+
+
+def test_releasing_a_running_transfer_stops_it_between_chunks() -> None:
+    a, b = _pair()
+    try:
+        size = 16 * _memcopy.CHUNK_BYTES
+        src = allocate(size)
+        src[:] = 7
+        dst = np.zeros(size, dtype=np.uint8)
+        a.register([region_of_array(dst)])
+        b.register([region_of_array(src)])
+        peer = a.add_peer(b.local_metadata())
+        ran: list[int] = []
+        started, gate = threading.Event(), threading.Event()
+        chunk = a._chunk
+
+        def held_chunk(xfer: object, copy: object) -> None:
+            ran.append(1)
+            if len(ran) == 1:
+                started.set()
+                assert gate.wait(30)  # the first chunk copies only once the test released
+            chunk(xfer, copy)  # type: ignore[arg-type]  # sees the release: copies nothing
+
+        a._chunk = held_chunk  # type: ignore[method-assign]
+        whole = np.array([[dst.ctypes.data, size, 0]], dtype=np.int64)
+        handle = a.read(peer, whole, whole + (src.ctypes.data - dst.ctypes.data) * _ADDR)
+        assert started.wait(30)
+        a.release(handle)
+        gate.set()
+        page = np.array([[dst.ctypes.data, 4096, 0]], dtype=np.int64)
+        follow = a.read(peer, page, page + (src.ctypes.data - dst.ctypes.data) * _ADDR)
+        assert wait_for(a, follow, timeout=30) is XferState.DONE
+        assert len(ran) == 3, "chunks were claimed after the release"  # 1st, 2nd (refused), next
+        assert (dst[:4096] == 7).all()
+        assert not dst[4096:].any(), "the released copy went on"
+    finally:
+        a.close()
+        b.close()
 
 
 def test_group_bounds_cover_every_span_and_bound_each_group() -> None:
     lengths = np.random.default_rng(3).integers(1, 3 << 20, 2000).tolist()
-    lengths[7] = 3 * _memcopy.GROUP_BYTES  # larger than a group: a group of its own
+    lengths[7] = 3 * _memcopy.CHUNK_BYTES  # larger than a group: a group of its own
     ends = list(itertools.accumulate(lengths))
     bounds = _memcopy.group_bounds(ends)
     assert bounds[0] == 0 and bounds[-1] == len(lengths)
     assert all(a < b for a, b in itertools.pairwise(bounds))
     for a, b in itertools.pairwise(bounds):
         size = sum(lengths[a:b])
-        assert size <= _memcopy.GROUP_BYTES or b == a + 1, (a, b, size)
+        assert size <= _memcopy.CHUNK_BYTES or b == a + 1, (a, b, size)
         if b < len(lengths):  # a group stops only where the next span would overflow it
-            assert size + lengths[b] > _memcopy.GROUP_BYTES
+            assert size + lengths[b] > _memcopy.CHUNK_BYTES
+    assert (
+        max(
+            itertools.starmap(
+                lambda a, b: b - a,
+                itertools.pairwise(_memcopy.group_bounds([1] * 5000, most=IOV_MAX)),
+            )
+        )
+        == IOV_MAX
+    )
 
 
 # -- posting ---------------------------------------------------------------------------
@@ -357,3 +436,32 @@ def test_close_wakes_a_blocked_wait_and_leaves_no_descriptor() -> None:
     assert len(os.listdir("/proc/self/fd")) == before, "an fd outlived close() and its waiter"
     with pytest.raises(TransportClosedError):
         a.wait(0.0)
+
+
+def test_a_bug_while_planning_fails_that_transfer_and_the_worker_lives_on(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    a, b = _pair()
+    try:
+        src = np.full(8192, 3, dtype=np.uint8)
+        dst = np.zeros(8192, dtype=np.uint8)
+        a.register([region_of_array(dst)])
+        b.register([region_of_array(src)])
+        peer = a.add_peer(b.local_metadata())
+        local = np.array([[dst.ctypes.data, 4096, 0]], dtype=np.int64)
+        remote = np.array([[src.ctypes.data, 4096, 0]], dtype=np.int64)
+
+        def broken(*_: object, **__: object) -> list[object]:
+            raise RuntimeError("planted bug")
+
+        with monkeypatch.context() as patch:
+            patch.setattr("kvwire_shm._cma.chunks", broken)
+            handle = a.read(peer, local, remote)
+            assert wait_for(a, handle, timeout=30) is XferState.FAILED
+            assert "RuntimeError: planted bug" in (a.failure_reason(handle) or "")
+            a.release(handle)
+        assert wait_for(a, a.read(peer, local, remote), timeout=30) is XferState.DONE
+        assert (dst[:4096] == 3).all()
+    finally:
+        a.close()
+        b.close()

@@ -9,12 +9,16 @@ process in where Yama would otherwise refuse its peers.
 from __future__ import annotations
 
 import ctypes
+import functools
+import itertools
 import os
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
+
+from kvwire_shm._memcopy import CHUNK_BYTES, group_bounds, split_long
 
 IOV_MAX = 1024
 """Linux's UIO_MAXIOV: the most iovecs one process_vm_* call accepts per side."""
@@ -107,3 +111,39 @@ def cma_copy(
         ra[i] += np.uint64(into)
         ln[i] -= np.uint64(into)
     return True
+
+
+def _never() -> bool:
+    return False
+
+
+def chunks(
+    pid: int, local: Addresses, remote: Addresses, lengths: Addresses, *, write: bool
+) -> list[Callable[[], object]]:
+    """:func:`cma_copy` of every descriptor, as calls of about CHUNK_BYTES (and at most
+    IOV_MAX descriptors) that any threads may run; the syscall drops the GIL.
+
+    The iovecs of every call are built here at once, so the thread that runs one holds
+    the GIL only to make the call; a short count is redone by :func:`cma_copy` (copying a
+    span twice leaves the same bytes).
+    """
+    local, remote, lengths = split_long(
+        local.astype(np.int64), remote.astype(np.int64), lengths.astype(np.int64), same_space=False
+    )
+    n = int(lengths.shape[0])
+    iov = np.empty((2, n, 2), dtype=np.uint64)
+    iov[0, :, 0], iov[1, :, 0] = local, remote
+    iov[0, :, 1] = iov[1, :, 1] = lengths
+    ends = list(itertools.accumulate(lengths.tolist()))
+    call = _writev if write else _readv
+    p_local, p_remote = iov[0].ctypes.data, iov[1].ctypes.data
+    stride = iov.strides[1]
+
+    def run(a: int, b: int) -> object:
+        want = ends[b - 1] - (ends[a - 1] if a else 0)
+        if call(pid, p_local + a * stride, b - a, p_remote + a * stride, b - a, 0) == want:
+            return iov  # (and keeps the iovecs alive as long as a call may read them)
+        return cma_copy(pid, local[a:b], remote[a:b], lengths[a:b], write=write, aborted=_never)
+
+    bounds = group_bounds(ends, CHUNK_BYTES, IOV_MAX)
+    return [functools.partial(run, a, b) for a, b in itertools.pairwise(bounds)]

@@ -72,6 +72,11 @@ class _Cuda:
             "cudaMemcpy",
         )
 
+    def copy_all(self, dst: list[int], src: list[int], nbytes: list[int], device: int) -> None:
+        """One ``copy`` per span: a chunk of a transfer, on whichever thread runs it."""
+        for d, s, n in zip(dst, src, nbytes, strict=True):
+            self.copy(d, s, n, device)
+
 
 class _IpcHandle(ctypes.Structure):
     _fields_ = [("reserved", ctypes.c_char * IPC_HANDLE_BYTES)]

@@ -1,14 +1,18 @@
-"""Copies between two views mapped in this process: many spans, little interpreter time each.
+"""Copies between two views mapped in this process, cut into chunks that threads share.
 
-A Python loop of ``ctypes.memmove`` costs about 0.4 us per span (argument conversion,
-dropping and retaking the GIL), which is 10% of the time of a 64 KiB copy. Here the spans
-of a group are copied by ``map`` over a memmove that keeps the GIL, so the iteration runs
-in C (about 0.15 us per span) and the caller's thread cannot take the GIL between two
-spans and hold the copy hostage to its switch interval. A group is bounded in bytes, so a
-caller that wants the GIL waits for one group at most; groups holding a large span drop the
-GIL for each call instead, letting the caller's thread run alongside a long copy. Spans
-averaging under a few dozen bytes are gathered with numpy index arithmetic, which beats
-one call per span there.
+A transfer's spans are grouped into chunks of about CHUNK_BYTES, each one call that the
+worker, or a thread helping it (see :mod:`kvwire_shm._executor`), runs. Inside a chunk
+the spans are copied by ``map`` over a ctypes ``memmove``, so the iteration runs in C:
+
+* in a transfer of SHARE_FROM bytes or more whose spans average CONCURRENT_FROM or more,
+  each copy drops the GIL (~0.4 us a call) so two threads copy at once: out of cache one
+  thread moves scattered 64 KiB spans at about half the machine's bandwidth;
+* spans averaging RELEASE_FROM or more drop it too, so a long copy never holds off the
+  caller's thread;
+* other spans keep the GIL (~0.15 us a call): a second thread would only take turns,
+  paying a hand-over of the GIL (~30 us on this VM) each time;
+* spans averaging under GATHER_BELOW bytes are gathered with numpy index arithmetic,
+  which beats one call per span there.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import bisect
 import collections
 import ctypes
+import functools
 import itertools
 from collections.abc import Callable
 
@@ -24,11 +29,18 @@ import numpy.typing as npt
 
 I64 = npt.NDArray[np.int64]
 
-GROUP_BYTES = 4 << 20
-"""Bytes copied per group: the longest the worker keeps the GIL in one stretch (~0.3 ms),
-and how often a running transfer checks whether it was released."""
-RELEASE_AT = 256 << 10
-"""A group holding a span this large drops the GIL for each of its copies."""
+CHUNK_BYTES = 2 << 20
+"""Bytes per chunk: small enough that two threads share a 16 MiB READ evenly and a
+release is noticed within ~0.2 ms, large enough that claiming one (a few us) is noise."""
+CONCURRENT_FROM = 16 << 10
+"""Mean span length from which a shared transfer's copies drop the GIL."""
+SHARE_FROM = 32 << 20
+"""Transfer size from which a second thread helps: below it the bytes sit in cache and one
+thread copies as fast as two (measured: 16 MiB of 64 KiB spans, 10.9 vs 11.0 GB/s), above
+it copies wait on memory and two threads move ~1.5x (64 MiB: 10.0 vs 6.8 GB/s)."""
+RELEASE_FROM = 256 << 10
+"""Mean span length from which even a copy not shared drops the GIL for each span, so the
+caller's thread is not held off for a whole chunk."""
 GATHER_BELOW = 32
 """Mean span length under which one numpy gather/scatter beats one memmove per span."""
 
@@ -55,41 +67,67 @@ def gather_copy(dst: I64, src: I64, length: I64) -> None:
     ]
 
 
-def group_bounds(ends: list[int]) -> list[int]:
-    """Where each group of about GROUP_BYTES starts, then the span count, given the running
-    totals ``ends`` of the span lengths; a span never splits, so one larger than a group
-    is a group of its own."""
+def group_bounds(ends: list[int], limit: int = CHUNK_BYTES, most: int | None = None) -> list[int]:
+    """Where each group of about ``limit`` bytes (and at most ``most`` spans) starts, then
+    the span count, given the running totals ``ends`` of the span lengths; a span never
+    splits, so one larger than ``limit`` is a group of its own."""
     n = len(ends)
     bounds = [0]
     while bounds[-1] < n:
         start = bounds[-1]
-        limit = (ends[start - 1] if start else 0) + GROUP_BYTES
-        bounds.append(max(start + 1, bisect.bisect_right(ends, limit, lo=start)))
+        stop = bisect.bisect_right(ends, (ends[start - 1] if start else 0) + limit, lo=start)
+        if most is not None:
+            stop = min(stop, start + most)
+        bounds.append(max(start + 1, stop))
     return bounds
 
 
-def copy_spans(dst: I64, src: I64, length: I64, aborted: Callable[[], bool]) -> bool:
-    """``memmove(dst[i], src[i], length[i])`` for every i; False if ``aborted()`` turned
-    true between two groups (the remaining spans are not copied)."""
-    n = int(length.shape[0])
-    if n == 0:
-        return True
-    if n > 64 and int(length.sum()) < GATHER_BELOW * n:
-        if aborted():
-            return False
-        gather_copy(dst, src, length)
-        return True
+def _memmove_all(
+    move: Callable[[int, int, int], object], dst: list[int], src: list[int], length: list[int]
+) -> None:
+    collections.deque(map(move, dst, src, length), maxlen=0)
+
+
+def split_long(dst: I64, src: I64, length: I64, *, same_space: bool = True) -> tuple[I64, I64, I64]:
+    """Spans longer than CHUNK_BYTES cut into CHUNK_BYTES pieces, so one long span is shared
+    by threads too. In one address space (``same_space``) a span whose source and
+    destination overlap stays whole: memmove copies it as a unit."""
+    cut = length > CHUNK_BYTES
+    if same_space:
+        cut &= np.abs(dst - src) >= length
+    if not cut.any():
+        return dst, src, length
+    pieces = np.where(cut, -(-length // CHUNK_BYTES), 1)
+    which = np.repeat(np.arange(length.shape[0]), pieces)
+    offset = (np.arange(int(pieces.sum())) - np.repeat(np.cumsum(pieces) - pieces, pieces)) * (
+        CHUNK_BYTES
+    )
+    rest = length[which] - offset
+    return (
+        dst[which] + offset,
+        src[which] + offset,
+        np.where(cut[which], np.minimum(rest, CHUNK_BYTES), rest),
+    )
+
+
+def chunks(dst: I64, src: I64, length: I64) -> tuple[list[Callable[[], None]], bool]:
+    """Calls that together do ``memmove(dst[i], src[i], length[i])`` for every i, in any
+    order (the spans must not overlap each other), and whether they run well on several
+    threads at once."""
+    if int(length.shape[0]) == 0:
+        return [], False
+    total = int(length.sum())
+    concurrent = total >= SHARE_FROM and total >= CONCURRENT_FROM * int(length.shape[0])
+    dst, src, length = split_long(dst, src, length)
     d, s, ln = dst.tolist(), src.tolist(), length.tolist()
-    bounds = group_bounds(list(itertools.accumulate(ln)))
-    some_large = max(ln) >= RELEASE_AT
-    sink: collections.deque[object] = collections.deque(maxlen=0)
-    for a, b in itertools.pairwise(bounds):
-        if aborted():
-            return False
-        if a > 0 or b < n:
-            gd, gs, gn = d[a:b], s[a:b], ln[a:b]
-        else:
-            gd, gs, gn = d, s, ln
-        large = some_large and max(gn) >= RELEASE_AT
-        sink.extend(map(_memmove_dropping_gil if large else _memmove_keeping_gil, gd, gs, gn))
-    return True
+    ends = list(itertools.accumulate(ln))
+    out: list[Callable[[], None]] = []
+    for a, b in itertools.pairwise(group_bounds(ends)):
+        size = ends[b - 1] - (ends[a - 1] if a else 0)
+        if b - a > 64 and size < GATHER_BELOW * (b - a):
+            out.append(functools.partial(gather_copy, dst[a:b], src[a:b], length[a:b]))
+            continue
+        drop = concurrent or size >= RELEASE_FROM * (b - a)
+        move = _memmove_dropping_gil if drop else _memmove_keeping_gil
+        out.append(functools.partial(_memmove_all, move, d[a:b], s[a:b], ln[a:b]))
+    return out, concurrent

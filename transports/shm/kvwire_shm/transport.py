@@ -1,6 +1,7 @@
 """The shm transport: real bytes between processes of one host, no RDMA hardware.
 
-Bytes move on one worker thread per agent, so ``read``/``write`` return at once:
+``read``/``write`` return at once; the bytes move on the agent's worker thread and on any
+thread blocked in ``wait``, which lends itself to the transfers (see ``_executor``):
 
 * memory the peer allocated with :func:`kvwire_shm.allocate` is mapped here at
   ``add_peer`` and copied with plain ``memmove`` (no syscall);
@@ -8,9 +9,9 @@ Bytes move on one worker thread per agent, so ``read``/``write`` return at once:
   up to IOV_MAX descriptors per syscall;
 * VRAM goes through CUDA IPC when a GPU is present.
 
-A transfer's notification is sent by the same worker after its last byte landed, and
-``notify`` goes through the same queue, so every notification to a peer arrives in the
-order of the calls that produced it. A peer's death is seen through a pidfd and its closed
+A transfer's notification is sent after its last byte landed, and ``notify`` goes through
+the same queue of jobs, run one after another, so every notification to a peer arrives in
+the order of the calls that produced it. A peer's death is seen through a pidfd and its closed
 socket; transfers touching it end FAILED.
 """
 
@@ -18,14 +19,15 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import itertools
 import math
 import os
-import queue
 import select
 import socket
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,9 +53,9 @@ from kvwire.transport import (
     as_descs,
     check_pair,
 )
-from kvwire_shm import _cuda
-from kvwire_shm._cma import CmaError, allow_any_ptracer, cma_copy
-from kvwire_shm._memcopy import copy_spans
+from kvwire_shm import _cma, _cuda, _memcopy
+from kvwire_shm._cma import CmaError, allow_any_ptracer
+from kvwire_shm._executor import Executor, Split
 from kvwire_shm._notify import NotifyHub, connect, frame
 from kvwire_shm._segments import PeerMapping, SegmentInfo, segment_of
 from kvwire_shm._tables import CMA, CUDA, DRAM, I64, LOCAL, MAPPED, VRAM, Row, Table, coalesce
@@ -95,7 +97,7 @@ class _Registration:
     regions: list[_RegionMeta]
 
 
-@dataclass
+@dataclass(eq=False)
 class _Peer:
     name: str
     pid: int
@@ -171,25 +173,11 @@ class _Xfer:
     error: str | None = None
 
 
-@dataclass(eq=False)
-class _Notify:
-    peer: _Peer
-    message: bytes
+class _Aborted(Exception):
+    """A chunk found its transfer released or the agent closed: copy nothing more."""
 
 
-@dataclass(eq=False)
-class _Retire:
-    peer: _Peer
-
-
-@dataclass(eq=False)
-class _Prefault:
-    """Spans of a new peer's mapped segments to fault in while the worker has nothing to do."""
-
-    steps: list[tuple[PeerMapping, int, int]]
-
-
-_Job = _Xfer | _Notify | _Retire | _Prefault
+_PrefaultStep = tuple[PeerMapping, int, int]
 
 
 def _checked_pair(local: Descs, remote: Descs) -> tuple[Descs, Descs]:
@@ -263,7 +251,12 @@ class ShmTransport:
         self._activity = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
         self._waiters = 0
         """Threads inside ``wait``: the last one out closes the eventfd after ``close``."""
-        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._help = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
+        """Readable when a transfer with chunks to share started: ``wait`` comes to help."""
+        self._executor = Executor(on_split=self._call_for_help)
+        self._retiring: set[_Peer] = set()
+        """Peers replaced or removed whose resources a queued job will free."""
+        self._prefault: collections.deque[_PrefaultStep] = collections.deque()
         self._hub = NotifyHub(name, self._on_notification)
         self._worker = threading.Thread(
             target=self._work, name=f"kvwire-shm-worker-{name}", daemon=True
@@ -382,16 +375,15 @@ class ShmTransport:
             old = self._peers.get(meta.name)
             self._peers[meta.name] = peer
         if old is not None:
-            self._enqueue(_Retire(old))
+            self._retire(old)
         steps = self._prefault_steps(peer, meta.regions)
         if steps:
-            self._enqueue(_Prefault(steps))
+            # Queued behind jobs that may still use the peer this one replaced.
+            self._executor.submit(functools.partial(self._prefault.extend, steps))
         return meta.name
 
     @staticmethod
-    def _prefault_steps(
-        peer: _Peer, regions: list[_RegionMeta]
-    ) -> list[tuple[PeerMapping, int, int]]:
+    def _prefault_steps(peer: _Peer, regions: list[_RegionMeta]) -> list[_PrefaultStep]:
         """The peer's registered spans inside mapped segments, cut into worker-sized steps.
 
         Without this the first transfers over a fresh mapping pay a page fault per few pages
@@ -441,7 +433,21 @@ class ShmTransport:
             gone = self._peers.pop(peer, None)
         if gone is None:
             raise UnknownPeerError(f"no peer named {peer!r}")
-        self._enqueue(_Retire(gone))
+        self._retire(gone)
+
+    def _retire(self, peer: _Peer) -> None:
+        """Free a peer's resources once every job queued before this call has ended."""
+        with self._lock:
+            self._retiring.add(peer)
+
+        def retire() -> None:
+            with self._lock:
+                if peer not in self._retiring:
+                    return  # close() got there first
+                self._retiring.discard(peer)
+            peer.close(self._cuda)
+
+        self._executor.submit(retire)
 
     def _peer(self, name: str) -> _Peer:
         with self._lock:
@@ -479,7 +485,7 @@ class ShmTransport:
         xfer = _Xfer(self, peer, write, batches, notify)
         with self._lock:
             self._xfers.add(xfer)
-        self._jobs.put(xfer)
+        self._executor.submit(functools.partial(self._start, xfer))
         return xfer
 
     @staticmethod
@@ -564,7 +570,14 @@ class ShmTransport:
         target = self._peer(peer)
         if target.broken is not None:
             raise TransferFailedError(target.broken)
-        self._enqueue(_Notify(target, message))
+        self._executor.submit(functools.partial(self._send_quietly, target, message))
+
+    @staticmethod
+    def _send_quietly(peer: _Peer, message: bytes) -> None:
+        """A ``notify`` that fails after it was accepted marks the channel broken, which the
+        next ``notify`` or transfer to that peer reports."""
+        with contextlib.suppress(OSError):
+            peer.send(message)
 
     def drain_notifications(self) -> list[tuple[str, bytes]]:
         self._check_open()
@@ -579,14 +592,30 @@ class ShmTransport:
 
     def wait(self, timeout: float) -> None:
         """Block until a transfer ended or a notification arrived since the last ``wait``,
-        or for ``timeout`` seconds (rounded up to whole milliseconds)."""
+        or for ``timeout`` seconds (rounded up to whole milliseconds).
+
+        While it waits, this thread shares the copying of a large running transfer with
+        the worker, so ``wait`` may return up to one chunk's copy (~0.2 ms) after
+        ``timeout``.
+        """
+        deadline = time.monotonic() + max(0.0, timeout)
         with self._lock:
             self._check_open()
             self._waiters += 1
         try:
             poller = select.poll()
             poller.register(self._activity, select.POLLIN)
-            poller.poll(math.ceil(max(0.0, timeout) * 1000))
+            poller.register(self._help, select.POLLIN)
+            while True:
+                while time.monotonic() < deadline and self._executor.help():
+                    pass
+                left = math.ceil(max(0.0, deadline - time.monotonic()) * 1000)
+                ready = {fd for fd, _ in poller.poll(left)}
+                if self._help in ready:
+                    with contextlib.suppress(BlockingIOError):
+                        os.eventfd_read(self._help)
+                if self._activity in ready or not ready:
+                    break
             with contextlib.suppress(BlockingIOError):
                 os.eventfd_read(self._activity)
         finally:
@@ -596,10 +625,11 @@ class ShmTransport:
                     self._close_activity()
 
     def _close_activity(self) -> None:
-        """Close the eventfd once (under the lock, with nobody left in ``wait``)."""
+        """Close the eventfds once (under the lock, with nobody left in ``wait``)."""
         if self._activity >= 0:
             os.close(self._activity)
-            self._activity = -1
+            os.close(self._help)
+            self._activity = self._help = -1
 
     def _signal(self) -> None:
         """Wake ``wait``. An eventfd rather than a condition variable: the GIL is let go
@@ -608,49 +638,92 @@ class ShmTransport:
         with contextlib.suppress(OSError):  # full counter (still a wake-up), or closed
             os.eventfd_write(self._activity, 1)
 
-    # -- the worker -------------------------------------------------------------------
+    def _call_for_help(self) -> None:
+        with contextlib.suppress(OSError):
+            os.eventfd_write(self._help, 1)
 
-    def _enqueue(self, job: _Job | None) -> None:
-        self._jobs.put(job)
+    # -- the worker and the jobs -------------------------------------------------------
 
     def _work(self) -> None:
-        idle: collections.deque[tuple[PeerMapping, int, int]] = collections.deque()
+        executor = self._executor
         while True:
-            if idle:  # pre-faulting waits for every queued job, one step at a time
-                try:
-                    job = self._jobs.get_nowait()
-                except queue.Empty:
-                    mapping, offset, length = idle.popleft()
-                    try:
-                        mapping.populate(offset, length)
-                    except OSError:  # the kernel cannot: the first copies fault instead
-                        idle.clear()
-                    continue
-            else:
-                job = self._jobs.get()
-            if job is None:
+            if executor.step():
+                continue
+            if executor.stopped:
                 return
-            if isinstance(job, _Prefault):
-                idle.extend(job.steps)
-            elif isinstance(job, _Xfer):
-                self._run(job)
-            elif isinstance(job, _Notify):
-                with contextlib.suppress(OSError):
-                    job.peer.send(job.message)
-            else:
-                job.peer.close(self._cuda)
+            if self._prefault and executor.exclusive(self._prefault_one):
+                continue
+            executor.wait_ready(None if not self._prefault else 0.001)
 
-    def _run(self, xfer: _Xfer) -> None:
-        if xfer.released:
+    def _prefault_one(self) -> None:
+        """Map in one step of a new peer's segments; only between jobs, so never a mapping
+        that a job is closing."""
+        try:
+            mapping, offset, length = self._prefault.popleft()
+        except IndexError:
             return
+        try:
+            mapping.populate(offset, length)
+        except OSError:  # the kernel cannot: the first copies fault instead
+            self._prefault.clear()
+
+    def _start(self, xfer: _Xfer) -> Split | None:
+        """The job of one transfer: check the peer, plan, and hand out the copy as chunks."""
+        if xfer.released or self._closed:
+            return None
         try:
             if xfer.peer.gone():
                 raise TransferFailedError(f"peer {xfer.peer.name!r} (pid {xfer.peer.pid}) is gone")
             if isinstance(xfer.batches, _Request):
                 xfer.batches = self._plan(xfer.batches, xfer.write)
-            finished = self._copy(xfer)
-            if not finished:
-                return
+            copies: list[Callable[[], object]] = []
+            shared = False
+            for batch in xfer.batches:
+                more, concurrent = self._copies(xfer, batch)
+                copies += more
+                shared = shared or concurrent
+            chunks = [functools.partial(self._chunk, xfer, copy) for copy in copies]
+        except Exception as exc:  # expected or a bug: either way this transfer FAILS
+            self._end(xfer, exc)
+            return None
+        return Split(chunks, functools.partial(self._end, xfer), shared=shared)
+
+    def _copies(self, xfer: _Xfer, batch: _Batch) -> tuple[list[Callable[[], object]], bool]:
+        """The calls that copy one batch, and whether threads gain by sharing them."""
+        if batch.route == CMA:
+            cma = _cma.chunks(xfer.peer.pid, batch.dst, batch.src, batch.length, write=xfer.write)
+            return list(cma), True
+        if batch.route == MAPPED:
+            mapped, concurrent = _memcopy.chunks(batch.dst, batch.src, batch.length)
+            return list(mapped), concurrent
+        lib = self._cuda
+        assert lib is not None
+        ends = list(itertools.accumulate(batch.length.tolist()))
+        cuda: list[Callable[[], object]] = [
+            functools.partial(
+                lib.copy_all,
+                batch.dst[a:b].tolist(),
+                batch.src[a:b].tolist(),
+                batch.length[a:b].tolist(),
+                batch.device,
+            )
+            for a, b in itertools.pairwise(_memcopy.group_bounds(ends))
+        ]
+        return cuda, True
+
+    def _chunk(self, xfer: _Xfer, copy: Callable[[], object]) -> None:
+        if xfer.released or self._closed:
+            raise _Aborted
+        copy()
+
+    def _end(self, xfer: _Xfer, error: BaseException | None) -> None:
+        """After the last chunk (or a failed start): DONE with the notification sent, or
+        FAILED with the reason; nothing for a transfer released or closed midway."""
+        if isinstance(error, _Aborted) or xfer.released:
+            return
+        try:
+            if error is not None:
+                raise error
             if xfer.peer.gone():
                 raise TransferFailedError(f"peer {xfer.peer.name!r} died during the transfer")
             if xfer.notify is not None:
@@ -662,43 +735,10 @@ class ShmTransport:
         except (TransportError, CmaError, _cuda.CudaError) as exc:
             xfer.error = str(exc)
             xfer.state = XferState.FAILED
+        except Exception as exc:  # a bug must fail the transfer, not hang its poller
+            xfer.error = f"{type(exc).__name__}: {exc}"
+            xfer.state = XferState.FAILED
         self._signal()
-
-    def _copy(self, xfer: _Xfer) -> bool:
-        """Move every byte; False when the transfer was released midway."""
-
-        def aborted() -> bool:
-            return xfer.released or self._closed
-
-        assert isinstance(xfer.batches, list)
-        for batch in xfer.batches:
-            if aborted():
-                return False
-            if batch.route == CMA:
-                ok = cma_copy(
-                    xfer.peer.pid,
-                    batch.dst,
-                    batch.src,
-                    batch.length,
-                    write=xfer.write,
-                    aborted=aborted,
-                )
-                if not ok:
-                    return False
-            elif batch.route == MAPPED:
-                if not copy_spans(batch.dst, batch.src, batch.length, aborted):
-                    return False
-            else:
-                lib = self._cuda
-                assert lib is not None
-                spans = zip(
-                    batch.dst.tolist(), batch.src.tolist(), batch.length.tolist(), strict=True
-                )
-                for d, s, n in spans:
-                    if aborted():
-                        return False
-                    lib.copy(d, s, n, batch.device)
-        return True
 
     # -- shutdown ---------------------------------------------------------------------
 
@@ -706,23 +746,18 @@ class ShmTransport:
         if self._closed:
             return
         self._closed = True
-        self._enqueue(None)
+        self._executor.stop()  # jobs never started are dropped: their transfers FAIL below
         self._worker.join()
+        self._executor.drain()  # a chunk still running in a thread inside ``wait`` ends
         with self._lock:
             pending = [x for x in self._xfers if x.state is XferState.PENDING]
-            peers = list(self._peers.values())
+            peers = list(self._peers.values()) + list(self._retiring)
             self._peers.clear()
+            self._retiring.clear()
             self._xfers.clear()
         for xfer in pending:
             xfer.error = "agent closed"
             xfer.state = XferState.FAILED
-        while True:
-            try:
-                job = self._jobs.get_nowait()
-            except queue.Empty:
-                break
-            if isinstance(job, _Retire):
-                job.peer.close(self._cuda)
         for peer in peers:
             peer.close(self._cuda)
         self._hub.close()

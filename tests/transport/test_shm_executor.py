@@ -1,0 +1,187 @@
+"""The shm transport's executor: jobs in order, chunks shared between the worker and
+helpers, errors handed to ``finish``, and a stop that leaves nothing running."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+import pytest
+from kvwire_shm._executor import Executor, Split
+
+
+class _Worker:
+    """The worker loop as the transport runs it, on a real thread."""
+
+    def __init__(self, executor: Executor) -> None:
+        self.executor = executor
+        self.thread = threading.Thread(target=self._loop, daemon=True)
+        self.thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            if self.executor.step():
+                continue
+            if self.executor.stopped:
+                return
+            self.executor.wait_ready()
+
+    def stop(self) -> None:
+        self.executor.stop()
+        self.thread.join(30)
+        assert not self.thread.is_alive()
+
+
+def _record(log: list[str], what: str) -> Callable[[], None]:
+    return lambda: log.append(what)
+
+
+def test_jobs_and_their_splits_end_in_submission_order() -> None:
+    log: list[str] = []
+    executor = Executor()
+    worker = _Worker(executor)
+    try:
+        for job in range(20):
+
+            def start(job: int = job) -> Split | None:
+                if job % 3:
+                    log.append(f"job{job}")
+                    return None
+                chunks = [_record(log, f"chunk{job}") for _ in range(4)]
+                return Split(chunks, lambda _: log.append(f"job{job}"))
+
+            executor.submit(start)
+        done = threading.Event()
+        executor.submit(lambda: done.set())
+        assert done.wait(30)
+    finally:
+        worker.stop()
+    finished = [entry for entry in log if entry.startswith("job")]
+    assert finished == [f"job{i}" for i in range(20)]
+    for job in range(0, 20, 3):  # every chunk of a split ran before its finish
+        end = log.index(f"job{job}")
+        assert log[:end].count(f"chunk{job}") == 4
+
+
+def test_a_helper_shares_a_shared_split_and_not_a_private_one() -> None:
+    """Chunk 0 waits for chunk 1 to have run on another thread: the split can end only if
+    the helper took part, and the worker alone would block in chunk 0."""
+    executor = Executor()
+    helped: dict[str, set[str]] = {"shared": set(), "private": set()}
+    ran_1 = threading.Event()
+    ends: dict[str, threading.Event] = {"shared": threading.Event(), "private": threading.Event()}
+
+    def chunks(kind: str) -> list[Callable[[], None]]:
+        def first() -> None:
+            helped[kind].add(threading.current_thread().name)
+            if kind == "shared":
+                assert ran_1.wait(30), "no second thread ran chunk 1"
+
+        def second() -> None:
+            helped[kind].add(threading.current_thread().name)
+            ran_1.set()
+
+        return [first, second]
+
+    executor.submit(lambda: Split(chunks("shared"), lambda _: ends["shared"].set()))
+    executor.submit(lambda: Split(chunks("private"), lambda _: ends["private"].set(), shared=False))
+    worker = _Worker(executor)
+    try:
+        while not ends["shared"].is_set():
+            executor.help()
+        assert ends["private"].wait(30)
+        assert not executor.help()  # nothing left to help with
+    finally:
+        worker.stop()
+    assert helped["shared"] == {"MainThread", worker.thread.name}
+    assert helped["private"] == {worker.thread.name}
+
+
+def test_a_failing_chunk_stops_the_split_and_reaches_finish() -> None:
+    executor = Executor()
+    ran: list[int] = []
+    ended: list[BaseException | None] = []
+
+    def chunk(i: int) -> Callable[[], None]:
+        def run() -> None:
+            ran.append(i)
+            if i == 1:
+                raise OSError("copy failed")
+
+        return run
+
+    executor.submit(lambda: Split([chunk(i) for i in range(5)], ended.append, shared=False))
+    while executor.step():
+        pass
+    assert ran == [0, 1]
+    assert len(ended) == 1 and isinstance(ended[0], OSError)
+    executor.submit(lambda: None)
+    assert executor.step(), "the executor is free for the next job"
+
+
+def test_an_empty_split_finishes_at_once_and_a_raising_job_frees_the_executor() -> None:
+    executor = Executor()
+    ended: list[BaseException | None] = []
+    executor.submit(lambda: Split([], ended.append))
+    assert executor.step()
+    assert ended == [None]
+
+    def broken() -> Split | None:
+        raise RuntimeError("bug")
+
+    executor.submit(broken)
+    with pytest.raises(RuntimeError):
+        executor.step()
+    assert executor.exclusive(lambda: None), "a raising job left the executor busy"
+
+
+def test_exclusive_runs_only_when_nothing_is_queued_or_running() -> None:
+    executor = Executor()
+    held = threading.Event()
+    release = threading.Event()
+
+    def blocking_chunk() -> None:
+        held.set()
+        assert release.wait(30)
+
+    executor.submit(lambda: Split([blocking_chunk], lambda _: None))
+    assert executor.step()  # starts the job; its one chunk is now claimable
+    runner = threading.Thread(target=executor.step)
+    runner.start()
+    assert held.wait(30)
+    assert not executor.exclusive(lambda: pytest.fail("ran while a chunk was running"))
+    release.set()
+    runner.join(30)
+    executor.submit(lambda: None)
+    assert not executor.exclusive(lambda: pytest.fail("ran ahead of a queued job"))
+    assert executor.step()
+    assert executor.exclusive(lambda: None)
+
+
+def test_stop_returns_the_jobs_never_started_and_drain_waits_for_a_running_chunk() -> None:
+    executor = Executor()
+    held, release = threading.Event(), threading.Event()
+    finished = threading.Event()
+
+    def blocking_chunk() -> None:
+        held.set()
+        assert release.wait(30)
+
+    executor.submit(lambda: Split([blocking_chunk], lambda _: finished.set()))
+    never = [lambda: None, lambda: None]
+    for job in never:
+        executor.submit(job)
+    assert executor.step()
+    helper = threading.Thread(target=executor.help)
+    helper.start()
+    assert held.wait(30)
+    assert executor.stop() == never
+    assert not executor.step(), "a stopped executor started a job"
+    drained = threading.Thread(target=executor.drain)
+    drained.start()
+    drained.join(0.05)
+    assert drained.is_alive(), "drain returned while a chunk was still running"
+    release.set()
+    drained.join(30)
+    helper.join(30)
+    assert finished.is_set() and not drained.is_alive()
