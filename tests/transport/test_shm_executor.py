@@ -119,6 +119,15 @@ def test_a_failing_chunk_stops_the_split_and_reaches_finish() -> None:
     assert executor.step(), "the executor is free for the next job"
 
 
+def test_a_split_of_one_chunk_runs_where_its_job_started() -> None:
+    executor = Executor()
+    ran: list[str] = []
+    executor.submit(lambda: Split([lambda: ran.append("chunk")], lambda _: ran.append("end")))
+    assert executor.step()
+    assert ran == ["chunk", "end"]
+    assert not executor.help()
+
+
 def test_an_empty_split_finishes_at_once_and_a_raising_job_frees_the_executor() -> None:
     executor = Executor()
     ended: list[BaseException | None] = []
@@ -144,14 +153,15 @@ def test_exclusive_runs_only_when_nothing_is_queued_or_running() -> None:
         held.set()
         assert release.wait(30)
 
-    executor.submit(lambda: Split([blocking_chunk], lambda _: None))
-    assert executor.step()  # starts the job; its one chunk is now claimable
+    executor.submit(lambda: Split([blocking_chunk, lambda: None], lambda _: None))
+    assert executor.step()  # starts the job; its two chunks are now claimable
     runner = threading.Thread(target=executor.step)
     runner.start()
     assert held.wait(30)
     assert not executor.exclusive(lambda: pytest.fail("ran while a chunk was running"))
     release.set()
     runner.join(30)
+    assert executor.step()  # the second chunk, then the job's finish
     executor.submit(lambda: None)
     assert not executor.exclusive(lambda: pytest.fail("ran ahead of a queued job"))
     assert executor.step()
@@ -167,7 +177,7 @@ def test_stop_returns_the_jobs_never_started_and_drain_waits_for_a_running_chunk
         held.set()
         assert release.wait(30)
 
-    executor.submit(lambda: Split([blocking_chunk], lambda _: finished.set()))
+    executor.submit(lambda: Split([blocking_chunk, lambda: None], lambda _: finished.set()))
     never = [lambda: None, lambda: None]
     for job in never:
         executor.submit(job)
@@ -176,6 +186,7 @@ def test_stop_returns_the_jobs_never_started_and_drain_waits_for_a_running_chunk
     helper.start()
     assert held.wait(30)
     assert executor.stop() == never
+    assert executor.step(), "the running job's last chunk can still be claimed"
     assert not executor.step(), "a stopped executor started a job"
     drained = threading.Thread(target=executor.drain)
     drained.start()

@@ -127,10 +127,16 @@ def chunks(
     the GIL only to make the call; a short count is redone by :func:`cma_copy` (copying a
     span twice leaves the same bytes).
     """
-    local, remote, lengths = split_long(
-        local.astype(np.int64), remote.astype(np.int64), lengths.astype(np.int64), same_space=False
-    )
+    if lengths.shape[0] and int(lengths.max()) > CHUNK_BYTES:
+        local, remote, lengths = split_long(
+            local.astype(np.int64),
+            remote.astype(np.int64),
+            lengths.astype(np.int64),
+            same_space=False,
+        )
     n = int(lengths.shape[0])
+    if n == 0:
+        return []
     iov = np.empty((2, n, 2), dtype=np.uint64)
     iov[0, :, 0], iov[1, :, 0] = local, remote
     iov[0, :, 1] = iov[1, :, 1] = lengths
@@ -145,5 +151,6 @@ def chunks(
             return iov  # (and keeps the iovecs alive as long as a call may read them)
         return cma_copy(pid, local[a:b], remote[a:b], lengths[a:b], write=write, aborted=_never)
 
-    bounds = group_bounds(ends, CHUNK_BYTES, IOV_MAX)
+    one = n <= IOV_MAX and ends[-1] <= CHUNK_BYTES
+    bounds = [0, n] if one else group_bounds(ends, CHUNK_BYTES, IOV_MAX)
     return [functools.partial(run, a, b) for a, b in itertools.pairwise(bounds)]

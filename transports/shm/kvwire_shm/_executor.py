@@ -16,6 +16,8 @@ so whatever jobs do in order (sending notifications) keeps the order of submissi
 from __future__ import annotations
 
 import collections
+import contextlib
+import queue
 import threading
 from collections.abc import Callable, Sequence
 
@@ -66,11 +68,14 @@ class Executor:
         self._split: Split | None = None
         self._stopped = False
         self._on_split = on_split
+        self._wakeups: queue.SimpleQueue[None] = queue.SimpleQueue()
+        """Where the worker sleeps: C-level and one futex per wake-up, where a Condition
+        costs a Python-level waiter lock and a second pass through the GIL."""
 
     def submit(self, job: Job) -> None:
         with self._cond:
             self._queue.append(job)
-            self._cond.notify()
+        self._wakeups.put(None)
 
     def stop(self) -> list[Job]:
         """Start no more jobs (chunks of the running one may still be claimed); returns the
@@ -80,6 +85,7 @@ class Executor:
             left = list(self._queue)
             self._queue.clear()
             self._cond.notify_all()
+        self._wakeups.put(None)
         return left
 
     def _ready(self) -> bool:
@@ -127,19 +133,19 @@ class Executor:
         if split is None:
             self._idle()
             return
-        if not split.shared:  # run here, back to back: nothing to hand out
+        alone = not split.shared or len(split.chunks) == 1
+        if alone:  # run here, back to back: nothing to hand out
             for chunk in split.chunks:
                 try:
                     chunk()
                 except Exception as exc:  # handed to finish, as from a shared chunk
                     split.error = exc
                     break
-        if not split.shared or not split.chunks:
+        if alone or not split.chunks:
             self._finish(split)
             return
         with self._cond:
             self._split = split
-            self._cond.notify_all()
         if len(split.chunks) > 1:
             self._on_split()
 
@@ -170,6 +176,9 @@ class Executor:
         with self._cond:
             self._busy = False
             self._cond.notify_all()
+            more = bool(self._queue)
+        if more:  # the worker may be asleep behind a job that a helper finished
+            self._wakeups.put(None)
 
     def exclusive(self, action: Callable[[], object]) -> bool:
         """Run ``action`` here as if it were a job, but only if nothing is queued or
@@ -185,10 +194,14 @@ class Executor:
         return True
 
     def wait_ready(self, timeout: float | None = None) -> bool:
-        """Block until :meth:`step` could do something, :meth:`stop`, or ``timeout``;
-        whether it could."""
+        """The worker's sleep: until :meth:`step` may have something to do, :meth:`stop`,
+        or ``timeout``; whether :meth:`step` has something now."""
         with self._cond:
-            self._cond.wait_for(lambda: self._ready() or self._stopped, timeout)
+            if self._ready() or self._stopped:
+                return self._ready()
+        with contextlib.suppress(queue.Empty):
+            self._wakeups.get(timeout=timeout)
+        with self._cond:
             return self._ready()
 
     @property
