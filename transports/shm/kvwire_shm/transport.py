@@ -691,8 +691,9 @@ class ShmTransport:
     def _copies(self, xfer: _Xfer, batch: _Batch) -> tuple[list[Callable[[], object]], bool]:
         """The calls that copy one batch, and whether threads gain by sharing them."""
         if batch.route == CMA:
-            cma = _cma.chunks(xfer.peer.pid, batch.dst, batch.src, batch.length, write=xfer.write)
-            return list(cma), True
+            return _cma.chunks(
+                xfer.peer.pid, batch.dst, batch.src, batch.length, write=xfer.write
+            ), True
         if batch.route == MAPPED:
             mapped, concurrent = _memcopy.chunks(batch.dst, batch.src, batch.length)
             return list(mapped), concurrent
