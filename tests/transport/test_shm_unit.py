@@ -438,8 +438,9 @@ def test_close_wakes_a_blocked_wait_and_leaves_no_descriptor() -> None:
         a.wait(0.0)
 
 
-def test_a_bug_while_planning_fails_that_transfer_and_the_worker_lives_on(
-    monkeypatch: pytest.MonkeyPatch,
+@pytest.mark.parametrize("where", ["planning", "copying"])
+def test_a_bug_fails_that_transfer_and_the_worker_lives_on(
+    monkeypatch: pytest.MonkeyPatch, where: str
 ) -> None:
     a, b = _pair()
     try:
@@ -451,8 +452,13 @@ def test_a_bug_while_planning_fails_that_transfer_and_the_worker_lives_on(
         local = np.array([[dst.ctypes.data, 4096, 0]], dtype=np.int64)
         remote = np.array([[src.ctypes.data, 4096, 0]], dtype=np.int64)
 
-        def broken(*_: object, **__: object) -> list[object]:
+        def bug() -> None:
             raise RuntimeError("planted bug")
+
+        def broken(*_: object, **__: object) -> list[object]:
+            if where == "planning":
+                bug()
+            return [bug]
 
         with monkeypatch.context() as patch:
             patch.setattr("kvwire_shm._cma.chunks", broken)

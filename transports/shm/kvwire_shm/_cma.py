@@ -65,14 +65,10 @@ def cma_copy(
     lengths: Addresses,
     *,
     write: bool,
-    aborted: Callable[[], bool],
-) -> bool:
-    """Copy ``lengths[i]`` bytes between ``local[i]`` here and ``remote[i]`` in ``pid``.
-
-    Returns False when ``aborted()`` turned true between batches, True when every byte
-    moved. Short counts (the kernel caps one call near 2 GiB) resume where they stopped;
-    a call that moves nothing raises.
-    """
+) -> None:
+    """Copy ``lengths[i]`` bytes between ``local[i]`` here and ``remote[i]`` in ``pid``,
+    IOV_MAX descriptors per call. Short counts (the kernel caps one call near 2 GiB) resume
+    where they stopped; a call that moves nothing, or fails, raises :class:`CmaError`."""
     call = _writev if write else _readv
     la = local.astype(np.uint64, copy=True)
     ra = remote.astype(np.uint64, copy=True)
@@ -84,8 +80,6 @@ def cma_copy(
     p_r = iov_r.ctypes.data
     i = 0
     while i < n:
-        if aborted():
-            return False
         j = min(n, i + IOV_MAX)
         k = j - i
         iov_l[:k, 0] = la[i:j]
@@ -110,11 +104,6 @@ def cma_copy(
         la[i] += np.uint64(into)
         ra[i] += np.uint64(into)
         ln[i] -= np.uint64(into)
-    return True
-
-
-def _never() -> bool:
-    return False
 
 
 def chunks(
@@ -149,7 +138,8 @@ def chunks(
         want = ends[b - 1] - (ends[a - 1] if a else 0)
         if call(pid, p_local + a * stride, b - a, p_remote + a * stride, b - a, 0) == want:
             return iov  # (and keeps the iovecs alive as long as a call may read them)
-        return cma_copy(pid, local[a:b], remote[a:b], lengths[a:b], write=write, aborted=_never)
+        cma_copy(pid, local[a:b], remote[a:b], lengths[a:b], write=write)
+        return iov
 
     one = n <= IOV_MAX and ends[-1] <= CHUNK_BYTES
     bounds = [0, n] if one else group_bounds(ends, CHUNK_BYTES, IOV_MAX)

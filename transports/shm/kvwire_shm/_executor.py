@@ -1,16 +1,15 @@
-"""Jobs run strictly one after another, on whichever thread is free to run them.
+"""Jobs run strictly one after another by the agent's worker, with help from idle threads.
 
-An agent's worker thread used to run every transfer alone. That costs twice per READ: a
-wake-up of the worker (~35 us here) before the copy starts, and another of the waiting
-caller after it ends, on a 16 MiB READ that copies in ~1.2 ms. And one thread copying
-scattered 64 KiB spans out of cache reaches about half the machine's copy bandwidth,
-where two reach about 85%. A caller that is about to block in ``wait`` is a second thread
-with nothing to do, so here it may run the next job itself, or help with the one running.
+One thread copying scattered 64 KiB spans out of cache reaches about half of a single
+memcpy's bandwidth here, two threads about 85% (memory latency bound, not CPU bound). A
+caller blocked in ``wait`` is a second thread with nothing to do, so it may copy part of
+the running transfer.
 
-A job is a callable run on one thread. It may return a :class:`Split`: chunks that any
-thread calling :meth:`Executor.step` claims one at a time, and a ``finish`` that the
-thread ending the last chunk calls. The next job starts only after ``finish`` returned,
-so whatever jobs do in order (sending notifications) keeps the order of submission.
+A job is a callable the worker runs. It may return a :class:`Split`: chunks that the
+worker (:meth:`Executor.step`) and helpers (:meth:`Executor.help`) claim one at a time,
+and a ``finish`` that the thread ending the last chunk calls. The next job starts only
+after ``finish`` returned, so whatever jobs do in order (sending notifications) keeps the
+order of submission.
 """
 
 from __future__ import annotations
@@ -54,10 +53,10 @@ Job = Callable[[], Split | None]
 
 
 class Executor:
-    """A FIFO of jobs and at most one running Split, shared by every thread that steps.
+    """A FIFO of jobs and at most one running Split.
 
-    ``on_split`` is called (on the thread that started the job) when a Split with more
-    than one chunk begins, so threads blocked elsewhere can come and help.
+    ``on_split`` is called (on the worker) when a shared Split with more than one chunk
+    begins, so threads blocked elsewhere can come and help.
     """
 
     def __init__(self, on_split: Callable[[], object] = lambda: None) -> None:
@@ -84,7 +83,6 @@ class Executor:
             self._stopped = True
             left = list(self._queue)
             self._queue.clear()
-            self._cond.notify_all()
         self._wakeups.put(None)
         return left
 
@@ -146,8 +144,7 @@ class Executor:
             return
         with self._cond:
             self._split = split
-        if len(split.chunks) > 1:
-            self._on_split()
+        self._on_split()
 
     def _run(self, split: Split, chunk: Chunk) -> None:
         error: BaseException | None = None
@@ -193,16 +190,14 @@ class Executor:
             self._idle()
         return True
 
-    def wait_ready(self, timeout: float | None = None) -> bool:
+    def wait_ready(self, timeout: float | None = None) -> None:
         """The worker's sleep: until :meth:`step` may have something to do, :meth:`stop`,
-        or ``timeout``; whether :meth:`step` has something now."""
+        or ``timeout``."""
         with self._cond:
             if self._ready() or self._stopped:
-                return self._ready()
+                return
         with contextlib.suppress(queue.Empty):
             self._wakeups.get(timeout=timeout)
-        with self._cond:
-            return self._ready()
 
     @property
     def stopped(self) -> bool:

@@ -695,8 +695,7 @@ class ShmTransport:
                 xfer.peer.pid, batch.dst, batch.src, batch.length, write=xfer.write
             ), True
         if batch.route == MAPPED:
-            mapped, concurrent = _memcopy.chunks(batch.dst, batch.src, batch.length)
-            return list(mapped), concurrent
+            return _memcopy.chunks(batch.dst, batch.src, batch.length)
         lib = self._cuda
         assert lib is not None
         ends = list(itertools.accumulate(batch.length.tolist()))
