@@ -121,7 +121,7 @@ def _instrument() -> bool:
 def _atheris(args: argparse.Namespace, extra: list[str]) -> int:
     import atheris  # type: ignore[import-untyped,import-not-found,unused-ignore]
     from kvwire_fuzz.corpus import all_seeds
-    from kvwire_fuzz.mutate import mutate
+    from kvwire_fuzz.mutate import RandomChooser, mutate
     from kvwire_fuzz.targets import run
 
     _seed_corpus(args.target, args.corpus)
@@ -138,12 +138,7 @@ def _atheris(args: argparse.Namespace, extra: list[str]) -> int:
         if rng.random() < 0.5:
             return bytes(atheris.Mutate(data, max_size))
         head, body = (data[:1], data[1:]) if keep_selector and data else (b"", data)
-
-        class Rng:
-            def integer(self, low: int, high: int) -> int:
-                return rng.randint(low, high)
-
-        return (head + mutate(body, pool, Rng()))[:max_size]
+        return (head + mutate(body, pool, RandomChooser(rng)))[:max_size]
 
     libfuzzer = [
         sys.argv[0],

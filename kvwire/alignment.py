@@ -353,8 +353,7 @@ def _check_pair(
         return
     if remote.kernel_block_size <= 0 or remote.tp_size <= 0:
         return
-    local_heads = 1 if kind is RegionKind.REPLICATED else len(local.heads)
-    content = lv.block_len // (local_heads * local.kernel_block_size)
+    content = lv.block_len // (local.heads_in_region(lv.index) * local.kernel_block_size)
     remote_heads = (
         1 if kind is RegionKind.REPLICATED else heads_per_rank(remote.tp_size, local.total_kv_heads)
     )

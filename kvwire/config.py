@@ -127,7 +127,7 @@ class KVWireConfig:
                 continue
             changes[name] = _parsed(var, raw.strip(), parse)
         _warn_unknown(environ)
-        return self._replace(changes)
+        return dataclasses.replace(self, **changes)
 
     def with_vllm_extra_config(self, extra: Mapping[str, Any]) -> KVWireConfig:
         """A copy with the meaningful keys of vLLM's ``kv_connector_extra_config`` applied;
@@ -145,9 +145,6 @@ class KVWireConfig:
                 if name in changes and key == "decoder_kv_blocks_ttl":
                     continue  # push_registration_timeout wins, as in vLLM
                 changes[name] = value
-        return self._replace(changes)
-
-    def _replace(self, changes: Mapping[str, Any]) -> KVWireConfig:
         return dataclasses.replace(self, **changes)
 
     # -- using -----------------------------------------------------------------------

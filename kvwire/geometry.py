@@ -21,12 +21,14 @@ from __future__ import annotations
 import enum
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
 
 from kvwire.errors import ConfigError, IncompatiblePeerError
+from kvwire.topology import head_range
 
 SHARED_GROUP_ID = -1
 """``region_group_ids`` value of a region whose blocks every KV-cache group indexes."""
@@ -65,20 +67,19 @@ def parse_layout(value: str | KVLayout, *, who: str = "local") -> KVLayout:
 
 
 def rank_heads(tp_rank: int, tp_size: int, total_kv_heads: int) -> npt.NDArray[np.int64]:
-    """Global KV head ids held by one TP rank, in storage order.
-
-    With more ranks than heads every rank holds exactly one head (GQA replication), the
-    head ``tp_rank * total // tp_size``; otherwise the heads are split evenly in order.
-    """
-    if tp_size >= total_kv_heads:
-        return np.array([tp_rank * total_kv_heads // tp_size], dtype=np.int64)
-    per_rank = total_kv_heads // tp_size
-    return np.arange(tp_rank * per_rank, (tp_rank + 1) * per_rank, dtype=np.int64)
+    """:func:`kvwire.topology.head_range` as an array, for index arithmetic."""
+    heads = head_range(tp_rank, tp_size, total_kv_heads)
+    return np.arange(heads.start, heads.stop, dtype=np.int64)
 
 
 def heads_per_rank(tp_size: int, total_kv_heads: int) -> int:
     """``max(1, total_kv_heads // tp_size)``: the GQA cap on heads stored per rank."""
     return max(1, total_kv_heads // tp_size)
+
+
+def _region_label(index: int, name: str | None) -> str:
+    """How error messages name a region, on either side of a pair."""
+    return f"{index} ({name})" if name else str(index)
 
 
 @dataclass(frozen=True)
@@ -243,11 +244,12 @@ class KVGeometry:
         return kind
 
     def heads_in_region(self, index: int) -> int:
-        return 1 if self.kind_of(index) is not RegionKind.ATTENTION else len(self.heads)
+        if self.kind_of(index) is not RegionKind.ATTENTION:
+            return 1
+        return heads_per_rank(self.tp_size, self.total_kv_heads)
 
     def region_label(self, index: int) -> str:
-        name = self.regions[index].name
-        return f"{index} ({name})" if name else str(index)
+        return _region_label(index, self.regions[index].name)
 
     def region_device(self, index: int) -> int:
         device = self.regions[index].device_id
@@ -357,7 +359,7 @@ class RemoteRegion:
     packed_members: Mapping[str, tuple[int, int]]
 
     def label(self, index: int) -> str:
-        return f"{index} ({self.name})" if self.name else str(index)
+        return _region_label(index, self.name)
 
 
 @dataclass(frozen=True)
@@ -482,7 +484,7 @@ class RemoteGeometry:
     def from_local(cls, geometry: KVGeometry, *, engine_id: str = "") -> RemoteGeometry:
         """How a peer sees ``geometry`` (tests and in-process pairs skip the wire this way)."""
         fields = geometry.agent_metadata_fields()
-        md = _FieldView(engine_id=engine_id, **fields)
+        md = SimpleNamespace(engine_id=engine_id, **fields)
         return cls.from_agent_metadata(
             md,
             tp_rank=geometry.tp_rank,
@@ -490,13 +492,3 @@ class RemoteGeometry:
             pp_rank=geometry.pp_rank,
             pp_size=geometry.pp_size,
         )
-
-
-class _FieldView:
-    """Attribute access over a dict of AgentMetadata fields."""
-
-    def __init__(self, **fields: Any) -> None:
-        self.__dict__.update(fields)
-
-    def __getattr__(self, name: str) -> Any:  # pragma: no cover - only for mypy's benefit
-        raise AttributeError(name)

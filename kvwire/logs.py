@@ -44,14 +44,28 @@ class ContextLogger(logging.LoggerAdapter):  # type: ignore[type-arg]
         """The same logger with more (or changed) context."""
         return ContextLogger(self.logger, {**self.context, **context})
 
+    def log(self, level: int, msg: Any, *args: Any, **kwargs: Any) -> None:
+        """As the standard adapter, but the suffix is %-escaped only when ``args`` will be
+        %-formatted into the message: a call without args is printed as written, and an
+        escaped ``%`` (an IPv6 zone in a peer address) would show doubled."""
+        if self.isEnabledFor(level):
+            msg, options = self._with_context(msg, kwargs, escape=bool(args))
+            options["stacklevel"] = options.get("stacklevel", 1) + 1  # report our caller
+            self.logger.log(level, msg, *args, **options)
+
     def process(
         self, msg: Any, kwargs: MutableMapping[str, Any]
+    ) -> tuple[Any, MutableMapping[str, Any]]:
+        return self._with_context(msg, kwargs, escape=True)
+
+    def _with_context(
+        self, msg: Any, kwargs: MutableMapping[str, Any], *, escape: bool
     ) -> tuple[Any, MutableMapping[str, Any]]:
         call = kwargs.get("extra") or {}
         merged = {k: v for k, v in {**self.context, **call}.items() if v is not None}
         kwargs["extra"] = {**merged, "kvwire": merged}
         if merged:
-            msg = f"{msg} [{_suffix(merged)}]"
+            msg = f"{msg} [{_suffix(merged, escape=escape)}]"
         return msg, kwargs
 
 
@@ -60,11 +74,12 @@ def get_logger(name: str, **context: Any) -> ContextLogger:
     return ContextLogger(logging.getLogger(name), context)
 
 
-def _suffix(context: Mapping[str, Any]) -> str:
+def _suffix(context: Mapping[str, Any], *, escape: bool = False) -> str:
     ordered = [k for k in CONTEXT_FIELDS if k in context]
     ordered += sorted(k for k in context if k not in CONTEXT_FIELDS)
+    text = " ".join(f"{k}={context[k]}" for k in ordered)
     # '%' would be read as a placeholder when the record is formatted with its args.
-    return " ".join(f"{k}={context[k]}" for k in ordered).replace("%", "%%")
+    return text.replace("%", "%%") if escape else text
 
 
 class JsonFormatter(logging.Formatter):
@@ -78,7 +93,7 @@ class JsonFormatter(logging.Formatter):
         context: dict[str, Any] = dict(getattr(record, "kvwire", {}) or {})
         message = record.getMessage()
         if context:
-            suffix = f" [{_suffix(context).replace('%%', '%')}]"
+            suffix = f" [{_suffix(context)}]"
             message = message.removesuffix(suffix)
         out: dict[str, Any] = {
             "time": self.formatTime(record),

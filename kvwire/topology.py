@@ -57,7 +57,12 @@ def remote_ranks(
     return [(pp, tp) for pp in range(remote_pp) for tp in tps]
 
 
-def _heads(tp_rank: int, tp_size: int, total_kv_heads: int) -> range:
+def head_range(tp_rank: int, tp_size: int, total_kv_heads: int) -> range:
+    """Global KV head ids held by one TP rank, in storage order.
+
+    With more ranks than heads every rank holds exactly one head (GQA replication), the
+    head ``tp_rank * total // tp_size``; otherwise the heads are split evenly in order.
+    """
     if tp_size >= total_kv_heads:
         head = tp_rank * total_kv_heads // tp_size
         return range(head, head + 1)
@@ -80,8 +85,10 @@ def head_sources(
         raise ConfigError(f"total_kv_heads must be positive, got {total_kv_heads}")
     peers = remote_tp_ranks(consumer_tp_rank, consumer_tp, producer_tp)
     sources = []
-    for head in _heads(consumer_tp_rank, consumer_tp, total_kv_heads):
-        holder = next((p for p in peers if head in _heads(p, producer_tp, total_kv_heads)), None)
+    for head in head_range(consumer_tp_rank, consumer_tp, total_kv_heads):
+        holder = next(
+            (p for p in peers if head in head_range(p, producer_tp, total_kv_heads)), None
+        )
         if holder is None:
             raise ConfigError(
                 f"no producer rank among {peers} holds KV head {head} "

@@ -39,7 +39,7 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 import numpy.typing as npt
 
-from kvwire.errors import DescriptorError, TransportUnavailableError
+from kvwire.errors import DescriptorError, TransportError, TransportUnavailableError
 
 ENTRY_POINT_GROUP = "kvwire.transports"
 
@@ -210,6 +210,19 @@ def as_descs(descs: npt.ArrayLike) -> Descs:
     if arr.shape[0] and ((arr[:, 0] < 0).any() or (arr[:, 1] < 0).any()):
         raise DescriptorError("descriptors must have non-negative addresses and lengths")
     return arr
+
+
+def as_message(message: object) -> bytes:
+    """A notification as ``bytes``; :class:`TransportError` for anything not bytes-like.
+
+    ``bytes(message)`` alone would not do: it turns an int into that many zero bytes and
+    raises a bare ``TypeError`` for a str, neither of which the contract allows.
+    """
+    if isinstance(message, bytes):
+        return message
+    if isinstance(message, (bytearray, memoryview)):
+        return bytes(message)
+    raise TransportError(f"a notification must be bytes, got {type(message).__name__}")
 
 
 def check_pair(local: Descs, remote: Descs) -> None:

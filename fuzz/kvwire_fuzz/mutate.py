@@ -10,6 +10,7 @@ prefixes of the text notifications.
 
 from __future__ import annotations
 
+import random
 import struct
 from collections.abc import Callable, Sequence
 from typing import Protocol, TypeVar
@@ -97,6 +98,16 @@ class Chooser(Protocol):
     def integer(self, low: int, high: int) -> int:
         """An int in ``[low, high]``, both ends included."""
         ...
+
+
+class RandomChooser:
+    """A :class:`Chooser` over :mod:`random` (the atheris harness's own mutations)."""
+
+    def __init__(self, rng: random.Random) -> None:
+        self._rng = rng
+
+    def integer(self, low: int, high: int) -> int:
+        return self._rng.randint(low, high)
 
 
 def pick(ch: Chooser, items: Sequence[T]) -> T:
@@ -190,13 +201,10 @@ def nest(data: bytes, ch: Chooser) -> bytes:
 
 def drop_entry(data: bytes, ch: Chooser) -> bytes:
     """Remove one key/value pair of a map (a required field goes missing)."""
-    node = _node(ch, data, frozenset({"map"}))
-    if node is None or node.length == 0:
+    entry = _map_entry(data, ch)
+    if entry is None:
         return data
-    pairs = _pairs(data, node)
-    if not pairs:
-        return data
-    key, value = pick(ch, pairs)
+    node, key, value = entry
     head = b"\xdf" + struct.pack(">I", node.length - 1)
     body = data[node.offset + node.header_len : key.offset] + data[value.end : node.end]
     return data[: node.offset] + head + body + data[node.end :]
@@ -204,16 +212,24 @@ def drop_entry(data: bytes, ch: Chooser) -> bytes:
 
 def repeat_entry(data: bytes, ch: Chooser) -> bytes:
     """Repeat one key/value pair of a map, with the count raised to match."""
-    node = _node(ch, data, frozenset({"map"}))
-    if node is None or node.length == 0:
+    entry = _map_entry(data, ch)
+    if entry is None:
         return data
-    pairs = _pairs(data, node)
-    if not pairs:
-        return data
-    key, value = pick(ch, pairs)
+    node, key, value = entry
     head = b"\xdf" + struct.pack(">I", node.length + 1)
     body = data[node.offset + node.header_len : node.end]
     return data[: node.offset] + head + data[key.offset : value.end] + body + data[node.end :]
+
+
+def _map_entry(data: bytes, ch: Chooser) -> tuple[Node, Node, Node] | None:
+    """A chosen non-empty map and one of its (key, value) pairs; ``None`` if there is none."""
+    node = _node(ch, data, frozenset({"map"}))
+    if node is None or node.length == 0:
+        return None
+    pairs = _pairs(data, node)
+    if not pairs:
+        return None
+    return (node, *pick(ch, pairs))
 
 
 def _pairs(data: bytes, node: Node) -> list[tuple[Node, Node]]:

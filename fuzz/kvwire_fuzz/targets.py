@@ -186,23 +186,6 @@ TARGETS: tuple[Target, ...] = (
 
 BY_NAME: dict[str, Target] = {t.name: t for t in TARGETS}
 
-COVERED_DECODERS: frozenset[str] = frozenset(
-    {
-        "decode",
-        "decode_clock_reply",
-        "decode_completion",
-        "decode_handshake",
-        "decode_handshake_payload",
-        "decode_handshake_request",
-        "decode_heartbeat",
-        "decode_notification",
-        "decode_push_registration",
-        "parse_kv_transfer_params",
-    }
-)
-"""The public decoders of :mod:`kvwire.wire` the targets above call; a test checks that no
-public ``decode*``/``parse*`` function is missing from it."""
-
 
 def run_all(data: bytes) -> None:
     """Run every target on ``data`` (the Hypothesis tests' oracle)."""

@@ -49,7 +49,8 @@ import numpy.typing as npt
 
 from kvwire.bench.e2e_peer import marker
 from kvwire.bench.report import Report, Result
-from kvwire.demo.framing import FrameWriter, read_frame
+from kvwire.demo.engines import blocks_for
+from kvwire.demo.framing import FrameWriter, close_pipes, read_frame, spawn, wait_or_kill
 from kvwire.demo.models import BLOCK_TOKENS, CacheSpec, preset
 from kvwire.demo.worker import allocate
 from kvwire.errors import KVWireError, TransportError
@@ -80,13 +81,7 @@ class _Prefill:
     """The prefill process, request/answer over its stdin/stdout."""
 
     def __init__(self, init: dict[str, Any]) -> None:
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvwire.bench.e2e_peer"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            env=env,
-        )
+        self.proc = spawn("kvwire.bench.e2e_peer")
         assert self.proc.stdin is not None and self.proc.stdout is not None
         self._out = FrameWriter(self.proc.stdin)
         self._in = self.proc.stdout
@@ -107,15 +102,8 @@ class _Prefill:
     def close(self) -> None:
         with contextlib.suppress(OSError, ValueError):
             self._out.send({"op": "exit"})
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        for stream in (self.proc.stdin, self.proc.stdout):
-            if stream is not None:
-                with contextlib.suppress(OSError):
-                    stream.close()
+        wait_or_kill(self.proc, 30)
+        close_pipes(self.proc)
 
 
 @dataclass
@@ -178,7 +166,7 @@ class _Bench:
         Block ids are random on both sides, or with ``contiguous`` the first ones in order
         (a fresh engine's allocation: every layer's blocks coalesce into one span).
         """
-        nblocks = -(-tokens // BLOCK_TOKENS)
+        nblocks = blocks_for(tokens)
         total = self.spec.num_blocks
         if contiguous:
             p_blocks = d_blocks = np.arange(nblocks, dtype=np.int64)
@@ -232,7 +220,7 @@ class _Bench:
 
 def _spec(max_tokens: int) -> CacheSpec:
     model = preset(MODEL)
-    return CacheSpec(model, model.num_layers, -(-max_tokens // BLOCK_TOKENS), 0, 1)
+    return CacheSpec(model, model.num_layers, blocks_for(max_tokens), 0, 1)
 
 
 @contextlib.contextmanager

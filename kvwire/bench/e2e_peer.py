@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from kvwire.demo.framing import FrameWriter, read_frame
+from kvwire.demo.framing import FrameWriter, commands, read_frame
 from kvwire.demo.models import CacheSpec, preset
 from kvwire.demo.worker import allocate
 from kvwire.runtime import Producer, RuntimeConfig
@@ -61,10 +61,7 @@ def main() -> int:
         producer.register_kv_caches(spec.geometry(int(buffer.ctypes.data)))
         listener.set_payloads({(0, 0): producer.handshake_payload()})
         out.send({"ok": True, "port": listener.port})
-        while True:
-            cmd = read_frame(reader)
-            if cmd is None or cmd["op"] == "exit":
-                break
+        for cmd in commands(reader):
             deadline = time.monotonic() + 60
             while held is not None and time.monotonic() < deadline:
                 if held in {f.request_id for f in producer.get_finished()}:

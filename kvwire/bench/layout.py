@@ -15,7 +15,7 @@ import argparse
 import numpy as np
 
 from kvwire.bench.report import Report, Result, repeat
-from kvwire.geometry import KVGeometry, Region, RemoteGeometry
+from kvwire.geometry import KVGeometry, Region, RemoteGeometry, heads_per_rank
 from kvwire.layout import Descs, PeerLayout
 
 LAYERS = 80
@@ -28,8 +28,7 @@ CAPACITY = 2048  # blocks per region
 
 
 def llama70b_rank(tp_rank: int, tp_size: int, base: int, device: int) -> KVGeometry:
-    heads = max(1, KV_HEADS // tp_size)
-    block_len = heads * BLOCK * HEAD_DIM * DTYPE_BYTES
+    block_len = heads_per_rank(tp_size, KV_HEADS) * BLOCK * HEAD_DIM * DTYPE_BYTES
     region_bytes = block_len * CAPACITY
     regions = [
         Region(
@@ -98,11 +97,10 @@ def _measure(
 
     fast = repeat(lambda: layout.plan([local_ids], [remote_ids]), repeats=repeats * 4)
     slow = repeat(lambda: loop_plan(consumer, producer, lids, rids, rank_offset), repeats=repeats)
-    name = prefix
     baseline = "per-block Python loop"
     report.add(
         Result(
-            f"{name}descs_per_s",
+            f"{prefix}descs_per_s",
             count / fast.median,
             "descs/s",
             baseline=baseline,
@@ -113,22 +111,22 @@ def _measure(
     )
     report.add(
         Result(
-            f"{name}ratio_vs_loop",
+            f"{prefix}ratio_vs_loop",
             slow.median / fast.median,
             "x",
             baseline=f"{baseline}: {slow.median * 1e3:.2f} ms",
         )
     )
     report.add(
-        Result(f"{name}plan_ms", fast.median * 1e3, "ms", min=fast.min * 1e3, max=fast.max * 1e3)
+        Result(f"{prefix}plan_ms", fast.median * 1e3, "ms", min=fast.min * 1e3, max=fast.max * 1e3)
     )
     report.add(
-        Result(f"{name}loop_ms", slow.median * 1e3, "ms", min=slow.min * 1e3, max=slow.max * 1e3)
+        Result(f"{prefix}loop_ms", slow.median * 1e3, "ms", min=slow.min * 1e3, max=slow.max * 1e3)
     )
-    report.add(Result(f"{name}descs", float(count), "descs"))
+    report.add(Result(f"{prefix}descs", float(count), "descs"))
     report.add(
         Result(
-            f"{name}handshake_ms",
+            f"{prefix}handshake_ms",
             handshake.median * 1e3,
             "ms",
             min=handshake.min * 1e3,

@@ -27,6 +27,7 @@ the figure with it running.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import statistics
 from collections import deque
@@ -192,40 +193,39 @@ def dict_baseline(live: int, ops: int) -> Callable[[], None]:
     return run_ops
 
 
-def _rate(
-    pipeline: PullPipeline, steps: int, repeats: int, *, gc_on: bool = False
-) -> tuple[Timing, int]:
-    """Events per second over ``repeats`` runs of ``steps`` steps (first run is warm-up)."""
+def _timed(run_once: Callable[[], int], repeats: int, *, gc_on: bool = False) -> tuple[Timing, int]:
+    """Operations per CPU second over ``repeats`` runs of ``run_once`` (which returns how many
+    operations it did) after one warm-up run; with ``gc_on`` the collector runs, from a clean
+    heap each time."""
     rates: list[float] = []
-    events_per_run = 0
+    count = 0
     for rep in range(repeats + 1):
         if gc_on:
             gc.collect()
+        with contextlib.nullcontext() if gc_on else gc_paused():
             t0 = cpu_clock()
-            events = pipeline.steps(steps)
+            count = run_once()
             elapsed = cpu_clock() - t0
-        else:
-            with gc_paused():
-                t0 = cpu_clock()
-                events = pipeline.steps(steps)
-                elapsed = cpu_clock() - t0
         if rep:
-            rates.append(events / elapsed)
-            events_per_run = events
-    return Timing(statistics.median(rates), min(rates), max(rates), tuple(rates)), events_per_run
+            rates.append(count / elapsed)
+    return Timing(statistics.median(rates), min(rates), max(rates), tuple(rates)), count
+
+
+def _rate(
+    pipeline: PullPipeline, steps: int, repeats: int, *, gc_on: bool = False
+) -> tuple[Timing, int]:
+    """Events per second of ``pipeline`` over runs of ``steps`` steps, and events per run."""
+    return _timed(lambda: pipeline.steps(steps), repeats, gc_on=gc_on)
 
 
 def _baseline_rate(live: int, ops: int, repeats: int) -> Timing:
     fn = dict_baseline(live, ops)
-    rates: list[float] = []
-    for rep in range(repeats + 1):
-        with gc_paused():
-            t0 = cpu_clock()
-            fn()
-            elapsed = cpu_clock() - t0
-        if rep:
-            rates.append(ops / elapsed)
-    return Timing(statistics.median(rates), min(rates), max(rates), tuple(rates))
+
+    def run_once() -> int:
+        fn()
+        return ops
+
+    return _timed(run_once, repeats)[0]
 
 
 def _add_rate(report: Report, name: str, rate: Timing, baseline: Timing | None = None) -> None:

@@ -24,9 +24,10 @@ from typing import Any
 import numpy as np
 
 from kvwire.bench.report import Report, Result
+from kvwire.bench.sweeps import scattered
+from kvwire.bench.transport import LATENCY_BYTES, SHAPES
+from kvwire.demo.framing import close_pipes, spawn, wait_or_kill
 
-SHAPES = ((256, 64 << 10, "64KiB"), (32, 2 << 20, "2MiB"))
-LATENCY_BYTES = 4096
 REGION_BYTES = 2 * max(count * size for count, size, _ in SHAPES)
 
 
@@ -49,19 +50,17 @@ def start_engine(cls: Any) -> Any:
 
 
 def _scattered(base: int, count: int, size: int, seed: int) -> list[int]:
-    slots = np.random.default_rng(seed).permutation(2 * count)[:count].astype(np.int64)
-    return (base + slots * size).tolist()  # type: ignore[no-any-return]
+    """The addresses of the transport suite's scattered blocks (same seeds, same slots)."""
+    addrs: list[int] = scattered(base, count, size, np.random.default_rng(seed))[:, 0].tolist()
+    return addrs
 
 
 class _Peer:
     """The target process: its engine's address and its buffer's."""
 
     def __init__(self) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvwire.bench.mooncake_peer", str(REGION_BYTES)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            env=dict(os.environ, MC_LOG_LEVEL="ERROR"),
+        self.proc = spawn(
+            "kvwire.bench.mooncake_peer", str(REGION_BYTES), env={"MC_LOG_LEVEL": "ERROR"}
         )
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()
@@ -75,14 +74,9 @@ class _Peer:
     def close(self) -> None:
         if self.proc.stdin is not None:
             with contextlib.suppress(OSError):
-                self.proc.stdin.close()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        if self.proc.stdout is not None:
-            self.proc.stdout.close()
+                self.proc.stdin.close()  # the peer serves until its stdin closes
+        wait_or_kill(self.proc, 10)
+        close_pipes(self.proc)
 
 
 def _measure(quick: bool) -> dict[str, list[float]]:

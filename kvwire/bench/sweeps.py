@@ -3,7 +3,9 @@
 For every transport the suite measures, one peer agent process
 (:class:`~kvwire.peer.agent.PeerAgent`, shared with the conformance suite) holds the remote
 memory and this process READs from it — always between two processes, pages touched before
-timing, one untimed warm-up per point, the median of several repetitions kept:
+timing, one untimed warm-up per point, the median of several repetitions kept. Unlike the
+suite's headline (plain numpy memory), both sides here use the transport's own host
+allocator where it has one (shm's peer-mappable segments), else numpy memory:
 
 * **bandwidth vs block size** (4 KiB … 8 MiB): the same total bytes as blocks of one size,
   scattered on both sides so nothing coalesces. Baselines in the same run: one numpy copy
@@ -81,8 +83,9 @@ def _descs(addrs: npt.NDArray[np.int64], length: int | npt.NDArray[np.int64]) ->
     return out
 
 
-def _scattered(base: int, count: int, size: int, rng: np.random.Generator) -> Descs:
-    """``count`` blocks of ``size`` at shuffled slots of a span of ``2 * count`` slots."""
+def scattered(base: int, count: int, size: int, rng: np.random.Generator) -> Descs:
+    """``count`` blocks of ``size`` at shuffled slots of a span of ``2 * count`` slots, so
+    no two are adjacent in order and nothing coalesces (every READ suite's block shape)."""
     slots = rng.permutation(2 * count)[:count].astype(np.int64)
     return _descs(base + slots * size, size)
 
@@ -183,8 +186,8 @@ def _bandwidth(
     out = []
     for size in sizes:
         count = max(1, total // size)
-        ld = _scattered(s.lbase, count, size, rng)
-        rd = _scattered(s.rbase, count, size, rng)
+        ld = scattered(s.lbase, count, size, rng)
+        rd = scattered(s.rbase, count, size, rng)
         s.read_all([(ld, rd)])  # warm-up
         samples = []
         for _ in range(repeats):
@@ -308,8 +311,8 @@ class _Baselines:
         self.spans: dict[int, tuple[list[int], list[int], list[int]]] = {}
         for size in sizes:
             count = max(1, total // size)
-            d = _scattered(int(self.dst.ctypes.data), count, size, rng)[:, 0].tolist()
-            src = _scattered(int(self.src.ctypes.data), count, size, rng)[:, 0].tolist()
+            d = scattered(int(self.dst.ctypes.data), count, size, rng)[:, 0].tolist()
+            src = scattered(int(self.src.ctypes.data), count, size, rng)[:, 0].tolist()
             self.spans[size] = (d, src, [size] * count)
         self.whole: list[float] = []
         self.per_block: dict[int, list[float]] = {size: [] for size in sizes}

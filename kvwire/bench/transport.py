@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from kvwire.bench.report import Report, Result, repeat
+from kvwire.bench.sweeps import scattered
 from kvwire.errors import ConfigError, TransportError
 from kvwire.transport import Transport, XferState, create, load, region_of_array
 
@@ -68,15 +69,6 @@ class _Memcpy:
         return float(np.median(self.samples[label]))
 
 
-def _scattered(base: int, count: int, size: int, seed: int) -> np.ndarray:
-    """``count`` blocks at shuffled, non-adjacent slots of a region twice as large."""
-    slots = np.random.default_rng(seed).permutation(2 * count)[:count].astype(np.int64)
-    descs = np.zeros((count, 3), dtype=np.int64)
-    descs[:, 0] = base + slots * size
-    descs[:, 1] = size
-    return descs
-
-
 def _read(local: Transport, peer: str, ldescs: np.ndarray, rdescs: np.ndarray) -> None:
     handle = local.read(peer, ldescs, rdescs)
     deadline = time.monotonic() + 60
@@ -108,7 +100,13 @@ def _measure(name: str, allocator: str, quick: bool, memcpy: _Memcpy) -> dict[st
             regions.append((count, size, label, int(array.ctypes.data), remote["addr"], array))
         peer_name = local.add_peer(peer.metadata())
         shapes = [
-            (count, size, label, _scattered(la, count, size, 1), _scattered(ra, count, size, 2))
+            (
+                count,
+                size,
+                label,
+                scattered(la, count, size, np.random.default_rng(1)),
+                scattered(ra, count, size, np.random.default_rng(2)),
+            )
             for count, size, label, la, ra, _ in regions
         ]
         for _ in range(3):  # warm every page and mapping of both sides before any timing

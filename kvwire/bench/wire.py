@@ -56,7 +56,9 @@ SMALL_REGIONS = 2  # one layer's K and V: the fixed per-message cost dominates
 
 # --- vLLM 0.31.0's definitions, as a baseline -------------------------------------------
 # Plain dataclasses with the v13 field list in wire order; msgspec encodes them exactly as
-# it encodes kvwire's Structs, which is what makes the comparison like for like.
+# it encodes kvwire's Structs, which is what makes the comparison like for like. Written
+# independently of kvwire.wire, so the interop tests also use them as "vLLM's side";
+# tests/bench checks them against the golden vectors.
 
 
 class _ConnectorHandshakeBase(ABC):  # noqa: B024 - mirrors vLLM's field-less base class
@@ -282,68 +284,30 @@ def run(args: argparse.Namespace) -> Report:
     report.add(Result("wire.agent_metadata.bytes", float(len(msg.md_bytes)), "B"))
     report.add(Result("wire.handshake_payload.bytes", float(len(msg.payload)), "B"))
 
-    _compare(
-        report,
-        "decode_handshake",
-        msg.decode_contenders(local_hash),
-        budget_s=budget_s,
-        repeats=repeats,
-    )
     md_bytes, payload = msg.md_bytes, msg.payload
     md_decoder = msgspec.msgpack.Decoder(VllmAgentMetadata)
-    _compare(
-        report,
-        "decode_agent_metadata",
-        {
+    payload_decoder = msgspec.msgpack.Decoder(VllmHandshakePayload)
+    ours_md, theirs_md = msg.ours, msg.theirs
+    comparisons: dict[str, dict[str, Callable[[], object]]] = {
+        "decode_handshake": msg.decode_contenders(local_hash),
+        "decode_agent_metadata": {
             "kvwire": lambda: decode(md_bytes, AgentMetadata),
             "vllm": lambda: md_decoder.decode(md_bytes),
         },
-        budget_s=budget_s,
-        repeats=repeats,
-    )
-    payload_decoder = msgspec.msgpack.Decoder(VllmHandshakePayload)
-    _compare(
-        report,
-        "decode_handshake_payload",
-        {
+        "decode_handshake_payload": {
             "kvwire": lambda: decode_handshake_payload(payload),
             "vllm": lambda: payload_decoder.decode(payload),
         },
-        budget_s=budget_s,
-        repeats=repeats,
-    )
-    _compare(
-        report,
-        "encode_handshake",
-        msg.encode_contenders(local_hash),
-        budget_s=budget_s,
-        repeats=repeats,
-    )
-    ours_md, theirs_md = msg.ours, msg.theirs
-    _compare(
-        report,
-        "encode_agent_metadata",
-        {
+        "encode_handshake": msg.encode_contenders(local_hash),
+        "encode_agent_metadata": {
             "kvwire": lambda: encode(ours_md),
             "vllm": lambda: _ENCODER.encode(theirs_md),
         },
-        budget_s=budget_s,
-        repeats=repeats,
-    )
-    _compare(
-        report,
-        "small.decode_handshake",
-        small.decode_contenders(local_hash),
-        budget_s=budget_s,
-        repeats=repeats,
-    )
-    _compare(
-        report,
-        "small.encode_handshake",
-        small.encode_contenders(local_hash),
-        budget_s=budget_s,
-        repeats=repeats,
-    )
+        "small.decode_handshake": small.decode_contenders(local_hash),
+        "small.encode_handshake": small.encode_contenders(local_hash),
+    }
+    for op, contenders in comparisons.items():
+        _compare(report, op, contenders, budget_s=budget_s, repeats=repeats)
     _regions_sweep(report, local_hash, quick=quick, budget_s=budget_s, repeats=repeats)
     return report
 

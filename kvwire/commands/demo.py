@@ -20,6 +20,7 @@ from kvwire.errors import ConfigError
 
 if TYPE_CHECKING:
     from kvwire.demo.run import DemoOptions
+    from kvwire.demo.soak import SoakSummary
     from kvwire.demo.summary import Summary
 
 
@@ -28,10 +29,14 @@ def add_workload_arguments(
     *,
     layers: int = 8,
     tokens: int = 1024,
-    tp: int = 1,
+    tp: int | None = None,
     lease: float = 30.0,
 ) -> None:
-    """The P/D workload options ``kvwire demo`` and ``kvwire soak`` share (their defaults)."""
+    """The P/D workload options ``kvwire demo`` and ``kvwire soak`` share (their defaults).
+
+    With ``tp`` None, --p-tp and --d-tp stay None unless given: the byte demo then runs
+    :class:`~kvwire.demo.run.DemoOptions`' TP 1, and ``--engine`` its own defaults.
+    """
     parser.add_argument(
         "--model", default="llama-3-8b", help="llama-3-8b, llama-3-70b or deepseek-v3 (alias: mla)"
     )
@@ -56,6 +61,7 @@ def workload_options(args: argparse.Namespace, **extra: Any) -> DemoOptions:
     """DemoOptions from the shared workload arguments, plus the caller's own fields."""
     from kvwire.demo.run import DemoOptions
 
+    tp = {k: v for k, v in (("p_tp", args.p_tp), ("d_tp", args.d_tp)) if v is not None}
     return DemoOptions(
         model=args.model,
         layers=args.layers,
@@ -63,9 +69,8 @@ def workload_options(args: argparse.Namespace, **extra: Any) -> DemoOptions:
         concurrency=args.concurrency,
         mode=args.mode,
         transport=args.transport,
-        p_tp=args.p_tp,
-        d_tp=args.d_tp,
         lease_s=args.lease,
+        **tp,
         **extra,
     )
 
@@ -105,20 +110,26 @@ def run(args: argparse.Namespace) -> int:
     else:
         if args.listen or args.connect:
             raise ConfigError("--listen and --connect go with --role prefill / --role decode")
-        _check_transport(options.transport)
+        check_transport(options.transport)
         log(f"kvwire demo: starting P (TP={options.p_tp}) and D (TP={options.d_tp}) processes")
         summary = run_local(options)
-    if args.json:
-        sys.stdout.write(json.dumps(summary.as_dict(), indent=2) + "\n")
-    else:
-        sys.stdout.write(summary.table())
+    write_summary(summary, as_json=args.json)
     return 0 if summary.verified else 1
 
 
-def _check_transport(name: str) -> None:
+def write_summary(summary: Summary | SoakSummary, *, as_json: bool) -> None:
+    """The summary on stdout, as JSON or as its table (``kvwire demo`` and ``kvwire soak``)."""
+    if as_json:
+        sys.stdout.write(json.dumps(summary.as_dict(), indent=2) + "\n")
+    else:
+        sys.stdout.write(summary.table())
+
+
+def check_transport(name: str) -> None:
+    """Load the transport here, so a missing one is a usage error, not a crash in a child."""
     from kvwire.transport import load
 
-    load(name)  # a missing transport is a usage error here, not a crash in a child
+    load(name)
 
 
 def _run_prefill(options: DemoOptions, listen: str | None) -> int:
@@ -131,7 +142,7 @@ def _run_prefill(options: DemoOptions, listen: str | None) -> int:
         raise ConfigError("--role prefill needs --listen HOST:PORT")
     host, port = parse_host_port(listen)
     options.validate()
-    _check_transport(options.transport)
+    check_transport(options.transport)
     engine_options = options.engine("prefill", options.p_tp, host=host)
     engine = PrefillEngine(engine_options).start()
     try:

@@ -9,10 +9,13 @@ any block leaked or any request got stuck.
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 
-from kvwire.commands.demo import add_workload_arguments, workload_options
+from kvwire.commands.demo import (
+    add_workload_arguments,
+    check_transport,
+    workload_options,
+    write_summary,
+)
 from kvwire.errors import ConfigError
 
 
@@ -40,7 +43,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from kvwire.demo.soak import SoakOptions, soak
-    from kvwire.transport import load
 
     if args.report_every <= 0:
         raise ConfigError(f"--report-every must be positive, got {args.report_every}")
@@ -55,10 +57,7 @@ def run(args: argparse.Namespace) -> int:
         report_every_s=args.report_every,
     )
     options.validate()
-    load(args.transport)  # a missing transport is a usage error here, not a crash in a child
+    check_transport(args.transport)
     summary = soak(options)
-    if args.json:
-        sys.stdout.write(json.dumps(summary.as_dict(), indent=2) + "\n")
-    else:
-        sys.stdout.write(summary.table())
+    write_summary(summary, as_json=args.json)
     return 0 if summary.ok else 1

@@ -79,6 +79,10 @@ class _Blocks:
     def give(self, blocks: list[int]) -> None:
         self._free.extend(blocks)
 
+    @property
+    def free(self) -> int:
+        return len(self._free)
+
 
 class PrefillEngine:
     """P: rank processes with KV caches, one listener, the proxy-facing ``prefill`` call."""
@@ -231,20 +235,26 @@ class DecodeEngine:
         self._listener.start()
         try:
             for rank in range(self.options.tp):
-                init = self.options.rank_init("decode", rank, self._listener.port)
-                self._ranks.append(RankProcess(rank, init, events=self._events))
+                self._ranks.append(self._spawn(rank))
         except BaseException:
             self.close()
             raise
-        self._listener.set_payloads({(0, r.index): r.payload for r in self._ranks})
+        self._publish()
         return self
+
+    def _spawn(self, rank: int) -> RankProcess:
+        init = self.options.rank_init("decode", rank, self._listener.port)
+        return RankProcess(rank, init, events=self._events)
+
+    def _publish(self) -> None:
+        self._listener.set_payloads({(0, r.index): r.payload for r in self._ranks})
 
     @property
     def inflight(self) -> int:
         return len(self._inflight)
 
     def can_take(self, num_tokens: int) -> bool:
-        return len(self._pool._free) >= blocks_for(num_tokens)
+        return self._pool.free >= blocks_for(num_tokens)
 
     def submit(self, rid: str, index: int, params: dict[str, Any], num_tokens: int) -> None:
         """The request arrives at D with P's params; allocate and hand it to every rank."""
@@ -266,17 +276,21 @@ class DecodeEngine:
                 rank, msg = self._events.get(timeout=max(0.0, remaining) if not results else 0)
             except queue.Empty:
                 return results
-            if msg is None:
-                raise RankError(f"decode rank {rank} exited")
-            event = msg.get("event")
-            if event == "stats":
-                self._stats[rank] = msg
-                continue
-            if event != "finished":
-                raise RankError(f"decode rank {rank}: {msg.get('error', msg)}")
-            done = self._record(rank, msg)
+            done = self._on_event(rank, msg)
             if done is not None:
                 results.append(done)
+
+    def _on_event(self, rank: int, msg: dict[str, Any] | None) -> RequestResult | None:
+        """One frame from a rank's reader; the request's result once every rank reported."""
+        if msg is None:
+            raise RankError(f"decode rank {rank} exited unexpectedly")
+        event = msg.get("event")
+        if event == "stats":
+            self._stats[rank] = msg
+            return None
+        if event != "finished":
+            raise RankError(f"decode rank {rank}: {msg.get('error', msg)}")
+        return self._record(rank, msg)
 
     def _record(self, rank: int, msg: dict[str, Any]) -> RequestResult | None:
         rid = msg["rid"]

@@ -1,14 +1,20 @@
 """Length-prefixed msgpack frames over a byte stream: the demo's scheduler <-> rank pipe.
 
 Rank processes are plain subprocesses talking over stdin/stdout, so nothing is pickled and
-a rank can be killed like any real worker.
+a rank can be killed like any real worker. :func:`spawn`, :func:`wait_or_kill` and
+:func:`close_pipes` are the life cycle every such child shares (the demo's ranks, the
+reference engine's rank and engine processes, the e2e bench's prefill process).
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import struct
+import subprocess
+import sys
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import IO, Any
 
 import msgspec
@@ -55,3 +61,40 @@ def read_frame(stream: IO[bytes]) -> dict[str, Any] | None:
         return _decoder.decode(body)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise WireDecodeError(f"bad demo frame: {exc}") from None
+
+
+def commands(stream: IO[bytes]) -> Iterator[dict[str, Any]]:
+    """A child's command frames until end of stream or ``{"op": "exit"}``."""
+    while (message := read_frame(stream)) is not None and message["op"] != "exit":
+        yield message
+
+
+def spawn(module: str, *args: str, env: Mapping[str, str] | None = None) -> subprocess.Popen[bytes]:
+    """``python -m module args``: stdin and stdout piped for the protocol, stderr inherited
+    for its logs, environment this one's plus ``env``."""
+    child_env = {**os.environ, **(env or {})}
+    child_env.setdefault("PYTHONUNBUFFERED", "1")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", module, *args],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        env=child_env,
+    )
+    assert proc.stdin is not None and proc.stdout is not None
+    return proc
+
+
+def wait_or_kill(proc: subprocess.Popen[bytes], timeout: float) -> None:
+    """Wait for a child that was told to exit; SIGKILL it if it has not within ``timeout``."""
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def close_pipes(proc: subprocess.Popen[bytes]) -> None:
+    for stream in (proc.stdin, proc.stdout):
+        if stream is not None:
+            with contextlib.suppress(OSError):
+                stream.close()

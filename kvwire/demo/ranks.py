@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import contextlib
-import os
 import queue
-import subprocess
-import sys
 import threading
 from typing import Any
 
-from kvwire.demo.framing import FrameWriter, read_frame
+from kvwire.demo.framing import FrameWriter, close_pipes, read_frame, spawn, wait_or_kill
 from kvwire.errors import KVWireError
 
 
@@ -33,14 +30,7 @@ class RankProcess:
     ) -> None:
         self.index = index
         self.init = init
-        env = dict(os.environ)
-        env.setdefault("PYTHONUNBUFFERED", "1")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvwire.demo.worker"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            env=env,
-        )
+        self.proc = spawn("kvwire.demo.worker")
         assert self.proc.stdin is not None and self.proc.stdout is not None
         self._out = FrameWriter(self.proc.stdin)
         self._in = self.proc.stdout
@@ -101,23 +91,13 @@ class RankProcess:
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait()
-        self._close_pipes()
+        close_pipes(self.proc)
 
     def close(self, timeout: float = 15.0) -> None:
         if self.proc.poll() is None:
             with contextlib.suppress(OSError, ValueError):
                 self._out.send({"op": "exit"})
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+            wait_or_kill(self.proc, timeout)
         if self._reader is not None:
             self._reader.join(timeout)
-        self._close_pipes()
-
-    def _close_pipes(self) -> None:
-        for stream in (self.proc.stdin, self.proc.stdout):
-            if stream is not None:
-                with contextlib.suppress(OSError):
-                    stream.close()
+        close_pipes(self.proc)

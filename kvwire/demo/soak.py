@@ -11,7 +11,6 @@ dead peer never acknowledged), D got every block back, and no request is stuck.
 
 from __future__ import annotations
 
-import queue
 import random
 import sys
 import time
@@ -21,7 +20,6 @@ from dataclasses import dataclass, field
 from typing import Any, TextIO
 
 from kvwire.demo.engines import DecodeEngine, EngineOptions, PrefillEngine, RequestResult
-from kvwire.demo.ranks import RankError, RankProcess
 from kvwire.demo.run import DemoOptions
 from kvwire.demo.summary import GIB
 from kvwire.errors import ConfigError
@@ -187,39 +185,26 @@ class ChaosDecodeEngine(DecodeEngine):
                     self._ready.append(result)
 
     def restart_rank(self, rank: int) -> None:
-        init = self.options.rank_init("decode", rank, self._listener.port)
-        self._ranks[rank] = RankProcess(rank, init, events=self._events)
+        self._ranks[rank] = self._spawn(rank)
         self._down.discard(rank)
-        self._listener.set_payloads({(0, r.index): r.payload for r in self._ranks})
+        self._publish()
 
     def poll(self, timeout: float) -> list[RequestResult]:
-        results, self._ready = self._ready, []
-        deadline = time.monotonic() + timeout
-        while True:
-            wait = 0.0 if results else max(0.0, deadline - time.monotonic())
-            try:
-                rank, msg = self._events.get(timeout=wait) if wait else self._events.get_nowait()
-            except queue.Empty:
-                return results
-            if msg is None:
-                if self._stale_eofs[rank]:
-                    self._stale_eofs[rank] -= 1
-                    continue
-                raise RankError(f"decode rank {rank} exited unexpectedly")
-            event = msg.get("event")
-            if event == "stats":
-                self._stats[rank] = msg
-                continue
-            if event != "finished":
-                raise RankError(f"decode rank {rank}: {msg.get('error', msg)}")
-            if rank in self._down:
-                continue
-            done = self._record(rank, msg)
-            if done is not None:
-                results.append(done)
+        ready, self._ready = self._ready, []
+        return ready + super().poll(0.0 if ready else timeout)
+
+    def _on_event(self, rank: int, msg: dict[str, Any] | None) -> RequestResult | None:
+        """Skips what a killed rank still sent: its end of stream, and any report it had
+        queued before dying (kill_rank already counted it as failed)."""
+        if msg is None and self._stale_eofs[rank]:
+            self._stale_eofs[rank] -= 1
+            return None
+        if msg is not None and msg.get("event") == "finished" and rank in self._down:
+            return None
+        return super()._on_event(rank, msg)
 
     def blocks_missing(self) -> int:
-        return self._pool.capacity - len(self._pool._free)
+        return self._pool.capacity - self._pool.free
 
 
 class _Chaos:

@@ -27,7 +27,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvwire.demo.content import count_wrong_bytes, fill
-from kvwire.demo.framing import FrameWriter, read_frame
+from kvwire.demo.framing import FrameWriter, commands, read_frame
 from kvwire.demo.models import CacheSpec, preset
 from kvwire.runtime import Consumer, Producer, RuntimeConfig
 from kvwire.sidechannel import RetryPolicy
@@ -40,8 +40,8 @@ def allocate(transport: str, nbytes: int, *, own: bool = True) -> npt.NDArray[np
     """Host memory for the KV cache, from the transport's own allocator when it has one
     and ``own`` (the shm transport maps such memory directly instead of using a syscall
     per copy), else plain memory as an engine's own tensors would be."""
-    factory = load(transport) if own else None
-    for spec in getattr(factory, "conformance_allocators", ()) if own else ():
+    specs = getattr(load(transport), "conformance_allocators", ()) if own else ()
+    for spec in specs:
         module_name, _, attr = str(spec).partition(":")
         try:
             alloc = getattr(importlib.import_module(module_name), attr)
@@ -87,10 +87,7 @@ def run_prefill(reader: Any, out: FrameWriter, init: dict[str, Any]) -> None:
     try:
         producer.register_kv_caches(spec.geometry(int(buffer.ctypes.data)))
         out.send({"ok": True, "payload": producer.handshake_payload(), "pid": os.getpid()})
-        while True:
-            cmd = read_frame(reader)
-            if cmd is None or cmd["op"] == "exit":
-                break
+        for cmd in commands(reader):
             op = cmd["op"]
             if op == "prefill":
                 blocks = list(cmd["blocks"])
@@ -145,10 +142,7 @@ def run_decode(reader: Any, out: FrameWriter, init: dict[str, Any]) -> None:
         consumer.register_kv_caches(spec.geometry(int(buffer.ctypes.data)))
         out.send({"ok": True, "payload": consumer.handshake_payload(), "pid": os.getpid()})
         reporter.start()
-        while True:
-            cmd = read_frame(reader)
-            if cmd is None or cmd["op"] == "exit":
-                break
+        for cmd in commands(reader):
             op = cmd["op"]
             if op == "recv":
                 blocks = list(cmd["blocks"])

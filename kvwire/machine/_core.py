@@ -165,14 +165,12 @@ class Engine:
 class Transfer:
     """One READ or WRITE the machine asked for, until its handle is released."""
 
-    __slots__ = ("cancel_wanted", "failed", "owner", "state", "xfer_id")
+    __slots__ = ("owner", "state", "xfer_id")
 
     def __init__(self, xfer_id: int, owner: Any) -> None:
         self.xfer_id = xfer_id
         self.owner = owner
         self.state = TransferState.REQUESTED
-        self.cancel_wanted = False
-        self.failed = False
 
 
 class MachineCore:
@@ -221,11 +219,11 @@ class MachineCore:
         }
         """Events both sides handle here; each machine adds its request events."""
         self._event_type: type[Event] = Timer
+        """The type of the event being handled (the table key of what it causes)."""
         self._ended: set[str] = set()
         """With invariant checks on: every request id that has ended (they never come back)."""
         self._ended_now: set[str] = set()
         """With invariant checks on: the ids that ended during the event being handled."""
-        """The type of the event being handled (the table key of what it causes)."""
 
     # ----------------------------------------------------------------- public surface
 
@@ -348,22 +346,23 @@ class MachineCore:
         )
         self._arm(now + self.config.handshake_timeout_s, T_HANDSHAKE, engine, engine.attempt)
 
-    def _handshake_event(self, event: HandshakeDone | HandshakeFailed, now: float) -> Engine | None:
+    def _handshake_event(self, event: HandshakeDone | HandshakeFailed) -> Engine | None:
         """The engine the answer belongs to, or None for a stale answer (ignored)."""
         if type(event.attempt) is not int or not 0 < event.attempt <= self._attempts:
             raise LocalProtocolError(f"handshake attempt {event.attempt!r} was never started")
         engine = self._engines.get(event.engine_id)
-        if engine is None or engine.attempt != event.attempt:
-            self.stats.stale_handshake_answers += 1
-            return None
-        if engine.state is not EngineState.HANDSHAKING:
+        if (
+            engine is None
+            or engine.attempt != event.attempt
+            or engine.state is not EngineState.HANDSHAKING
+        ):
             self.stats.stale_handshake_answers += 1
             return None
         successors(ENGINE, engine.state, type(event), "engine")
         return engine
 
     def _on_handshake_done(self, event: HandshakeDone, now: float, out: list[Action]) -> None:
-        engine = self._handshake_event(event, now)
+        engine = self._handshake_event(event)
         if engine is None:
             return
         engine.tp_size = event.remote_tp_size
@@ -377,7 +376,7 @@ class MachineCore:
             self._arm(now + self.config.engine_idle_ttl_s, T_IDLE, engine)
 
     def _on_handshake_failed(self, event: HandshakeFailed, now: float, out: list[Action]) -> None:
-        engine = self._handshake_event(event, now)
+        engine = self._handshake_event(event)
         if engine is None:
             return
         self._handshake_failed(engine, now, out, event.reason or "handshake failed")
@@ -482,7 +481,7 @@ class MachineCore:
         req = xfer.owner
         successors(self._requests, req.state, etype, f"request {req.rid!r}")
         if etype is TransferPosted:
-            if xfer.cancel_wanted or req.state is self._draining:
+            if req.state is self._draining:  # it failed while this post was under way
                 xfer.state = TransferState.CANCELLING
                 out.append(CancelTransfer(xfer.xfer_id, req.rid))
                 return
@@ -512,15 +511,14 @@ class MachineCore:
 
     def _drain(self, req: Any, out: list[Action]) -> None:
         """Post nothing more and cancel what runs; the request waits in its draining state
-        until every handle is released (their DMA may still touch its blocks)."""
+        until every handle is released (their DMA may still touch its blocks). A transfer
+        still being posted is cancelled once its ``TransferPosted`` arrives."""
         req.next_post = len(req.plan)
         req.state = self._draining
         for xfer in req.xfers.values():
             if xfer.state is TransferState.POSTED:
                 xfer.state = TransferState.CANCELLING
                 out.append(CancelTransfer(xfer.xfer_id, req.rid))
-            elif xfer.state is TransferState.REQUESTED:
-                xfer.cancel_wanted = True
 
     def _post_next(self, req: Any, out: list[Action]) -> None:
         """Post the transfer to the next rank of ``req``'s plan."""

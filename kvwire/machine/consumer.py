@@ -229,16 +229,10 @@ class ConsumerMachine(MachineCore):
             return
         successors(CONSUMER, req.state, Abort, f"request {req.rid!r}")
         state = req.state
-        if state is S.WAIT_ALLOC:
-            self._fail_now(req, FailReason.ABORTED, "aborted", out)
-        elif state is S.WAIT_PEER:
-            req.engine.waiting.pop(req.rid, None)
-            self._fail_now(req, FailReason.ABORTED, "aborted", out)
-        elif state is S.AWAIT_WRITES:
-            self._fail_now(req, FailReason.ABORTED, "aborted", out)
-        elif state is S.TRANSFERRING:
+        if state is S.TRANSFERRING:
             self._begin_failure(req, FailReason.ABORTED, "aborted", out)
-        # DRAINING: already on its way out; keep the first reason.
+        elif state is not S.DRAINING:  # DRAINING: on its way out; keep the first reason.
+            self._fail_now(req, FailReason.ABORTED, "aborted", out)
 
     # ----------------------------------------------------------------- engines
 
@@ -569,8 +563,6 @@ class ConsumerMachine(MachineCore):
     def _protocol_failure(self, req: _Req, detail: str, out: list[Action]) -> None:
         self.stats.remote_errors += 1
         out.append(PeerMisbehaved(detail, req.engine.engine_id, req.rid))
-        if req.state is S.WAIT_PEER:
-            req.engine.waiting.pop(req.rid, None)
         self._fail_now(req, FailReason.PROTOCOL, detail, out)
 
     def _finish(self, req: _Req, out: list[Action]) -> None:
@@ -589,6 +581,7 @@ class ConsumerMachine(MachineCore):
         del self._reqs[req.rid]
         self._discard_parked(req.rid)
         engine = req.engine
+        engine.waiting.pop(req.rid, None)  # queued behind a handshake (WAIT_PEER)
         engine.refs -= 1
         engine.last_active = self._last_now
         self._maybe_forget(engine)

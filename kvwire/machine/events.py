@@ -20,8 +20,6 @@ from kvwire.errors import LocalProtocolError
 BlockIds = tuple[tuple[int, ...], ...]
 """Logical block ids, one tuple per KV-cache group."""
 
-NO_BLOCKS: BlockIds = ()
-
 
 def check_block_ids(block_ids: object, what: str) -> None:
     """Raise :class:`LocalProtocolError` unless ``block_ids`` is a tuple of int tuples >= 0."""
@@ -38,11 +36,6 @@ def check_block_ids(block_ids: object, what: str) -> None:
             raise LocalProtocolError(f"{what} must hold integer block ids") from None
         if min(ids) < 0:
             raise LocalProtocolError(f"{what} holds a negative block id")
-
-
-def count_blocks(block_ids: BlockIds) -> int:
-    """How many blocks, over every group."""
-    return sum(len(g) for g in block_ids)
 
 
 def _check_id(value: object, what: str) -> None:

@@ -64,6 +64,16 @@ def base_request_id(request_id: str) -> str:
     return _SUFFIX.sub("", request_id)
 
 
+def _unindex(by_base: dict[str, dict[str, None]], rid: str) -> None:
+    """Take ``rid`` out of a by-base-id index, dropping its group once empty (so the index
+    never outgrows the ids it holds)."""
+    base = base_request_id(rid)
+    group = by_base[base]
+    del group[rid]
+    if not group:
+        del by_base[base]
+
+
 class _Req:
     """One producer request while it is live."""
 
@@ -82,7 +92,6 @@ class _Req:
         "rid",
         "senders",
         "state",
-        "waiting",
         "xfers",
     )
 
@@ -102,7 +111,6 @@ class _Req:
         self.local_w: BlockIds = ()
         self.remote_w: BlockIds = ()
         self.notif = b""
-        self.waiting = False
 
 
 class ProducerMachine(MachineCore):
@@ -305,20 +313,13 @@ class ProducerMachine(MachineCore):
     # ----------------------------------------------------------------- push matching
 
     def _wait(self, req: _Req) -> None:
-        req.waiting = True
         self._waiting[req.rid] = None
         self._waiting_by_base.setdefault(base_request_id(req.rid), {})[req.rid] = None
 
     def _unwait(self, req: _Req) -> None:
-        if not req.waiting:
-            return
-        req.waiting = False
-        del self._waiting[req.rid]
-        base = base_request_id(req.rid)
-        group = self._waiting_by_base[base]
-        del group[req.rid]
-        if not group:
-            del self._waiting_by_base[base]
+        if req.rid in self._waiting:
+            del self._waiting[req.rid]
+            _unindex(self._waiting_by_base, req.rid)
 
     def _match_waiting(self, reg_id: str) -> _Req | None:
         """A finished prompt for this registration: same id first, then same base id."""
@@ -338,11 +339,7 @@ class ProducerMachine(MachineCore):
                 return None
             reg_id = next(iter(group))
         reg, _ = self._pending.pop(reg_id)
-        base = base_request_id(reg_id)
-        group = self._pending_by_base[base]
-        del group[reg_id]
-        if not group:
-            del self._pending_by_base[base]
+        _unindex(self._pending_by_base, reg_id)
         return reg
 
     def _start_push(self, req: _Req, reg: PushRegistration, now: float, out: list[Action]) -> None:
@@ -491,11 +488,7 @@ class ProducerMachine(MachineCore):
             if pending is not None and pending[1] is token:
                 self.stats.registrations_expired += 1
                 del self._pending[rid]
-                base = base_request_id(rid)
-                group = self._pending_by_base[base]
-                del group[rid]
-                if not group:
-                    del self._pending_by_base[base]
+                _unindex(self._pending_by_base, rid)
             elif self._served.get(rid) is token:
                 del self._served[rid]
 

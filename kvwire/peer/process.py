@@ -30,6 +30,7 @@ class _Agent:
     def __init__(self, transport: Transport) -> None:
         self.t = transport
         self.arrays: dict[int, Any] = {}
+        """Every allocated region's array, kept alive as long as the agent may touch it."""
         self.handles: dict[int, object] = {}
         self.xfers: dict[int, object] = {}
         self.inbox: list[tuple[str, bytes]] = []
@@ -46,9 +47,8 @@ class _Agent:
         deadline = time.monotonic() + timeout
         while True:
             self._collect()
-            for _i, (_, msg) in enumerate(self.inbox):
-                if msg == message:
-                    return True
+            if any(msg == message for _, msg in self.inbox):
+                return True
             left = deadline - time.monotonic()
             if left <= 0:
                 return False

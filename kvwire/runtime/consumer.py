@@ -8,7 +8,6 @@ the blocks whose contents must not be trusted, to recompute them.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,6 +16,7 @@ from kvwire.errors import ConfigError
 from kvwire.machine import (
     Abort,
     AllocationDone,
+    Event,
     FreeBlocks,
     RemotePrefill,
     RequestAdded,
@@ -91,11 +91,10 @@ class Consumer(_Endpoint[Finished]):
             pp_size=meta.pp_size,
             blocks_expiry_time=remote.blocks_expiry_time,
         )
-        events: list[Any] = [RequestAdded(request_id, remote=prefill)]
+        events: list[Event] = [RequestAdded(request_id, remote=prefill)]
         if block_ids is not None:
             events.append(AllocationDone(request_id, as_block_ids(block_ids)))
-        self._driver.remember_tokens(request_id, remote.num_tokens)
-        self._driver.metrics.request_started(request_id, time.perf_counter())
+        self._driver.request_started(request_id, remote.num_tokens)
         self._driver.feed(*events)
 
     def blocks_allocated(self, request_id: str, block_ids: BlockIdsLike) -> None:

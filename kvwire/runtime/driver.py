@@ -29,7 +29,6 @@ from kvwire import topology
 from kvwire.errors import (
     ConfigError,
     DescriptorError,
-    HandshakeError,
     HandshakeTimeoutError,
     IncompatiblePeerError,
     KVWireError,
@@ -300,9 +299,12 @@ class Driver:
             for action in actions:
                 self._execute(action)
 
-    def remember_tokens(self, request_id: str, num_tokens: int | None) -> None:
+    def request_started(self, request_id: str, num_tokens: int | None) -> None:
+        """Start the request's metrics record on the driver's clock (the one its end is
+        stamped with) and keep its token count for planning the partial last block."""
         if num_tokens is not None:
             self._num_tokens[request_id] = num_tokens
+        self.metrics.request_started(request_id, self._clock())
 
     # ------------------------------------------------------------------ actions
 
@@ -478,7 +480,7 @@ class Driver:
                     )
                     layout = PeerLayout(self.geometry, remote, mode=cfg.mode, coalesce=cfg.coalesce)
                 layouts[(pp, tp)] = layout
-        except (HandshakeError, IncompatiblePeerError, KVWireError) as exc:
+        except KVWireError as exc:
             kind = (
                 "timeout" if isinstance(exc, HandshakeTimeoutError)
                 else "incompatible" if isinstance(exc, IncompatiblePeerError)

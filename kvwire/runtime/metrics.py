@@ -1,9 +1,12 @@
 """Transfer metrics: per request and in aggregate, as plain Python or Prometheus text.
 
-The driver records as it goes (under its own lock, so recording is cheap and never blocks
-on a reader); :meth:`Metrics.snapshot` copies everything into plain dicts. Prometheus is
-optional: :meth:`Metrics.prometheus_text` renders the exposition format with no dependency,
-and :func:`kvwire.runtime.prometheus.register` plugs a collector into ``prometheus_client``
+The driver records as it goes, under the metrics' own lock. A reader holds that lock only
+to copy the counters and the list of ended records (nothing changes a record once it has
+ended) and turns them into dicts after letting go, so :meth:`Metrics.snapshot` does not
+hold up recording for the time thousands of records take to convert, and a Prometheus
+scrape reads the counters alone. Prometheus is optional: :meth:`Metrics.prometheus_text`
+renders the exposition format with no dependency, and
+:func:`kvwire.runtime.prometheus.register` plugs a collector into ``prometheus_client``
 when that package is installed.
 """
 
@@ -169,18 +172,23 @@ class Metrics:
     def snapshot(self) -> dict[str, Any]:
         """Every counter and the recent requests, as plain Python values."""
         with self._lock:
-            t = self._totals
-            totals = asdict(t)
-            span = (
-                self._last_end - self._first_post
-                if self._first_post is not None and self._last_end is not None
-                else None
-            )
-            recent = [r.as_dict() for r in self._recent]
+            totals = self._totals_locked()
+            ended = list(self._recent)
             live = len(self._live)
-        totals["gbps"] = t.bytes / span / 1e9 if span and t.bytes else None
-        totals["busy_s"] = span
+        recent = [r.as_dict() for r in ended]
         return {"role": self.role, "totals": totals, "live_requests": live, "requests": recent}
+
+    def _totals_locked(self) -> dict[str, Any]:
+        """The counters alone (a scrape needs no per-request records); hold ``_lock``."""
+        totals = asdict(self._totals)
+        span = (
+            self._last_end - self._first_post
+            if self._first_post is not None and self._last_end is not None
+            else None
+        )
+        totals["gbps"] = totals["bytes"] / span / 1e9 if span and totals["bytes"] else None
+        totals["busy_s"] = span
+        return totals
 
     def request(self, request_id: str) -> RequestMetrics | None:
         """The record of a request (live or recent)."""
@@ -209,7 +217,8 @@ class Metrics:
         self, prefix: str = "kvwire"
     ) -> list[tuple[str, str, str, list[tuple[str, dict[str, str], float]]]]:
         """``(name, type, help, [(suffix, labels, value)])`` for every metric family."""
-        snap = self.snapshot()["totals"]
+        with self._lock:
+            snap = self._totals_locked()
         role = {"role": self.role}
         fam: list[tuple[str, str, str, list[tuple[str, dict[str, str], float]]]] = [
             (f"{prefix}_transferred_bytes", "counter", "Bytes moved by completed transfers.",

@@ -9,7 +9,6 @@ registrations and writes — runs on the runtime's threads.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -95,8 +94,7 @@ class Producer(_Endpoint[list[FreedRequest]]):
         if machine.request_state(request_id) is ProducerState.ABSENT:
             events.append(RequestAdded(request_id))
         events.append(PrefillFinished(request_id, blocks))
-        self._driver.remember_tokens(request_id, num_tokens)
-        self._driver.metrics.request_started(request_id, time.perf_counter())
+        self._driver.request_started(request_id, num_tokens)
         self._driver.feed(*events)
         return self._params(request_id, blocks, num_tokens)
 

@@ -1,4 +1,5 @@
-"""The handshake side channel: a hardened ZMQ ROUTER listener and a retrying REQ client.
+"""The handshake side channel: a hardened listener that speaks ZMTP to REQ clients as a ZMQ
+ROUTER would (without libzmq's unbounded buffering), and a retrying REQ client.
 
 Wire-compatible with vLLM 0.31.0's NIXL connector: a vLLM decode worker can fetch
 kvwire's metadata and kvwire can fetch a vLLM prefill engine's. Opt-in beyond vLLM: a

@@ -8,7 +8,7 @@ from kvwire.errors import ConfigError
 def tcp_endpoint(host: str, port: int) -> str:
     """The ZMQ endpoint of ``host:port``; IPv6 literals get brackets."""
     bare = host.strip("[]")
-    if ":" in bare:
+    if is_ipv6(bare):
         return f"tcp://[{bare}]:{port}"
     return f"tcp://{bare}:{port}"
 

@@ -130,9 +130,10 @@ class HandshakeClient:
         if not wanted:
             raise ConfigError("a handshake needs at least one rank to ask")
         endpoint = tcp_endpoint(host, port)
+        ipv6 = is_ipv6(host)
         replies: dict[tuple[int, int], RankReply] = {}
         attempts = 0
-        sock = self._open(endpoint)
+        sock = self._open(endpoint, ipv6)
         try:
             for pp_rank, tp_rank in wanted:
                 limited = False
@@ -140,7 +141,7 @@ class HandshakeClient:
                     if attempt:
                         sock.close(linger=0)
                         self._sleep(self.policy.delay(attempt))
-                        sock = self._open(endpoint)
+                        sock = self._open(endpoint, ipv6)
                     attempts += 1
                     try:
                         reply = self._ask(sock, pp_rank, tp_rank)
@@ -161,7 +162,7 @@ class HandshakeClient:
         best = min(replies.values(), key=lambda r: r.rtt)
         return PayloadReplies(replies, best.offset, best.rtt, attempts)
 
-    def _open(self, endpoint: str) -> zmq.Socket[bytes]:
+    def _open(self, endpoint: str, ipv6: bool) -> zmq.Socket[bytes]:
         if self._ctx is None:
             raise HandshakeError("handshake client is closed")
         sock = self._ctx.socket(zmq.REQ)
@@ -170,7 +171,7 @@ class HandshakeClient:
         timeout_ms = max(1, int(self.policy.timeout * 1000))
         sock.setsockopt(zmq.RCVTIMEO, timeout_ms)
         sock.setsockopt(zmq.SNDTIMEO, timeout_ms)
-        if is_ipv6(endpoint[len("tcp://") :].rsplit(":", 1)[0]):
+        if ipv6:
             sock.setsockopt(zmq.IPV6, 1)
         sock.connect(endpoint)
         return sock

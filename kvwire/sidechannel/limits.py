@@ -135,10 +135,6 @@ class RequestLimiter:
         self._max_peers = limits.max_tracked_peers
         self._peers: OrderedDict[str, TokenBucket] = OrderedDict()
 
-    @property
-    def tracked_peers(self) -> int:
-        return len(self._peers)
-
     def admit(self, peer: str, now: float) -> bool:
         """Take a token from the peer's bucket and the overall one, or from neither.
 

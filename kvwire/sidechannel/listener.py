@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from kvwire.errors import ConfigError, HandshakeError, WireDecodeError
+from kvwire.errors import HandshakeError, WireDecodeError
 from kvwire.logs import get_logger
 from kvwire.sidechannel.auth import (
     CHALLENGE_PREFIX,
@@ -113,15 +113,12 @@ class HandshakeListener:
         monotonic: Callable[[], float] = time.monotonic,
     ) -> None:
         limits = limits or ListenerLimits()
-        if max_request_bytes is not None:
-            if max_request_bytes < 64:
-                raise ConfigError("max_request_bytes below 64 cannot hold a handshake request")
+        if max_request_bytes is not None:  # replace() re-validates, as ListenerLimits() does
             limits = dataclasses.replace(limits, max_request_bytes=max_request_bytes)
         self.limits = limits
         self._payloads: dict[tuple[int, int], bytes] = dict(payloads)
         self._host = host
         self._requested_port = port
-        self._max_request_bytes = limits.max_request_bytes
         self._clock = clock
         self._monotonic = monotonic
         self._limiter = RequestLimiter(limits)
@@ -266,7 +263,7 @@ class HandshakeListener:
             return self._refuse("refused_rate_limited", RATE_LIMITED_REASON)
         body = message[1:]
         size = sum(len(f) for f in body)
-        if size > self._max_request_bytes:
+        if size > self.limits.max_request_bytes:
             return self._refuse("refused_oversize", f"request of {size} bytes")
         if len(body) != 1:
             return self._refuse("refused_malformed", f"{len(body)} frames, not 1")

@@ -154,23 +154,25 @@ class ConnectionServer:
                 self._count("connections_refused")
                 sock.close()
                 continue
-            if len(self._conns) >= limits.max_connections:
-                if not self._greeting:
-                    self._count("connections_refused")
-                    sock.close()
-                    continue
-                _, oldest = self._greeting.popitem(last=False)
-                self._close(oldest, "connections_evicted")
+            if len(self._conns) >= limits.max_connections and not self._evict_oldest_greeting():
+                self._count("connections_refused")
+                sock.close()
+                continue
             self._open(sock, peer)
+
+    def _evict_oldest_greeting(self) -> bool:
+        """Close the oldest connection still in its greeting to make room; False if none."""
+        if not self._greeting:
+            return False
+        _, oldest = self._greeting.popitem(last=False)
+        self._close(oldest, "connections_evicted")
+        return True
 
     def _out_of_descriptors(self) -> None:
         """The process has no descriptor for a new connection: make room by closing the
         oldest one still in its greeting, or stop accepting until the next sweep (the
         listening socket would otherwise stay readable and spin the loop)."""
-        if self._greeting:
-            _, oldest = self._greeting.popitem(last=False)
-            self._close(oldest, "connections_evicted")
-        elif not self._accept_paused:
+        if not self._evict_oldest_greeting() and not self._accept_paused:
             self._selector.unregister(self._listening)
             self._accept_paused = True
 

@@ -2,9 +2,9 @@
 
 Why not libzmq's ROUTER: libzmq buffers every frame of a multipart message until the last
 one arrives, and ZMQ_MAXMSGSIZE bounds a frame, not a message. A peer that sends frames
-with the MORE flag and never a last one makes the listener allocate without end (measured:
-100 MB on the wire became 510 MB of RSS with 10-byte frames), and nothing in libzmq's API
-can see or stop it. Parsing the few ZMTP rules a handshake needs ourselves lets every
+with the MORE flag and never a last one makes the listener allocate without end (the
+measurement, and its setup, are in ``docs/security.md``), and nothing in libzmq's API can
+see or stop it. Parsing the few ZMTP rules a handshake needs ourselves lets every
 connection be bounded: the frame size, the frames and bytes of one message, the time to
 finish the greeting, to finish a message and between messages.
 

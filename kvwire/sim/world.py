@@ -189,8 +189,8 @@ class Engine:
         self.inc = 0
         self.up = True
         self.ranks: list[Rank] = []
-        blocks = P_BLOCKS if spec.role == "P" else D_BLOCKS
-        self.alloc = Allocator(blocks)
+        self.blocks = P_BLOCKS if spec.role == "P" else D_BLOCKS
+        self.alloc = Allocator(self.blocks)
 
     @property
     def engine_id(self) -> str:
@@ -437,6 +437,11 @@ class World:
                 rank.timer_at = ts
                 self.at(ts, self._timer, rank)
 
+    def feed_all(self, engine: Engine, event: Any) -> None:
+        """Hand one event to every rank: each rank of an engine runs its own machine."""
+        for rank in engine.ranks:
+            self.feed(rank, event)
+
     def _timer(self, rank: Rank) -> None:
         if not rank.alive or self.t < rank.timer_at:
             return
@@ -470,8 +475,7 @@ class World:
             )
             machine: ConsumerMachine | ProducerMachine
             machine = ProducerMachine(config) if spec.role == "P" else ConsumerMachine(config)
-            blocks = P_BLOCKS if spec.role == "P" else D_BLOCKS
-            engine.ranks.append(Rank(engine, i, machine, engine.slice_of(i)[1], blocks))
+            engine.ranks.append(Rank(engine, i, machine, engine.slice_of(i)[1], engine.blocks))
 
     def _crash(self, _: Any) -> None:
         if self.arrivals_done:
@@ -485,7 +489,7 @@ class World:
             dead_id = engine.engine_id
             del self.by_id[dead_id]
             engine.inc += 1
-            engine.alloc = Allocator(P_BLOCKS if engine.spec.role == "P" else D_BLOCKS)
+            engine.alloc = Allocator(engine.blocks)
             if engine.spec.role == "D":
                 for req in list(self.reqs_d.values()):
                     if req.d is engine and req.status == "pending":
@@ -532,8 +536,7 @@ class World:
         req.p_inc = req.p.inc
         req.d_inc = req.d.inc
         self.reqs_p[req.p_rid] = req
-        for rank in req.p.ranks:
-            self.feed(rank, RequestAdded(req.p_rid))
+        self.feed_all(req.p, RequestAdded(req.p_rid))
         self.at(self.t + rng.uniform(0.002, 0.02), self._prefill_done, req)
         if self.faults.abort and rng.random() < self.faults.abort / 4:
             self.at(self.t + rng.uniform(0.0, 0.05), self._abort_p, req)
@@ -549,10 +552,7 @@ class World:
             return
         ids = p.alloc.alloc(req.n)
         if ids is None:
-            self._finish(req, "failed", "producer out of blocks", free_d=False)
-            self.reqs_p.pop(req.p_rid, None)
-            for rank in p.ranks:
-                self.feed(rank, Abort(req.p_rid))
+            self._drop_prefill(req, "failed", "producer out of blocks")
             return
         req.p_ids = ids
         arr = np.asarray(ids, dtype=np.int64)
@@ -563,8 +563,7 @@ class World:
         sched_now = self.t + p.sched_skew
         deadline = sched_now + p.spec.lease_s
         blocks = (tuple(ids),)
-        for rank in p.ranks:
-            self.feed(rank, PrefillFinished(req.p_rid, blocks, deadline, sched_now))
+        self.feed_all(p, PrefillFinished(req.p_rid, blocks, deadline, sched_now))
         # kvwire producers export their lease deadline (in the clock the handshake samples),
         # so a consumer declines a read that could outlive it instead of reading blocks that
         # may already hold another prompt. Heartbeats cannot be relied on to have extended
@@ -588,10 +587,13 @@ class World:
         if req.p.inc != req.p_inc or not req.p.up or req.p_ids or req.status != "pending":
             return
         req.aborted = True
+        self._drop_prefill(req, "aborted", "producer aborted")
+
+    def _drop_prefill(self, req: Request, status: str, reason: str) -> None:
+        """End a prompt before its prefill finished: its producer ranks hold nothing yet."""
         self.reqs_p.pop(req.p_rid, None)
-        self._finish(req, "aborted", "producer aborted", free_d=False)
-        for rank in req.p.ranks:
-            self.feed(rank, Abort(req.p_rid))
+        self._finish(req, status, reason, free_d=False)
+        self.feed_all(req.p, Abort(req.p_rid))
 
     def _to_consumer(self, arg: tuple[Request, RemotePrefill]) -> None:
         req, remote = arg
@@ -602,8 +604,7 @@ class World:
             self._finish(req, "failed", "consumer crashed", free_d=False)
             return
         self.reqs_d[req.d_rid] = req
-        for rank in d.ranks:
-            self.feed(rank, RequestAdded(req.d_rid, remote))
+        self.feed_all(d, RequestAdded(req.d_rid, remote))
         rng = self.rng
         wait = rng.uniform(0.0, 0.03) if rng.random() > 0.002 else rng.uniform(10.0, 45.0)
         self.at(self.t + wait, self._allocate, req)
@@ -621,9 +622,7 @@ class World:
         m = req.n - req.k
         ids = d.alloc.alloc(m)
         if ids is None:
-            req.aborted = True
-            for rank in d.ranks:
-                self.feed(rank, Abort(req.d_rid))
+            self._abort_d(req)
             return
         req.d_ids = ids
         if ids:
@@ -631,15 +630,13 @@ class World:
             for rank in d.ranks:
                 rank.buf[arr] = POISON
         blocks = (tuple(ids),)
-        for rank in d.ranks:
-            self.feed(rank, AllocationDone(req.d_rid, blocks))
+        self.feed_all(d, AllocationDone(req.d_rid, blocks))
 
     def _abort_d(self, req: Request) -> None:
         if req.status != "pending" or req.d.inc != req.d_inc or not req.d.up:
             return
         req.aborted = True
-        for rank in req.d.ranks:
-            self.feed(rank, Abort(req.d_rid))
+        self.feed_all(req.d, Abort(req.d_rid))
 
     # ----------------------------------------------------------------- actions
 
@@ -838,13 +835,10 @@ class World:
         failures = [a for a in req.d_results.values() if isinstance(a, RequestFailed)]
         if failures:
             first = failures[0]
-            assert isinstance(first, RequestFailed)
             status = "aborted" if first.reason is FailReason.ABORTED else "failed"
             self._finish(req, status, first.reason.value, free_d=True)
             return
-        if req.aborted and req.d_ids:
-            # Finished anyway: the abort raced with the last transfer. Still verified below.
-            pass
+        # Done even if aborted (the abort raced with the last transfer): verified all the same.
         self._verify(req)
 
     def _verify(self, req: Request) -> None:
@@ -910,8 +904,14 @@ class World:
                 if live:
                     res.stuck += live
                     res.violations.append(f"{rank.agent} still tracks {live} requests")
-                if isinstance(rank.machine, ProducerMachine) and rank.machine.held_blocks():
+                machine = rank.machine
+                if isinstance(machine, ProducerMachine) and machine.held_blocks():
                     res.violations.append(f"{rank.agent} still holds blocks")
+                if isinstance(machine, ConsumerMachine) and machine.parked_completions():
+                    # Parked notifications expire on the machine's own timer: any left over
+                    # at quiescence leaked.
+                    res.stuck += machine.parked_completions()
+                    res.violations.append(f"{rank.agent} still parks write notifications")
         for req in self.reqs_p.values():
             if req.p.up and req.p.inc == req.p_inc and len(res.violations) < 20:
                 res.violations.append(f"unfreed on producer: {req.p_rid}")

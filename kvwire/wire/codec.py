@@ -51,7 +51,8 @@ def encode_struct(msg: Any) -> bytes:
 _decoders: dict[Any, msgspec.msgpack.Decoder[Any]] = {}
 
 
-def _decoder(type_: Any) -> msgspec.msgpack.Decoder[Any]:
+def decoder_for(type_: Any) -> msgspec.msgpack.Decoder[Any]:
+    """The one cached decoder of ``type_``, for a caller that runs it without the checks below."""
     decoder = _decoders.get(type_)
     if decoder is None:
         decoder = _decoders.setdefault(type_, msgspec.msgpack.Decoder(type_))
@@ -78,7 +79,7 @@ def decode_struct(
     This is the hot path of every handshake, so the happy path does only the size check and
     the decode; labels for error messages are built only on failure.
     """
-    decoder = _decoders.get(type_) or _decoder(type_)
+    decoder = _decoders.get(type_) or decoder_for(type_)
     try:
         if len(data) > max_size:
             raise WireDecodeError(f"{len(data)} bytes exceeds the limit of {max_size}")

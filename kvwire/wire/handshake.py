@@ -18,7 +18,13 @@ import msgspec
 
 from kvwire.compat import CompatFactors, compatibility_hash, explain, format_differences
 from kvwire.errors import IncompatiblePeerError, WireDecodeError, WireEncodeError
-from kvwire.wire.codec import DECODE_FAILURES, DEFAULT_MAX_SIZE, decode_struct, encode_struct
+from kvwire.wire.codec import (
+    DECODE_FAILURES,
+    DEFAULT_MAX_SIZE,
+    decode_struct,
+    decoder_for,
+    encode_struct,
+)
 from kvwire.wire.schemas import (
     AgentMetadataV13,
     AgentMetadataV14,
@@ -31,9 +37,9 @@ from kvwire.wire.versions import DEFAULT_VERSION, SUPPORTED_VERSIONS, VLLM_RELEA
 
 GET_META_MSG = b"get_meta_msg"
 MAX_REQUEST_SIZE = 64
+"""A handshake request is 17 bytes or so; anything much larger is not one."""
 MAX_RANK = 1 << 20
 """No engine has a million ranks: a larger one is a malformed request, not a lookup."""
-"""A handshake request is 17 bytes or so; anything much larger is not one."""
 MAX_CLOCK_REPLY_SIZE = 16
 _MAX_DETAIL = 2000
 
@@ -124,7 +130,7 @@ def check_peer(
     remote one can be known, and the differing factors when they can be known.
     """
     hello = payload.kvwire
-    remote_version = hello.connector_version if hello is not None else None
+    remote_version = peer_version(payload)
     if local_hash is None or payload.compatibility_hash == local_hash:
         if local_hash is not None and remote_version not in (None, version):
             _refuse(payload, local_hash, version, remote_version, {})
@@ -145,9 +151,9 @@ _METADATA_TYPES: dict[int, type[AnyAgentMetadata]] = {
     v: protocol(v).AgentMetadata for v in SUPPORTED_VERSIONS
 }
 # The fast path of decode_handshake: both phases' decoders built once, looked up by version.
-_PAYLOAD_DECODER = msgspec.msgpack.Decoder(HandshakePayload)
+_PAYLOAD_DECODER = decoder_for(HandshakePayload)
 _METADATA_DECODERS: dict[int, msgspec.msgpack.Decoder[Any]] = {
-    v: msgspec.msgpack.Decoder(t) for v, t in _METADATA_TYPES.items()
+    v: decoder_for(t) for v, t in _METADATA_TYPES.items()
 }
 
 
@@ -199,10 +205,10 @@ def decode_handshake(
     Returns ``protocol(version).AgentMetadata``.
     """
     # Fast path for the common case, a well-formed payload of a peer whose hash matches:
-    # prebuilt decoders, no per-call dispatch (a tenth of a small handshake's time). Any
-    # other case — another input type, a size over the limit, a hash to explain, bad
-    # bytes — falls through to the full path, which repeats the work and raises the
-    # precise error. Both paths enforce the same limits: size, schema, nesting.
+    # prebuilt decoders, no per-call dispatch (docs/benchmarks.md). Any other case (another
+    # input type, a size over the limit, a hash to explain, bad bytes) falls through to the
+    # full path, which repeats the work and raises the precise error. Both paths enforce the
+    # same limits: size, schema, nesting.
     decoder = _METADATA_DECODERS.get(version)
     if decoder is not None and type(data) is bytes and len(data) <= max_size:
         try:
@@ -219,7 +225,7 @@ def decode_handshake(
     md_type: type[AnyAgentMetadata] = (
         _METADATA_TYPES.get(version) or protocol(version).AgentMetadata
     )
-    payload = decode_struct(data, HandshakePayload, max_size=max_size, what="handshake payload")
+    payload = decode_handshake_payload(data, max_size=max_size)
     if local_hash is not None and (
         payload.compatibility_hash != local_hash or payload.kvwire is not None
     ):

@@ -31,7 +31,9 @@ from kvwire.wire.notifications import (
     decode_completion,
     decode_heartbeat,
     decode_push_registration,
-    encode_notification,
+    encode_completion,
+    encode_heartbeat,
+    encode_push_registration,
 )
 from kvwire.wire.params import KVTransferParamsV13, KVTransferParamsV15, parse_kv_transfer_params
 from kvwire.wire.schemas import (
@@ -64,9 +66,9 @@ def encode(msg: Any) -> bytes:
 
 # Message classes whose framing is not a plain msgpack Struct.
 _SPECIAL_ENCODERS: dict[type, Callable[[Any], bytes]] = {
-    Completion: encode_notification,
-    Heartbeat: encode_notification,
-    PushRegistration: encode_notification,
+    Completion: lambda m: encode_completion(m.request_id, m.count),
+    Heartbeat: lambda m: encode_heartbeat(m.request_ids),
+    PushRegistration: encode_push_registration,
     HandshakeRequest: lambda m: encode_handshake_request(m.pp_rank, m.tp_rank),
     ClockReply: lambda m: encode_clock_reply(m.timestamp),
 }

@@ -11,15 +11,20 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Any
 
 import msgspec
 
-from kvwire.errors import WireDecodeError
-from kvwire.wire.codec import DEFAULT_MAX_SIZE, check_size, convert, decode_struct
+from kvwire.compat import TransferMode
+from kvwire.errors import WireDecodeError, WireEncodeError
+from kvwire.wire.codec import (
+    DEFAULT_MAX_SIZE,
+    check_size,
+    convert,
+    decode_struct,
+    encode_struct,
+)
 from kvwire.wire.schemas import BlockIds, NonNegInt, Port, PositiveInt
-
-TransferMode = Literal["pull", "push"]
 
 # Keys a consumer cannot do without: where the blocks are and whose they are.
 _REQUIRED_FOR_RECV = (
@@ -59,13 +64,9 @@ class ReqMetaV13(msgspec.Struct, frozen=True, gc=False):
     remote: RemoteMetaV13
 
 
-class ReqMetaV15(msgspec.Struct, frozen=True, gc=False):
-    """:class:`ReqMetaV13` carrying a v15 :class:`RemoteMetaV15`."""
+class ReqMetaV15(ReqMetaV13, frozen=True, gc=False):
+    """:class:`ReqMetaV13` carrying a v15 :class:`RemoteMetaV15` (same field, same place)."""
 
-    tp_size: int
-    dcp_size: int
-    pp_size: int
-    remote_block_size: int | None
     remote: RemoteMetaV15
 
 
@@ -97,13 +98,16 @@ class KVTransferParamsV13(msgspec.Struct, frozen=True, gc=False):
 
     def req_meta(self) -> ReqMetaV13:
         """What a consumer needs to fetch the blocks; missing keys raise WireDecodeError."""
-        return ReqMetaV13(
-            tp_size=self.tp_size or 1,
-            dcp_size=self.dcp_size or 1,
-            pp_size=self.pp_size or 1,
-            remote_block_size=self.remote_block_size,
-            remote=RemoteMetaV13(**self._remote_fields()),
-        )
+        return ReqMetaV13(**self._sizes(), remote=RemoteMetaV13(**self._remote_fields()))
+
+    def _sizes(self) -> dict[str, Any]:
+        """The peer's sizes, unset ones defaulting to 1 as vLLM reads them."""
+        return {
+            "tp_size": self.tp_size or 1,
+            "dcp_size": self.dcp_size or 1,
+            "pp_size": self.pp_size or 1,
+            "remote_block_size": self.remote_block_size,
+        }
 
     def _remote_fields(self) -> dict[str, Any]:
         missing = self.missing_for_recv()
@@ -125,18 +129,13 @@ class KVTransferParamsV15(KVTransferParamsV13, frozen=True, gc=False):
 
     remote_registration_generation: NonNegInt | None = None
 
-    def req_meta(self) -> ReqMetaV15:  # type: ignore[override]
+    def req_meta(self) -> ReqMetaV15:
         """As in v13, the remote carrying the registration generation (default 0)."""
-        return ReqMetaV15(
-            tp_size=self.tp_size or 1,
-            dcp_size=self.dcp_size or 1,
-            pp_size=self.pp_size or 1,
-            remote_block_size=self.remote_block_size,
-            remote=RemoteMetaV15(
-                **self._remote_fields(),
-                registration_generation=self.remote_registration_generation or 0,
-            ),
+        remote = RemoteMetaV15(
+            **self._remote_fields(),
+            registration_generation=self.remote_registration_generation or 0,
         )
+        return ReqMetaV15(**self._sizes(), remote=remote)
 
 
 AnyKVTransferParams = KVTransferParamsV13 | KVTransferParamsV15
@@ -169,11 +168,30 @@ def parse_kv_transfer_params(
     check_size(params, max_size, "kv_transfer_params")
     raw = bytes(params)
     if raw.lstrip()[:1] == b"{":
-        try:
-            obj = json.loads(raw)
-        except (ValueError, RecursionError) as exc:
-            raise WireDecodeError(f"kv_transfer_params: invalid JSON: {exc}") from None
-        if not isinstance(obj, dict):
-            raise WireDecodeError("kv_transfer_params: JSON is not an object")
-        return convert(obj, cls, what="kv_transfer_params")
+        return _parse_json(raw, cls)
     return decode_struct(raw, cls, max_size=max_size, what="kv_transfer_params")
+
+
+def _parse_json(raw: bytes, cls: type[KVTransferParamsV13]) -> KVTransferParamsV13:
+    """JSON as a peer sends it: UTF-8 whose strings are valid Unicode.
+
+    ``json.loads`` alone lets lone surrogates in (from bytes it decodes with
+    ``surrogatepass``, and from ``\\udXXX`` escapes); such a string could not be written
+    back as msgpack, so it is refused here. Only input holding such an escape pays
+    for the re-encode that finds them.
+    """
+    try:
+        obj = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise WireDecodeError("kv_transfer_params: JSON is not valid UTF-8") from None
+    except (ValueError, RecursionError) as exc:
+        raise WireDecodeError(f"kv_transfer_params: invalid JSON: {exc}") from None
+    if not isinstance(obj, dict):
+        raise WireDecodeError("kv_transfer_params: JSON is not an object")
+    result = convert(obj, cls, what="kv_transfer_params")
+    if b"\\ud" in raw or b"\\uD" in raw:
+        try:
+            encode_struct(result.as_dict())
+        except WireEncodeError:
+            raise WireDecodeError("kv_transfer_params: a string is not valid Unicode") from None
+    return result

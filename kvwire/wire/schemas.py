@@ -33,39 +33,18 @@ BlockIds = Annotated[list[list[NonNegInt]], msgspec.Meta(max_length=MAX_KV_GROUP
 MemType = Literal["DRAM", "VRAM", "BLK", "OBJ", "FILE"]
 """A region's memory type: NIXL's five segment types, the only strings vLLM can pass on to
 NIXL for a region (its platforms name ``VRAM`` or ``DRAM``). Decoded by lookup, a literal
-costs no string allocation: half the time of ``str`` per region, a tenth of the handshake."""
+costs no string allocation per region (measured in docs/benchmarks.md: about half the time
+of ``str``), and anything else is refused at decode."""
 
 
-class AgentMetadataV13(msgspec.Struct, frozen=True, gc=False):
-    """What a rank publishes about its KV cache (vLLM 0.31.0 ``NixlAgentMetadata``)."""
-
-    engine_id: str
-    agent_metadata: bytes
-    kv_caches_base_addr: list[int]
-    device_id: int
-    num_blocks: int
-    block_lens: list[int]
-    block_strides: list[int]
-    kv_cache_layout: str
-    block_size: int
-    ssm_sizes: tuple[int, int]
-    attn_backend_name: str
-    physical_blocks_per_logical_kv_block: int
-    region_num_blocks: list[int] | None = None
-    region_group_ids: list[int] | None = None
-    region_names: list[str] | None = None
-    region_mem_types: list[MemType] | None = None
-    dcp_size: int = 1
-    pcp_size: int = 1
-    region_members: Annotated[list[list[str]], msgspec.Meta(max_length=MAX_REGIONS)] = []
-    packed_member_layouts: dict[str, tuple[int, int]] = {}
+RegionMembers = Annotated[list[list[str]], msgspec.Meta(max_length=MAX_REGIONS)]
 
 
-class AgentMetadataV14(msgspec.Struct, frozen=True, gc=False):
-    """v13 plus ``ple_block_len``, inserted before ``region_members`` (vLLM 0.32.0).
+class _AgentMetadataHead(msgspec.Struct, frozen=True, gc=False):
+    """The fields every version's ``NixlAgentMetadata`` starts with, in wire order.
 
-    A separate class rather than a subclass: msgspec appends subclass fields at the end, and
-    vLLM put the new field in the middle, so the byte order differs.
+    Not a message by itself: msgspec writes a subclass's own fields after its base's, so each
+    version's class adds the fields that follow ``pcp_size`` in that version.
     """
 
     engine_id: str
@@ -86,8 +65,24 @@ class AgentMetadataV14(msgspec.Struct, frozen=True, gc=False):
     region_mem_types: list[MemType] | None = None
     dcp_size: int = 1
     pcp_size: int = 1
+
+
+class AgentMetadataV13(_AgentMetadataHead, frozen=True, gc=False):
+    """What a rank publishes about its KV cache (vLLM 0.31.0 ``NixlAgentMetadata``)."""
+
+    region_members: RegionMembers = []
+    packed_member_layouts: dict[str, tuple[int, int]] = {}
+
+
+class AgentMetadataV14(_AgentMetadataHead, frozen=True, gc=False):
+    """v13 plus ``ple_block_len``, inserted before ``region_members`` (vLLM 0.32.0).
+
+    A sibling of :class:`AgentMetadataV13` rather than its subclass: msgspec appends subclass
+    fields at the end, and vLLM put the new field in the middle, so the byte order differs.
+    """
+
     ple_block_len: int | None = None
-    region_members: Annotated[list[list[str]], msgspec.Meta(max_length=MAX_REGIONS)] = []
+    region_members: RegionMembers = []
     packed_member_layouts: dict[str, tuple[int, int]] = {}
 
 

@@ -34,7 +34,7 @@ class Protocol:
     AgentMetadata: type[schemas.AgentMetadataV13] | type[schemas.AgentMetadataV14]
     KVTransferParams: type[KVTransferParamsV13]
     RemoteMeta: type[RemoteMetaV13]
-    ReqMeta: type[ReqMetaV13] | type[ReqMetaV15]
+    ReqMeta: type[ReqMetaV13]
     HandshakePayload: type[schemas.HandshakePayload] = schemas.HandshakePayload
     HandshakeRequest: type[schemas.HandshakeRequest] = schemas.HandshakeRequest
     ClockReply: type[schemas.ClockReply] = schemas.ClockReply

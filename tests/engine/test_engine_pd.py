@@ -10,7 +10,7 @@ therefore serves from its own prefix cache and receives only the rest of.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 
@@ -178,6 +178,19 @@ def test_cli_demo_engine_json() -> None:
     assert set(report["ttft_mean_s"]) == {"prefill", "transfer", "first_decode_step", "total"}
 
 
+def test_cli_demo_engine_defaults_to_heterogeneous_tp() -> None:
+    """Bare ``kvwire demo --engine`` is P TP2 -> D TP4 (as documented); the byte demo TP1."""
+    from kvwire.cli import build_parser
+    from kvwire.commands.demo import workload_options
+    from kvwire.examples.engine.demo import _opt
+
+    args = build_parser().parse_args(["demo", "--engine"])
+    assert (_opt(args, "p_tp"), _opt(args, "d_tp")) == (2, 4)
+    assert (workload_options(args).p_tp, workload_options(args).d_tp) == (1, 1)
+    given = build_parser().parse_args(["demo", "--engine", "--p-tp", "1", "--d-tp", "1"])
+    assert (_opt(given, "p_tp"), _opt(given, "d_tp")) == (1, 1)
+
+
 def test_pd_over_nixl() -> None:
     """The same engine pair over NIXL (UCX on loopback; the Makefile sets UCX_NET_DEVICES)."""
     case = Case(2, 4, "HND", "pull")
@@ -190,19 +203,7 @@ def test_pd_over_nixl() -> None:
 
 def test_pd_with_every_rank_in_its_own_process() -> None:
     """Ranks as processes: D's one rank reads heads from two P rank processes."""
-    p_cfg = ServerConfig(
-        role="prefill",
-        engine_id="p-procs",
-        model=MODEL,
-        cache=CacheConfig(tp_size=2, layout="NHD", block_size=BLOCK),
-        rank_processes=True,
-    )
-    d_cfg = ServerConfig(
-        role="decode",
-        engine_id="d-procs",
-        model=MODEL,
-        cache=CacheConfig(tp_size=1, layout="HND", block_size=BLOCK),
-        rank_processes=True,
-    )
+    p_cfg = replace(server("prefill", 2, "NHD", "pull"), rank_processes=True)
+    d_cfg = replace(server("decode", 1, "HND", "pull"), rank_processes=True)
     with EngineProcess(p_cfg) as p, EngineProcess(d_cfg) as d:
         serve_all(p, d)

@@ -10,6 +10,7 @@ import msgspec
 import numpy as np
 import pytest
 
+from kvwire import wire
 from kvwire.errors import IncompatiblePeerError
 from kvwire.geometry import KVGeometry, Region, RegionKind, RemoteGeometry
 from kvwire.layout import (
@@ -21,7 +22,6 @@ from kvwire.layout import (
     plan_write,
 )
 
-wire = pytest.importorskip("kvwire.wire", reason="the wire module is built by another issue")
 VECTORS = Path("/work/shared/vectors")
 
 
@@ -116,6 +116,8 @@ def test_descriptor_ids_are_region_major_with_per_region_capacity() -> None:
     assert descriptor_ids([[1, 2]], [10, 10]).tolist() == [1, 2, 11, 12]
     ids = descriptor_ids([[1], [5]], [10, 20, 30], region_group_ids=[0, 1, -1])
     assert ids.tolist() == [1, 15, 31, 35]
+    # Regions all of one group take that group's ids, not every group's.
+    assert descriptor_ids([[1], [5]], [10, 20], region_group_ids=[1, 1]).tolist() == [5, 15]
 
 
 def test_coalesce_needs_both_sides_contiguous() -> None:
@@ -179,3 +181,63 @@ def test_a_request_with_nothing_to_move_is_empty() -> None:
     assert plan.is_empty and plan.num_bytes == 0
     assert layout.plan([], [[1, 2], [3]]).is_empty  # vLLM's full prefix hit
     assert plan.local_descs.shape == (0, 3) and plan.local_descs.dtype == np.int64
+
+
+def test_state_regions_of_one_page_size_share_a_cluster_and_keep_region_order() -> None:
+    def hybrid(base: int, device: int) -> KVGeometry:
+        return KVGeometry(
+            [
+                Region(base + (1 << 20), 4096, 8, name="ssm.0", group_id=1, kind=RegionKind.SSM),
+                Region(base, 16 * 4 * 64, 32, name="attn.0", group_id=0),
+                Region(base + (2 << 20), 4096, 8, name="ssm.1", group_id=1, kind=RegionKind.SSM),
+            ],
+            block_size=16,
+            total_kv_heads=4,
+            ssm_sizes=(1024, 3072),
+            device_id=device,
+        )
+
+    layout = PeerLayout(hybrid(1 << 40, 0), RemoteGeometry.from_local(hybrid(1 << 44, 1)))
+    assert len(layout._clusters) == 2  # attention, and both state regions together
+    plan = layout.plan([[4], [2]], [[7], [6]], coalesce=False)
+    # Attention regions first, then state regions in their own order.
+    assert plan.local_descs[:, 0].tolist() == [
+        (1 << 40) + 4 * 16 * 4 * 64,
+        (1 << 40) + (1 << 20) + 2 * 4096,
+        (1 << 40) + (2 << 20) + 2 * 4096,
+    ]
+    assert plan.remote_descs[:, 0].tolist() == [
+        (1 << 44) + 7 * 16 * 4 * 64,
+        (1 << 44) + (1 << 20) + 6 * 4096,
+        (1 << 44) + (2 << 20) + 6 * 4096,
+    ]
+
+
+def test_rows_stay_region_major_when_kv_cache_groups_alternate_by_layer() -> None:
+    block_len = 16 * 4 * 64
+
+    def alternating(base: int, device: int) -> KVGeometry:
+        regions = [
+            Region(base + i * (1 << 20), block_len, 8, name=f"l{i}", group_id=i % 2)
+            for i in range(4)
+        ]
+        return KVGeometry(regions, block_size=16, total_kv_heads=4, device_id=device)
+
+    layout = PeerLayout(alternating(1 << 40, 0), RemoteGeometry.from_local(alternating(1 << 44, 1)))
+    plan = layout.plan([[1, 2], [5]], [[3, 4], [6]], coalesce=False)
+    assert plan.local_descs[:, 0].tolist() == [
+        (1 << 40) + 1 * block_len,
+        (1 << 40) + 2 * block_len,
+        (1 << 40) + (1 << 20) + 5 * block_len,
+        (1 << 40) + (2 << 20) + 1 * block_len,
+        (1 << 40) + (2 << 20) + 2 * block_len,
+        (1 << 40) + (3 << 20) + 5 * block_len,
+    ]
+    assert plan.remote_descs[:, 0].tolist() == [
+        (1 << 44) + 3 * block_len,
+        (1 << 44) + 4 * block_len,
+        (1 << 44) + (1 << 20) + 6 * block_len,
+        (1 << 44) + (2 << 20) + 3 * block_len,
+        (1 << 44) + (2 << 20) + 4 * block_len,
+        (1 << 44) + (3 << 20) + 6 * block_len,
+    ]

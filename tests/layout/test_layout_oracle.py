@@ -17,8 +17,9 @@ import numpy as np
 import pytest
 
 from kvwire import topology
+from kvwire.alignment import Mode
 from kvwire.geometry import KVGeometry, Region, RegionKind, RemoteGeometry, rank_heads
-from kvwire.layout import Descs, PeerLayout
+from kvwire.layout import Descs, PeerLayout, TransferPlan
 
 HEAD_DIM = 2  # int32 elements per head per K or V
 ITEM = 4
@@ -304,13 +305,22 @@ def run_case(case: Case) -> dict[str, int]:
     num_tokens = case.tokens if case.pass_tokens else None
     stats = {"descs": 0, "empty_plans": 0}
     zeros: list[Descs] = []
+
+    def plan_between(local: RankBuffer, remote: RankBuffer, mode: Mode) -> TransferPlan:
+        layout = PeerLayout(
+            local.geometry,
+            RemoteGeometry.from_local(remote.geometry),
+            mode=mode,
+            coalesce=case.coalesce,
+        )
+        if mode == "pull":
+            return layout.plan(d_ids, p_ids, num_tokens=num_tokens)
+        return layout.plan(p_ids, d_ids, num_tokens=num_tokens)
+
     if case.mode == "pull":
         for d, consumer in enumerate(consumers):
             for p in topology.remote_tp_ranks(d, case.d.tp, case.p.tp):
-                remote = RemoteGeometry.from_local(producers[p].geometry)
-                plan = PeerLayout(
-                    consumer.geometry, remote, mode="pull", coalesce=case.coalesce
-                ).plan(d_ids, p_ids, num_tokens=num_tokens)
+                plan = plan_between(consumer, producers[p], "pull")
                 assert plan.remote_zero.shape == (0, 3)
                 copy_rows(buffers, plan.remote_descs, plan.local_descs)
                 zeros.append(plan.local_zero)
@@ -319,18 +329,10 @@ def run_case(case: Case) -> dict[str, int]:
     else:
         for p, producer in enumerate(producers):
             for d in topology.consumer_ranks_of_producer(p, case.p.tp, case.d.tp):
-                remote = RemoteGeometry.from_local(consumers[d].geometry)
-                plan = PeerLayout(
-                    producer.geometry, remote, mode="push", coalesce=case.coalesce
-                ).plan(p_ids, d_ids, num_tokens=num_tokens)
+                plan = plan_between(producer, consumers[d], "push")
                 assert plan.local_zero.shape == (0, 3)
                 # The consumer reading the same pair would move exactly the same bytes.
-                mirror = PeerLayout(
-                    consumers[d].geometry,
-                    RemoteGeometry.from_local(producer.geometry),
-                    mode="pull",
-                    coalesce=case.coalesce,
-                ).plan(d_ids, p_ids, num_tokens=num_tokens)
+                mirror = plan_between(consumers[d], producer, "pull")
                 np.testing.assert_array_equal(plan.local_descs, mirror.remote_descs)
                 np.testing.assert_array_equal(plan.remote_descs, mirror.local_descs)
                 np.testing.assert_array_equal(plan.remote_zero, mirror.local_zero)

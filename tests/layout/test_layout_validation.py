@@ -235,39 +235,35 @@ def test_pipeline_stage_may_hold_a_slice_of_the_layers() -> None:
     assert [(p.local.index, p.remote.index) for p in pairs] == [(2, 0), (3, 1)]
 
 
+def packed_peer(
+    local: KVGeometry, block_len: int, layouts: dict[str, tuple[int, int]]
+) -> RemoteGeometry:
+    """A peer with one row packing ``layers.0`` and ``layers.1`` at ``layouts``."""
+    return remote_of(
+        local,
+        region_members=[["layers.0", "layers.1"]],
+        kv_caches_base_addr=[1 << 30],
+        block_lens=[block_len],
+        block_strides=[block_len],
+        region_num_blocks=[64],
+        region_group_ids=[0],
+        region_names=["row"],
+        region_mem_types=["VRAM"],
+        packed_member_layouts=layouts,
+    )
+
+
 def test_packed_member_escaping_its_block() -> None:
     local = geometry(members=True, mla=True)
     page = 16 * CONTENT
     with pytest.raises(IncompatiblePeerError, match=r"packed.*layers.1"):
-        remote_of(
-            local,
-            region_members=[["layers.0", "layers.1"]],
-            kv_caches_base_addr=[1 << 30],
-            block_lens=[2 * page],
-            block_strides=[2 * page],
-            region_num_blocks=[64],
-            region_group_ids=[0],
-            region_names=["row"],
-            region_mem_types=["VRAM"],
-            packed_member_layouts={"layers.0": (0, page), "layers.1": (page + 8, page)},
-        )
+        packed_peer(local, 2 * page, {"layers.0": (0, page), "layers.1": (page + 8, page)})
 
 
 def test_packed_member_page_must_match_local_page() -> None:
     local = geometry(members=True, mla=True)
     page = 16 * CONTENT
-    peer = remote_of(
-        local,
-        region_members=[["layers.0", "layers.1"]],
-        kv_caches_base_addr=[1 << 30],
-        block_lens=[3 * page],
-        block_strides=[3 * page],
-        region_num_blocks=[64],
-        region_group_ids=[0],
-        region_names=["row"],
-        region_mem_types=["VRAM"],
-        packed_member_layouts={"layers.0": (0, page), "layers.1": (page, 2 * page)},
-    )
+    peer = packed_peer(local, 3 * page, {"layers.0": (0, page), "layers.1": (page, 2 * page)})
     refused(
         local,
         peer,

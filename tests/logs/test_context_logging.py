@@ -52,6 +52,18 @@ def test_a_percent_sign_in_context_does_not_break_formatting(
     assert record.getMessage() == "done 3 [request_id=100%s]"
 
 
+def test_a_percent_sign_in_context_is_not_doubled_without_args(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A call without args is never %-formatted, so its suffix must not be escaped."""
+    caplog.set_level(logging.INFO, logger="kvwire.test")
+    get_logger("kvwire.test", peer="fe80::1%eth0").info("gone")
+    (record,) = _records(caplog)
+    assert record.getMessage() == "gone [peer=fe80::1%eth0]"
+    assert json.loads(JsonFormatter().format(record))["message"] == "gone"
+    assert record.funcName == "test_a_percent_sign_in_context_is_not_doubled_without_args"
+
+
 def test_json_formatter_gives_the_context_as_fields(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="kvwire.test")
     get_logger("kvwire.test", engine="e", rank="pp0/tp1").warning("lease of %s ran out", "r%")

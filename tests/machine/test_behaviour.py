@@ -26,6 +26,7 @@ from kvwire.machine import (
     PostRead,
     PostWrite,
     PrefillFinished,
+    ProducerMachine,
     RequestAdded,
     RequestDone,
     RequestFailed,
@@ -40,9 +41,9 @@ from kvwire.machine import (
 from kvwire.wire.notifications import encode_heartbeat
 
 
-def _held(p: object, rid: str, blocks: tuple[tuple[int, ...], ...] = ((1, 2),)) -> None:
-    p.handle(RequestAdded(rid), 0.0)  # type: ignore[attr-defined]
-    p.handle(PrefillFinished(rid, blocks), 0.0)  # type: ignore[attr-defined]
+def _held(p: ProducerMachine, rid: str, blocks: tuple[tuple[int, ...], ...] = ((1, 2),)) -> None:
+    p.handle(RequestAdded(rid), 0.0)
+    p.handle(PrefillFinished(rid, blocks), 0.0)
 
 
 def test_heartbeat_extends_to_two_thirds_of_the_lease_and_never_shortens() -> None:

@@ -87,3 +87,15 @@ def test_command_exits_1_when_an_invariant_broke(monkeypatch: pytest.MonkeyPatch
 
     monkeypatch.setattr(kvwire.sim, "simulate", lambda *a: SimResult(seed=0, stuck=1))
     assert main(["sim", "--requests", "10", "--json"]) == 1
+
+
+def test_notifications_still_parked_at_quiescence_count_as_stuck(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The final leak check reads every consumer rank's parked buffer, not only its requests."""
+    from kvwire.machine import ConsumerMachine
+
+    monkeypatch.setattr(ConsumerMachine, "parked_completions", lambda self: 1)
+    result = simulate(3, 50, parse_faults("none"))
+    assert result.stuck > 0 and not result.ok
+    assert any("still parks write notifications" in v for v in result.violations)

@@ -58,13 +58,50 @@ SETTINGS = settings(
 IDS = [f"r{i}" for i in range(6)]
 
 
-class ConsumerModel(RuleBasedStateMachine):
+class _ConsumerSide(RuleBasedStateMachine):
+    """What both consumer models share: their clock and the handshake with producer engine
+    ``P`` (TP 2), of which at most one may be in flight; the machine times it out after 5 s."""
+
+    def __init__(self, config: MachineConfig) -> None:
+        super().__init__()
+        self.m = ConsumerMachine(config)
+        self.now = 0.0
+        self.attempt: int | None = None
+        self.attempt_deadline = 0.0
+
+    def _handshake_started(self, action: StartHandshake) -> None:
+        assert self.attempt is None, "two handshakes in flight for one engine"
+        self.attempt = action.attempt
+        self.attempt_deadline = self.now + 5.0
+
+    def feed(self, event: Any, dt: float = 0.01) -> list[Action]:
+        raise NotImplementedError
+
+    @precondition(lambda self: self.attempt is not None)
+    @rule(ok=st.booleans())
+    def handshake(self, ok: bool) -> None:
+        attempt = self.attempt
+        assert attempt is not None
+        self.attempt = None
+        self.feed(HandshakeDone("P", attempt, 2) if ok else HandshakeFailed("P", attempt))
+
+    @rule(dt=st.sampled_from([0.5, 2.0, 6.0]))
+    def tick(self, dt: float) -> None:
+        attempt = self.attempt
+        self.feed(Timer(), dt)
+        if attempt is not None and attempt == self.attempt and self.now >= self.attempt_deadline:
+            self.attempt = None  # the machine timed the handshake out
+
+    @rule()
+    def peer_lost(self) -> None:
+        self.feed(PeerLost("P"))
+
+
+class ConsumerModel(_ConsumerSide):
     """A pull consumer (TP 1) reading a producer engine with TP 2: two READs per request."""
 
     def __init__(self) -> None:
-        super().__init__()
-        self.m = ConsumerMachine(MachineConfig(engine_id="D", tp_size=1, lease_s=30.0))
-        self.now = 0.0
+        super().__init__(MachineConfig(engine_id="D", tp_size=1, lease_s=30.0))
         self.live: set[str] = set()
         self.allocated: set[str] = set()
         self.ended: dict[str, Action] = {}
@@ -73,8 +110,6 @@ class ConsumerModel(RuleBasedStateMachine):
         self.done_reads: dict[str, int] = {}
         self.xfers: dict[int, tuple[str, str]] = {}  # xfer -> (request, driver state)
         self.cancelled: set[int] = set()
-        self.attempt: int | None = None
-        self.attempt_deadline = 0.0
 
     # -------------------------------------------------------------- feeding
 
@@ -86,9 +121,7 @@ class ConsumerModel(RuleBasedStateMachine):
             if rid is not None:
                 assert rid not in self.ended, f"{type(a).__name__} after {rid} ended"
             if isinstance(a, StartHandshake):
-                assert self.attempt is None, "two handshakes in flight for one engine"
-                self.attempt = a.attempt
-                self.attempt_deadline = self.now + 5.0
+                self._handshake_started(a)
             elif isinstance(a, PostRead):
                 assert a.request_id not in self.failed, "READ posted after a failure"
                 assert a.notification == f"p-{a.request_id}:1".encode()
@@ -144,15 +177,6 @@ class ConsumerModel(RuleBasedStateMachine):
         self.allocated.add(rid)
         self.feed(AllocationDone(rid, (tuple(range(100, 100 + n)),)))
 
-    @precondition(lambda self: self.attempt is not None)
-    @rule(ok=st.booleans())
-    def handshake(self, ok: bool) -> None:
-        attempt = self.attempt
-        assert attempt is not None
-        self.attempt = None
-        event = HandshakeDone("P", attempt, 2) if ok else HandshakeFailed("P", attempt)
-        self.feed(event)
-
     @precondition(lambda self: self.xfers)
     @rule(data=st.data())
     def transfer(self, data: st.DataObject) -> None:
@@ -189,17 +213,6 @@ class ConsumerModel(RuleBasedStateMachine):
         if rid in self.live:
             self.failed.add(rid)
         self.feed(Abort(rid))
-
-    @rule(dt=st.sampled_from([0.5, 2.0, 6.0]))
-    def tick(self, dt: float) -> None:
-        attempt = self.attempt
-        self.feed(Timer(), dt)
-        if attempt is not None and attempt == self.attempt and self.now >= self.attempt_deadline:
-            self.attempt = None  # the machine timed the handshake out
-
-    @rule()
-    def peer_lost(self) -> None:
-        self.feed(PeerLost("P"))
 
     @rule(data=st.binary(max_size=12))
     def noise(self, data: bytes) -> None:
@@ -332,7 +345,7 @@ def _registers(action: SendNotification) -> bool:
     return isinstance(msg, PushRegistration) and any(msg.local_block_ids)
 
 
-class PushConsumerModel(RuleBasedStateMachine):
+class PushConsumerModel(_ConsumerSide):
     """A push consumer (TP 1) written to by a producer with TP 2: two distinct writers
     complete a request. Write notifications arrive at any time, before the request exists
     or while it allocates or handshakes; the model parks them exactly as the protocol says
@@ -341,19 +354,15 @@ class PushConsumerModel(RuleBasedStateMachine):
     REG_S = 10.0
 
     def __init__(self) -> None:
-        super().__init__()
-        self.m = ConsumerMachine(
+        super().__init__(
             MachineConfig(engine_id="D", mode=TransferMode.PUSH, registration_timeout_s=self.REG_S)
         )
-        self.now = 0.0
         self.state: dict[str, str] = {}  # live request -> wait_alloc | wait_peer | await
         self.ended: set[str] = set()
         self.counted: dict[str, set[str]] = {}
         self.parked: dict[str, tuple[float, set[str]]] = {}  # rid -> (first parked, senders)
         self.await_since: dict[str, float] = {}
         self.empty: set[str] = set()
-        self.attempt: int | None = None
-        self.attempt_deadline = 0.0
 
     def feed(self, event: Any, dt: float = 0.01) -> list[Action]:
         self.now += dt
@@ -367,9 +376,7 @@ class PushConsumerModel(RuleBasedStateMachine):
             if rid is not None:
                 assert rid not in self.ended, f"{type(a).__name__} after {rid} ended"
             if isinstance(a, StartHandshake):
-                assert self.attempt is None
-                self.attempt = a.attempt
-                self.attempt_deadline = self.now + 5.0
+                self._handshake_started(a)
             elif isinstance(a, SendNotification) and rid is not None and _registers(a):
                 # The registration: the request now awaits writes and takes what was parked.
                 assert self.state[rid] in ("wait_alloc", "wait_peer")
@@ -420,14 +427,6 @@ class PushConsumerModel(RuleBasedStateMachine):
             self.state[rid] = "wait_peer"  # the registration (if READY) moves it on
         self.feed(AllocationDone(rid, (tuple(range(100, 100 + n)),)))
 
-    @precondition(lambda self: self.attempt is not None)
-    @rule(ok=st.booleans())
-    def handshake(self, ok: bool) -> None:
-        attempt = self.attempt
-        assert attempt is not None
-        self.attempt = None
-        self.feed(HandshakeDone("P", attempt, 2) if ok else HandshakeFailed("P", attempt))
-
     @rule(rid=st.sampled_from(IDS), sender=st.sampled_from(["p0", "p1"]))
     def write_notification(self, rid: str, sender: str) -> None:
         if self.state.get(rid) == "await":
@@ -441,17 +440,6 @@ class PushConsumerModel(RuleBasedStateMachine):
     @rule(rid=st.sampled_from(IDS))
     def abort(self, rid: str) -> None:
         self.feed(Abort(rid))
-
-    @rule(dt=st.sampled_from([0.5, 2.0, 6.0]))
-    def tick(self, dt: float) -> None:
-        attempt = self.attempt
-        self.feed(Timer(), dt)
-        if attempt is not None and attempt == self.attempt and self.now >= self.attempt_deadline:
-            self.attempt = None
-
-    @rule()
-    def peer_lost(self) -> None:
-        self.feed(PeerLost("P"))
 
     @invariant()
     def agrees(self) -> None:

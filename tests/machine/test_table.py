@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -73,99 +74,81 @@ PRODUCER_STATES = [
 ]
 
 
-def _consumer_event(at: ConsumerAt, etype: type[Any], far: bool) -> Any:
+def _event(at: ConsumerAt | ProducerAt, etype: type[Any], push: bool = True) -> Any:
+    """An event of ``etype`` addressed to the request ``at`` drove (and its peer engine)."""
+    rid = at.rid
+    consumer = isinstance(at, ConsumerAt)
+    peer = "P" if consumer else "D"
     x_last = at.xfers[-1] if at.xfers else 999
     x_first = at.xfers[0] if at.xfers else 999
+    if consumer:
+        note = NotificationReceived("p-agent", b"d1:1")
+    else:
+        note = NotificationReceived("d-agent", registration(rid, decode_tp=2) if push else b"r1:1")
     return {
-        RequestAdded: lambda: RequestAdded("d1", remote(tp=2)),
-        AllocationDone: lambda: AllocationDone("d1", ((7, 8),)),
-        PrefillFinished: lambda: PrefillFinished("d1", ((1,),)),
-        HandshakeDone: lambda: HandshakeDone("P", at.attempt or 1, 2),
-        HandshakeFailed: lambda: HandshakeFailed("P", at.attempt or 1, "no"),
+        RequestAdded: lambda: RequestAdded(rid, remote(tp=2) if consumer else None),
+        AllocationDone: lambda: AllocationDone(rid, ((7, 8),)),
+        PrefillFinished: lambda: PrefillFinished(rid, ((1,),) if consumer else ((1, 2, 3),)),
+        HandshakeDone: lambda: HandshakeDone(peer, at.attempt or 1, 2),
+        HandshakeFailed: lambda: HandshakeFailed(peer, at.attempt or 1, "no"),
         TransferPosted: lambda: TransferPosted(x_last),
         TransferDone: lambda: TransferDone(x_first),
         TransferFailed: lambda: TransferFailed(x_first, "io"),
         ReleaseFailed: lambda: ReleaseFailed(x_first, "busy"),
-        NotificationReceived: lambda: NotificationReceived("p-agent", b"d1:1"),
-        Abort: lambda: Abort("d1"),
-        PeerLost: lambda: PeerLost("P"),
+        NotificationReceived: lambda: note,
+        Abort: lambda: Abort(rid),
+        PeerLost: lambda: PeerLost(peer),
         Timer: lambda: Timer(),
     }[etype]()
 
 
-def _producer_event(at: ProducerAt, etype: type[Any], push: bool) -> Any:
-    x_last = at.xfers[-1] if at.xfers else 999
-    x_first = at.xfers[0] if at.xfers else 999
-    note = registration("r1", decode_tp=2) if push else b"r1:1"
-    return {
-        RequestAdded: lambda: RequestAdded("r1"),
-        AllocationDone: lambda: AllocationDone("r1", ((7, 8),)),
-        PrefillFinished: lambda: PrefillFinished("r1", ((1, 2, 3),)),
-        HandshakeDone: lambda: HandshakeDone("D", at.attempt or 1, 2),
-        HandshakeFailed: lambda: HandshakeFailed("D", at.attempt or 1, "no"),
-        TransferPosted: lambda: TransferPosted(x_last),
-        TransferDone: lambda: TransferDone(x_first),
-        TransferFailed: lambda: TransferFailed(x_first, "io"),
-        ReleaseFailed: lambda: ReleaseFailed(x_first, "busy"),
-        NotificationReceived: lambda: NotificationReceived("d-agent", note),
-        Abort: lambda: Abort("r1"),
-        PeerLost: lambda: PeerLost("D"),
-        Timer: lambda: Timer(),
-    }[etype]()
+def _check_request_pair(
+    at: ConsumerAt | ProducerAt,
+    state: str,
+    etype: type[Any],
+    table: Mapping[Any, frozenset[Any]],
+    endings: Sequence[tuple[type[Any], Any]],
+    push: bool,
+) -> None:
+    """Drive ``etype`` into the request ``at`` holds in ``state``: the machine must refuse
+    exactly the direct events the table lacks, and end where the table allows. ``endings``
+    maps the actions that end a request to the terminal state they stand for."""
+    before = at.m.request_state(at.rid)
+    assert before.value == state
+    allowed = table.get((before, etype))
+    event = _event(at, etype, push)
+    dt = 1e6 if (etype is Timer and allowed is not None) else 1e-4
+    try:
+        actions = at.step(event, dt)
+    except LocalProtocolError:
+        assert allowed is None, f"{state} refused {etype.__name__} although the table lists it"
+        assert at.m.request_state(at.rid) is before  # a refused event changes nothing
+        return
+    ended = [end for cls, end in endings if any(isinstance(a, cls) for a in actions)]
+    after = ended[0] if ended else at.m.request_state(at.rid)
+    if allowed is None:
+        assert etype not in DIRECT, f"{state} accepted {etype.__name__} not in the table"
+        assert after is before, f"{etype.__name__} moved {state} outside the table"
+    else:
+        assert after in allowed, (state, etype.__name__, after)
+
+
+CONSUMER_ENDINGS = ((RequestDone, ConsumerState.DONE), (RequestFailed, ConsumerState.FAILED))
+PRODUCER_ENDINGS = ((FreeBlocks, ProducerState.FREED),)
 
 
 @pytest.mark.parametrize(("state", "mode"), CONSUMER_STATES)
 @pytest.mark.parametrize("etype", EVENT_TYPES, ids=lambda t: t.__name__)
 def test_consumer_pair(state: str, mode: Any, etype: type[Any]) -> None:
     at = ConsumerAt(state, mode)
-    before = at.m.request_state("d1")
-    assert before.value == state
-    allowed = CONSUMER.get((before, etype))
-    event = _consumer_event(at, etype, far=allowed is not None)
-    dt = 1e6 if (etype is Timer and allowed is not None) else 1e-4
-    try:
-        actions = at.step(event, dt)
-    except LocalProtocolError:
-        assert allowed is None, f"{state} refused {etype.__name__} although the table lists it"
-        assert at.m.request_state("d1") is before  # a refused event changes nothing
-        return
-    if any(isinstance(a, RequestDone) for a in actions):
-        after = ConsumerState.DONE
-    elif any(isinstance(a, RequestFailed) for a in actions):
-        after = ConsumerState.FAILED
-    else:
-        after = at.m.request_state("d1")
-    if allowed is None:
-        assert etype not in DIRECT, f"{state} accepted {etype.__name__} not in the table"
-        assert after is before, f"{etype.__name__} moved {state} outside the table"
-    else:
-        assert after in allowed, (state, etype.__name__, after)
+    _check_request_pair(at, state, etype, CONSUMER, CONSUMER_ENDINGS, mode is PUSH)
 
 
 @pytest.mark.parametrize(("state", "mode"), PRODUCER_STATES)
 @pytest.mark.parametrize("etype", EVENT_TYPES, ids=lambda t: t.__name__)
 def test_producer_pair(state: str, mode: Any, etype: type[Any]) -> None:
     at = ProducerAt(state, mode)
-    before = at.m.request_state("r1")
-    assert before.value == state
-    allowed = PRODUCER.get((before, etype))
-    event = _producer_event(at, etype, mode is PUSH)
-    dt = 1e6 if (etype is Timer and allowed is not None) else 1e-4
-    try:
-        actions = at.step(event, dt)
-    except LocalProtocolError:
-        assert allowed is None, f"{state} refused {etype.__name__} although the table lists it"
-        assert at.m.request_state("r1") is before
-        return
-    if any(isinstance(a, FreeBlocks) for a in actions):
-        after = ProducerState.FREED
-    else:
-        after = at.m.request_state("r1")
-    if allowed is None:
-        assert etype not in DIRECT, f"{state} accepted {etype.__name__} not in the table"
-        assert after is before, f"{etype.__name__} moved {state} outside the table"
-    else:
-        assert after in allowed, (state, etype.__name__, after)
+    _check_request_pair(at, state, etype, PRODUCER, PRODUCER_ENDINGS, mode is PUSH)
 
 
 # (parked notifications for d1?, the request's own state): push, so parking applies.
@@ -199,7 +182,7 @@ def test_parked_pair(parked: str, request_state: str, etype: type[Any]) -> None:
     assert before.value == parked
     allowed = PARKED.get((before, etype))
     counters = at.m.stats.as_dict()
-    event = _consumer_event(at, etype, far=True)
+    event = _event(at, etype)
     try:
         at.step(event, 1e6 if etype is Timer else 1e-4)
     except LocalProtocolError:

@@ -7,6 +7,7 @@ import os
 import time
 import uuid
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -125,6 +126,19 @@ def test_unknown_memory_keeps_nixl_status(pair: Pair) -> None:
         pair.a.read("nobody", pair.descs(pair.dst, [0], [64]), pair.descs(pair.src, [0], [64]))
     with pytest.raises(UnknownPeerError):
         pair.a.notify("nobody", b"x")
+
+
+def test_notifications_must_be_bytes_like(pair: Pair) -> None:
+    local = pair.descs(pair.dst, [0], [64])
+    remote = pair.descs(pair.src, [0], [64])
+    bad: list[Any] = ["text", 5]
+    for message in bad:
+        with pytest.raises(TransportError, match="must be bytes"):
+            pair.a.notify(pair.peer_b, message)
+        with pytest.raises(TransportError, match="must be bytes"):
+            pair.a.read(pair.peer_b, local, remote, message)
+    pair.a.notify(pair.peer_b, memoryview(b"ok"))
+    assert [m for _, m in _notifications(pair.b, 1)] == [b"ok"]
 
 
 def test_bad_peer_metadata(pair: Pair) -> None:

@@ -11,6 +11,7 @@ import numpy.typing as npt
 import pytest
 from kvwire_shm import allocate
 
+from kvwire.demo.engines import DecodeEngine, RequestResult
 from kvwire.demo.models import CacheSpec, preset
 from kvwire.runtime import Consumer, Producer, RuntimeConfig
 from kvwire.sidechannel import HandshakeListener, RetryPolicy
@@ -40,6 +41,16 @@ def config(side: Side, engine_id: str, mode: str = "pull", **kw: object) -> Runt
         handshake=RetryPolicy(timeout=2.0, retries=1, backoff=0.05),
         **kw,  # type: ignore[arg-type]
     )
+
+
+def finish(decode: DecodeEngine, count: int, timeout: float = 60.0) -> list[RequestResult]:
+    """The results of ``count`` requests a demo decode engine runs, failing after ``timeout``."""
+    results: list[RequestResult] = []
+    deadline = time.monotonic() + timeout
+    while len(results) < count and time.monotonic() < deadline:
+        results += decode.poll(0.5)
+    assert len(results) == count, f"only {len(results)} of {count} requests ended"
+    return results
 
 
 def wait_until(predicate: Callable[[], bool], timeout: float = 30.0) -> None:

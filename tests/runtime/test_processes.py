@@ -6,13 +6,14 @@ import json
 import socket
 import subprocess
 import sys
-import time
 
 import pytest
 
 from kvwire.demo import DemoOptions, run_local
 from kvwire.demo.content import count_wrong_bytes  # noqa: F401  (the verifier the ranks use)
-from kvwire.demo.engines import DecodeEngine, EngineOptions, PrefillEngine, RequestResult
+from kvwire.demo.engines import DecodeEngine, EngineOptions, PrefillEngine
+
+from .conftest import finish
 
 pytestmark = pytest.mark.slow
 
@@ -52,15 +53,6 @@ def _engines(mode: str = "pull", num_blocks: int = 704) -> tuple[PrefillEngine, 
     return PrefillEngine(opts("prefill")), DecodeEngine(opts("decode"))
 
 
-def _finish(decode: DecodeEngine, count: int, timeout: float = 60.0) -> list[RequestResult]:
-    results: list[RequestResult] = []
-    deadline = time.monotonic() + timeout
-    while len(results) < count and time.monotonic() < deadline:
-        results += decode.poll(1.0)
-    assert len(results) == count, f"only {len(results)} of {count} requests ended"
-    return results
-
-
 def test_killed_prefill_fails_its_requests_then_a_restarted_one_is_handshaken_again() -> None:
     prefill, decode = _engines()
     prefill.start()
@@ -69,7 +61,7 @@ def test_killed_prefill_fails_its_requests_then_a_restarted_one_is_handshaken_ag
         tokens = 1024  # 16 MiB per request: transfers are still running when P dies
         params = prefill.prefill("warm", 0, tokens)
         decode.submit("warm", 0, params, tokens)
-        assert _finish(decode, 1)[0].ok
+        assert finish(decode, 1)[0].ok
 
         doomed = [prefill.prefill(f"doomed-{i}", i, tokens) for i in range(1, 9)]
         for i, p in enumerate(doomed, start=1):
@@ -78,7 +70,7 @@ def test_killed_prefill_fails_its_requests_then_a_restarted_one_is_handshaken_ag
         # A request that arrives after the crash cannot even be started.
         late = dict(doomed[0], remote_request_id="late")
         decode.submit("late", 50, late, tokens)
-        results = _finish(decode, 9)
+        results = finish(decode, 9)
         failed = [r for r in results if not r.ok]
         assert failed, "no request noticed the producer's death"
         assert any(r.rid == "late" for r in failed)
@@ -93,7 +85,7 @@ def test_killed_prefill_fails_its_requests_then_a_restarted_one_is_handshaken_ag
         fresh = [prefill.prefill(f"fresh-{i}", 100 + i, tokens) for i in range(3)]
         for i, p in enumerate(fresh):
             decode.submit(f"fresh-{i}", 100 + i, p, tokens)
-        again = _finish(decode, 3)
+        again = finish(decode, 3)
         assert all(r.ok and r.wrong_bytes == 0 for r in again), again
         stats = decode.stats()[0]["metrics"]
         assert stats["handshakes_ok"] == 2

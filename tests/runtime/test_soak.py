@@ -15,8 +15,10 @@ import time
 import pytest
 
 from kvwire.cli import main
-from kvwire.demo.engines import EngineOptions, PrefillEngine, RequestResult
+from kvwire.demo.engines import EngineOptions, PrefillEngine
 from kvwire.demo.soak import KILLED, ChaosDecodeEngine
+
+from .conftest import finish
 
 pytestmark = pytest.mark.slow
 
@@ -36,15 +38,6 @@ def _options(role: str, tp: int) -> EngineOptions:
     )
 
 
-def _finish(decode: ChaosDecodeEngine, count: int, timeout: float = 60) -> list[RequestResult]:
-    results: list[RequestResult] = []
-    deadline = time.monotonic() + timeout
-    while len(results) < count and time.monotonic() < deadline:
-        results += decode.poll(0.5)
-    assert len(results) == count, f"only {len(results)} of {count} requests ended"
-    return results
-
-
 def test_killed_decode_rank_fails_its_requests_and_the_pools_come_back() -> None:
     prefill = PrefillEngine(_options("prefill", 1))
     decode = ChaosDecodeEngine(_options("decode", 2))
@@ -59,7 +52,7 @@ def test_killed_decode_rank_fails_its_requests_and_the_pools_come_back() -> None
             decode.submit(rid, i, prefill.prefill(rid, i, TOKENS), TOKENS)
         decode.kill_rank(0)
         assert not decode.healthy
-        results = _finish(decode, len(doomed))
+        results = finish(decode, len(doomed))
         for res in results:
             # Rank 1 received its share intact; rank 0's share is lost with it.
             assert not res.ok and res.reasons == [KILLED], res
@@ -72,7 +65,7 @@ def test_killed_decode_rank_fails_its_requests_and_the_pools_come_back() -> None
         fresh = {f"fresh-{i}": 10 + i for i in range(3)}
         for rid, i in fresh.items():
             decode.submit(rid, i, prefill.prefill(rid, i, TOKENS), TOKENS)
-        again = _finish(decode, len(fresh))
+        again = finish(decode, len(fresh))
         assert all(r.ok and r.wrong_bytes == 0 and r.checked_bytes > 0 for r in again), again
 
         # P never heard from the dead rank about the doomed requests: its lease frees them.

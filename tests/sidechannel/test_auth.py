@@ -69,6 +69,14 @@ def _ask(sock: zmq.Socket[bytes], frame: bytes) -> list[bytes]:
     return sock.recv_multipart()
 
 
+def _challenge(sock: zmq.Socket[bytes], auth: ClientAuth, pp_rank: int, tp_rank: int) -> bytes:
+    """Send a hello; the challenge of its answer, which carries nothing of a payload."""
+    hello = _ask(sock, encode_hello(pp_rank, tp_rank))
+    challenge = auth.challenge_of(hello[0])
+    assert challenge is not None and not _leaks(hello)
+    return challenge
+
+
 def _leaks(frames: list[bytes]) -> bool:
     """Whether any payload's bytes (or a 64-byte piece of one) appear in the frames."""
     blob = b"".join(frames)
@@ -95,10 +103,7 @@ def test_the_payload_never_crosses_the_wire_in_clear(
     """Even the authenticated answer carries the payload sealed, not in clear."""
     auth = ClientAuth(SECRET)
     sock = _req(zctx, auth_listener.port)
-    hello = _ask(sock, encode_hello(0, 1))
-    challenge = auth.challenge_of(hello[0])
-    assert challenge is not None and not _leaks(hello)
-    proof = auth.prove(0, 1, challenge)
+    proof = auth.prove(0, 1, _challenge(sock, auth, 0, 1))
     answer = _ask(sock, encode_proof(proof))
     assert len(answer) == 3 and not _leaks(answer)
     assert auth.open(proof, *answer) == PAYLOADS[(0, 1)]
@@ -123,10 +128,7 @@ def test_client_without_the_secret_gets_nothing(
         assert not _leaks(frames)
     # A hello gets a challenge and nothing else; a made-up proof gets a refusal.
     auth_without = ClientAuth(b"x" * 32)
-    frames = _ask(sock, encode_hello(0, 1))
-    challenge = auth_without.challenge_of(frames[0])
-    assert challenge is not None and not _leaks(frames)
-    forged = auth_without.prove(0, 1, challenge)
+    forged = auth_without.prove(0, 1, _challenge(sock, auth_without, 0, 1))
     frames = _ask(sock, encode_proof(forged))
     assert len(frames) == 2 and not _leaks(frames)
     assert (refusal_reason(frames[0]) or "").startswith("authentication failed")
@@ -154,9 +156,7 @@ def test_replayed_proof_is_refused(
     """An eavesdropper who replays a client's proof gets a refusal, not a second answer."""
     auth = ClientAuth(SECRET)
     sock = _req(zctx, auth_listener.port)
-    challenge = auth.challenge_of(_ask(sock, encode_hello(0, 0))[0])
-    assert challenge is not None
-    proof_frame = encode_proof(auth.prove(0, 0, challenge))
+    proof_frame = encode_proof(auth.prove(0, 0, _challenge(sock, auth, 0, 0)))
     assert len(_ask(sock, proof_frame)) == 3
     replayer = _req(zctx, auth_listener.port)
     frames = _ask(replayer, proof_frame)
@@ -172,15 +172,13 @@ def test_expired_and_foreign_challenges_are_refused(zctx: zmq.Context[zmq.Socket
         HandshakeListener(PAYLOADS, secret=SECRET) as other,
     ):
         sock = _req(zctx, listener.port)
-        challenge = auth.challenge_of(_ask(sock, encode_hello(0, 0))[0])
-        assert challenge is not None
+        challenge = _challenge(sock, auth, 0, 0)
         now[0] += 11.0  # past the 10 s challenge TTL
         frames = _ask(sock, encode_proof(auth.prove(0, 0, challenge)))
         assert refusal_reason(frames[0]) == "authentication failed: challenge expired"
         # A challenge from another listener (or this one before a restart) is not ours.
         other_sock = _req(zctx, other.port)
-        foreign = auth.challenge_of(_ask(other_sock, encode_hello(0, 0))[0])
-        assert foreign is not None
+        foreign = _challenge(other_sock, auth, 0, 0)
         frames = _ask(sock, encode_proof(auth.prove(0, 0, foreign)))
         assert "not issued by this listener" in (refusal_reason(frames[0]) or "")
         assert listener.stats().served == 0
@@ -215,9 +213,7 @@ def test_replayed_or_tampered_answer_is_rejected(
 ) -> None:
     auth = ClientAuth(SECRET)
     sock = _req(zctx, auth_listener.port)
-    challenge = auth.challenge_of(_ask(sock, encode_hello(0, 1))[0])
-    assert challenge is not None
-    proof = auth.prove(0, 1, challenge)
+    proof = auth.prove(0, 1, _challenge(sock, auth, 0, 1))
     sealed, clock, tag = _ask(sock, encode_proof(proof))
     assert auth.open(proof, sealed, clock, tag) == PAYLOADS[(0, 1)]
     if tamper == "flip_payload":

@@ -1,8 +1,9 @@
-"""Interop with vLLM's side channel, using this test's own definitions of its messages.
+"""Interop with vLLM's side channel, using definitions of its messages made apart from ours.
 
-The dataclasses below are written from PROTOCOL.md ("Side-channel handshake", "Wire
-schemas"), independently of kvwire.wire: msgspec encodes a dataclass as a map keyed by
-field name in declaration order, which is what vLLM 0.31.0 puts on the wire.
+vLLM's side is the plain dataclasses of :mod:`kvwire.bench.wire`, written from PROTOCOL.md
+("Side-channel handshake", "Wire schemas") independently of kvwire.wire and checked against
+the golden vectors by tests/bench: msgspec encodes a dataclass as a map keyed by field name
+in declaration order, which is what vLLM 0.31.0 puts on the wire.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ import json
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 
 import msgspec
 import numpy as np
@@ -21,42 +21,12 @@ import zmq
 from kvwire_shm import allocate
 
 from kvwire import cli
+from kvwire.bench.wire import VllmAgentMetadata, VllmHandshakePayload
 from kvwire.demo.content import count_wrong_bytes, fill
 from kvwire.demo.models import CacheSpec, preset
 from kvwire.runtime import Consumer, Producer, RuntimeConfig
 from kvwire.sidechannel import HandshakeClient, HandshakeListener, fetch_agent_metadata
 from kvwire.transport import create, region_of_array
-
-
-@dataclass
-class VllmAgentMetadata:
-    engine_id: str
-    agent_metadata: bytes
-    kv_caches_base_addr: list[int]
-    device_id: int
-    num_blocks: int
-    block_lens: list[int]
-    block_strides: list[int]
-    kv_cache_layout: str
-    block_size: int
-    ssm_sizes: tuple[int, int]
-    attn_backend_name: str
-    physical_blocks_per_logical_kv_block: int
-    region_num_blocks: list[int] | None = None
-    region_group_ids: list[int] | None = None
-    region_names: list[str] | None = None
-    region_mem_types: list[str] | None = None
-    dcp_size: int = 1
-    pcp_size: int = 1
-    region_members: list[list[str]] = field(default_factory=list)
-    packed_member_layouts: dict[str, tuple[int, int]] = field(default_factory=dict)
-
-
-@dataclass
-class VllmHandshakePayload:
-    compatibility_hash: str
-    agent_metadata_bytes: bytes
-
 
 GET_META = b"get_meta_msg"
 SPEC = CacheSpec(preset("llama-3-8b"), 2, 16, 0, 1)

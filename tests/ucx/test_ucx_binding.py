@@ -36,7 +36,6 @@ LAYOUT: dict[str, tuple[int, dict[str, int]]] = {
                              "remote": 80, "remote_count": 88}),
     "UcpAmHandlerParam": (32, {"id": 8, "flags": 12, "cb": 16, "arg": 24}),
     "UcpAmRecvParam": (16, {"reply_ep": 8}),
-    "UcpDtIov": (16, {"length": 8}),
 }  # fmt: skip
 
 

@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -149,6 +150,18 @@ def test_descriptor_errors(pair) -> None:  # type: ignore[no-untyped-def]
         a.read("b", many, bad)
     with pytest.raises(DescriptorError):
         a.read("b", np.zeros((2, 2), dtype=np.int64), np.zeros((2, 2), dtype=np.int64))
+
+
+def test_notifications_must_be_bytes_like(pair) -> None:  # type: ignore[no-untyped-def]
+    a, b, mine, theirs = pair
+    bad: list[Any] = ["text", 5]  # bytes(5) would be five zero bytes on the wire
+    for message in bad:
+        with pytest.raises(TransportError, match="must be bytes"):
+            a.notify("b", message)
+        with pytest.raises(TransportError, match="must be bytes"):
+            a.read("b", rows(mine, [0]), rows(theirs, [0]), notify=message)
+    a.notify("b", bytearray(b"ok"))
+    assert notifications(b, 1) == [("a", b"ok")]
 
 
 def test_unknown_peer_and_bad_metadata(pair) -> None:  # type: ignore[no-untyped-def]

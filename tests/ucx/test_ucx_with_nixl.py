@@ -24,13 +24,18 @@ pytestmark = [
 ]
 
 
-@pytest.mark.parametrize("order", ["nixl-first", "ucx-first"])
-def test_both_ucx_copies_move_data_in_one_process(order: str) -> None:
+@pytest.mark.parametrize(
+    ("order", "checks"),
+    [
+        ("nixl-first", ["nixl", "kvwire-ucx after-nixl"]),
+        ("ucx-first", ["kvwire-ucx before-nixl", "nixl", "kvwire-ucx after-nixl"]),
+    ],
+)
+def test_both_ucx_copies_move_data_in_one_process(order: str, checks: list[str]) -> None:
     env = {**os.environ, "NIXL_LOG_LEVEL": "WARN"}
     out = subprocess.run(
         [sys.executable, str(SCRIPT), order], capture_output=True, text=True, timeout=120, env=env
     )
     assert out.returncode == 0, out.stderr[-2000:]
     lines = [line for line in out.stdout.splitlines() if line.endswith(": ok")]
-    assert "nixl: ok" in lines
-    assert "kvwire-ucx after-nixl: ok" in lines
+    assert lines == [f"{check}: ok" for check in checks]

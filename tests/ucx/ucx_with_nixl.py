@@ -34,10 +34,13 @@ def ucx_round(tag: str) -> None:
 
 
 def nixl_round() -> None:
-    from nixl_cu12 import nixl_agent, nixl_agent_config
+    # kvwire_nixl's loader, not a bare import: it sets UCX_MODULES as every NIXL process
+    # here needs (without it the process crashes at exit, see kvwire_nixl._loader).
+    from kvwire_nixl._loader import load_nixl
 
-    config = nixl_agent_config(backends=["UCX"], enable_prog_thread=False)
-    na, nb = nixl_agent("na", config), nixl_agent("nb", config)
+    api, _ = load_nixl()
+    config = api.nixl_agent_config(backends=["UCX"], enable_prog_thread=False)
+    na, nb = api.nixl_agent("na", config), api.nixl_agent("nb", config)
     src = np.arange(1 << 20, dtype=np.uint8)[::-1].copy()
     dst = np.zeros_like(src)
     nb.register_memory([(src.ctypes.data, src.nbytes, 0, "")], "DRAM")

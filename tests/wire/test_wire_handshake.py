@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 
@@ -10,6 +9,7 @@ import msgspec
 import pytest
 
 import kvwire
+from kvwire.bench.wire import VllmHandshakePayload
 from kvwire.compat import CompatFactors
 
 VECTORS = Path(__file__).resolve().parent.parent / "vectors"
@@ -27,14 +27,6 @@ OURS = CompatFactors.build(
     attn_backend_name="FLASH_ATTN",
 )
 V14_PEER = msgspec.structs.replace(OURS, nixl_connector_version=14, vllm_version="0.32.0")
-
-
-@dataclasses.dataclass
-class VllmHandshakePayload:
-    """Stands in for vLLM's decoder: a two-field dataclass, as vLLM declares it."""
-
-    compatibility_hash: str
-    agent_metadata_bytes: bytes
 
 
 def test_matching_hash_decodes_metadata() -> None:

@@ -81,3 +81,26 @@ def test_msgpack_and_json_inputs_agree() -> None:
     expected = kvwire.parse_kv_transfer_params(D_SIDE)
     assert kvwire.parse_kv_transfer_params(msgspec.msgpack.encode(D_SIDE)) == expected
     assert kvwire.parse_kv_transfer_params(msgspec.json.encode(D_SIDE).decode()) == expected
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        b'{"remote_host": "\xed\xa0\x8010.0.0.1"}',  # an encoded lone surrogate: not UTF-8
+        b'{"remote_host": "\\ud800"}',  # a lone surrogate escape
+        b'{"remote_engine_id": "\\uDFFFx"}',
+    ],
+)
+def test_json_strings_that_are_not_unicode_are_decode_errors(data: bytes) -> None:
+    """Found by tests/fuzz: json.loads let lone surrogates in, and the view would not
+    re-encode."""
+    with pytest.raises(kvwire.WireDecodeError, match=r"Unicode|UTF-8"):
+        kvwire.parse_kv_transfer_params(data)
+    with pytest.raises(kvwire.WireDecodeError):
+        kvwire.parse_kv_transfer_params(data.decode("utf-8", "surrogatepass"))
+
+
+def test_json_escapes_of_valid_text_are_kept() -> None:
+    view = kvwire.parse_kv_transfer_params(b'{"remote_host": "h\\ud83d\\ude00", "x": "\\ud800"}')
+    assert view.remote_host == "h\U0001f600"  # a surrogate pair; the unknown key is dropped
+    assert kvwire.decode(kvwire.encode(view), type(view)) == view

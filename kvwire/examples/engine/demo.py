@@ -43,12 +43,10 @@ DEFAULTS: dict[str, Any] = {
 
 
 def _opt(args: argparse.Namespace, name: str) -> Any:
+    """The option as given, else the engine demo's default (the shared --p-tp and --d-tp
+    stay None unless given; see :func:`kvwire.commands.demo.add_workload_arguments`)."""
     value = getattr(args, name, None)
-    if value is None:
-        return DEFAULTS[name]
-    if name == "transport" and isinstance(value, list):  # a host flag that takes several
-        return value[0] if value else DEFAULTS[name]
-    return value
+    return DEFAULTS[name] if value is None else value
 
 
 def make_prompts(count: int, block_size: int, seed: int, vocab: int) -> list[list[int]]:

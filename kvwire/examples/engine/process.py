@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import os
 import select
-import subprocess
 import sys
 import time
 from collections.abc import Iterator, Mapping
@@ -21,6 +20,7 @@ from typing import Any
 
 import msgspec
 
+from kvwire.demo.framing import close_pipes, spawn, wait_or_kill
 from kvwire.errors import ConfigError, KVWireError
 
 _json_encode = msgspec.json.Encoder().encode
@@ -57,15 +57,8 @@ class EngineProcess:
     ):
         self.config = config
         self.timeout = timeout
-        child_env = dict(os.environ)
-        child_env.update(env or {})
-        child_env.setdefault("OMP_NUM_THREADS", "1")
-        self._proc = subprocess.Popen(
-            [sys.executable, "-m", "kvwire.examples.engine.process", config_to_json(config)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            env=child_env,
-        )
+        child_env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **(env or {})}
+        self._proc = spawn("kvwire.examples.engine.process", config_to_json(config), env=child_env)
         self._buffer = b""
         ready = self._read(timeout)
         if ready.get("event") != "ready":
@@ -122,14 +115,8 @@ class EngineProcess:
         if self._proc.poll() is None:
             with contextlib.suppress(EngineProcessError):
                 self.call({"op": "shutdown"})
-            try:
-                self._proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
-                self._proc.wait(5)
-        for pipe in (self._proc.stdin, self._proc.stdout):
-            if pipe is not None:
-                pipe.close()
+            wait_or_kill(self._proc, 10)
+        close_pipes(self._proc)
 
     def __enter__(self) -> EngineProcess:
         return self

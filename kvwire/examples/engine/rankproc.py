@@ -15,8 +15,6 @@ is rounded on the way.
 from __future__ import annotations
 
 import contextlib
-import os
-import subprocess
 import sys
 import threading
 from collections.abc import Mapping, Sequence
@@ -25,7 +23,7 @@ from typing import IO, Any
 
 import torch
 
-from kvwire.demo.framing import read_frame, write_frame
+from kvwire.demo.framing import close_pipes, read_frame, spawn, wait_or_kill, write_frame
 from kvwire.errors import ConfigError, KVWireError
 from kvwire.examples.engine.config import CacheConfig, ModelConfig
 from kvwire.geometry import KVGeometry, Region, RegionKind
@@ -33,10 +31,6 @@ from kvwire.geometry import KVGeometry, Region, RegionKind
 
 class RankProcessError(KVWireError):
     """A rank process died or answered with an error."""
-
-
-send = write_frame
-"""One message to a rank pipe: the demo's length-prefixed msgpack frames."""
 
 
 def receive(stream: IO[bytes]) -> dict[str, Any]:
@@ -99,19 +93,12 @@ class RemoteRank:
     """The engine's handle on one rank process (its compute and its runtime)."""
 
     def __init__(self, spec: Mapping[str, Any], env: Mapping[str, str] | None = None) -> None:
-        child_env = dict(os.environ)
-        child_env.update(env or {})
         self.tp_rank = int(spec["tp_rank"])
-        self._proc = subprocess.Popen(
-            [sys.executable, "-m", "kvwire.examples.engine.rankproc"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            env=child_env,
-        )
+        self._proc = spawn("kvwire.examples.engine.rankproc", env=env)
         assert self._proc.stdin is not None and self._proc.stdout is not None
         self._in, self._out = self._proc.stdin, self._proc.stdout
         self.lock = threading.Lock()
-        send(self._in, spec)
+        write_frame(self._in, spec)
         self._payload = b""
 
     def wait_ready(self) -> None:
@@ -120,7 +107,7 @@ class RemoteRank:
 
     def post(self, message: Mapping[str, Any]) -> None:
         try:
-            send(self._in, message)
+            write_frame(self._in, message)
         except OSError as exc:
             raise RankProcessError(f"rank {self.tp_rank} is gone: {exc}") from exc
 
@@ -189,13 +176,8 @@ class RemoteRank:
         if self._proc.poll() is None:
             with contextlib.suppress(RankProcessError, OSError):
                 self.call({"op": "shutdown"})
-            try:
-                self._proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
-                self._proc.wait(5)
-        self._in.close()
-        self._out.close()
+            wait_or_kill(self._proc, 10)
+        close_pipes(self._proc)
 
 
 class ProcessRanks:
@@ -286,7 +268,7 @@ def _serve_rank(stdin: IO[bytes], stdout: IO[bytes]) -> None:
             spec["transport"],
             spec["transport_options"],
         )
-    send(stdout, {"payload": runtime.handshake_payload() if runtime else b""})
+    write_frame(stdout, {"payload": runtime.handshake_payload() if runtime else b""})
 
     def need() -> LocalRuntime:
         if runtime is None:
@@ -330,13 +312,13 @@ def _serve_rank(stdin: IO[bytes], stdout: IO[bytes]) -> None:
                 elif op == "geometry":
                     reply = {"geometry": geometry_to_dict(worker.kv.geometry())}
                 elif op == "shutdown":
-                    send(stdout, {})
+                    write_frame(stdout, {})
                     return
                 else:
                     raise ConfigError(f"unknown rank op {op!r}")
-                send(stdout, reply)
+                write_frame(stdout, reply)
             except (KVWireError, KeyError, ValueError, TypeError) as exc:
-                send(stdout, {"error": f"{type(exc).__name__}: {exc}"})
+                write_frame(stdout, {"error": f"{type(exc).__name__}: {exc}"})
     finally:
         if runtime is not None:
             runtime.close()

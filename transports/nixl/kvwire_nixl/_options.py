@@ -28,6 +28,9 @@ class NixlOptions:
     spin_us: float = 100.0
     telemetry: bool = False
     num_threads: int = 0
+    """vLLM's ``num_threads``, accepted and checked so a vLLM config loads, but not passed
+    on: NIXL's UCX plugin would take it as the size of its own thread pool, a different
+    progress model from the one this adapter runs (see :mod:`kvwire_nixl._progress`)."""
     cache_size: int = 256
 
     @property

@@ -35,28 +35,29 @@ machine's load comes and goes.
 
 from __future__ import annotations
 
-import multiprocessing
 import os
+import select
 import statistics
+import sys
 import time
 import uuid
 from collections.abc import Callable
-from multiprocessing.connection import Connection
 from typing import Any
 
 import numpy as np
 
 from kvwire.bench.report import Result
+from kvwire.bench.sweeps import scattered
+from kvwire.bench.transport import LATENCY_BYTES, SHAPES
+from kvwire.demo.framing import close_pipes, read_frame, spawn, wait_or_kill, write_frame
 from kvwire.errors import TransportError
 from kvwire.transport import Region, XferState
 
-SHAPES = ((256, 64 << 10, "64KiB"), (32, 2 << 20, "2MiB"))
 REPEATS = {"64KiB": 120, "2MiB": 60}
 """Repetitions per shape (each times both contenders): about 1.5 and 3 s here. Under the
 load of a shared 2-core machine single samples vary 2-5x, so the medians need this many;
 the paired ratios (``.vs_raw``) settle with fewer."""
 QUICK_REPEATS = 8
-LATENCY_BYTES = 4096
 BACKEND_OPTIONS = {"ucx_error_handling_mode": "none"}
 TIMEOUT_S = 60.0
 LATENCY_BLOCK = 20
@@ -78,27 +79,20 @@ def _source_bytes(seed: int, nbytes: int) -> np.ndarray:
     return np.frombuffer(np.random.default_rng(seed).bytes(nbytes), dtype=np.uint8)
 
 
-def _target(conn: Connection, sizes: list[int]) -> None:
-    """The idle side: one source region per shape, registered and filled; then it only
-    waits for 'stop' (it never calls into NIXL while the initiators measure)."""
+def _target(sizes: list[int]) -> None:
+    """The idle side (``python -m kvwire_nixl.rawbench --target SIZE...``): one source
+    region per shape, registered and filled, announced in one frame on stdout; then it
+    only waits for stdin to close (it never calls into NIXL while the initiators measure)."""
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     agent = _agent(f"kvwire-rawbench-target-{os.getpid()}")
     sources = [np.zeros(n, dtype=np.uint8) for n in sizes]
     for seed, source in enumerate(sources):
         agent.register_memory([(int(source.ctypes.data), source.nbytes, 0, "")], "DRAM")
         source[:] = _source_bytes(seed, source.nbytes)
-    conn.send((agent.get_agent_metadata(), [int(s.ctypes.data) for s in sources]))
-    conn.recv()  # 'stop'
-    conn.send("stopped")
-
-
-def _scattered(base: int, count: int, size: int, seed: int) -> np.ndarray:
-    """Same placement as the generic bench: shuffled, non-adjacent slots."""
-    slots = np.random.default_rng(seed).permutation(2 * count)[:count].astype(np.int64)
-    descs = np.zeros((count, 3), dtype=np.int64)
-    descs[:, 0] = base + slots * size
-    descs[:, 1] = size
-    return descs
+    bases = [int(s.ctypes.data) for s in sources]
+    write_frame(sys.stdout.buffer, {"metadata": agent.get_agent_metadata(), "bases": bases})
+    while read_frame(sys.stdin.buffer) is not None:
+        pass
 
 
 class _RawRead:
@@ -228,10 +222,8 @@ class _Rig:
         from kvwire_nixl.transport import NixlTransport
 
         os.environ.setdefault("UCX_NET_DEVICES", "lo")
-        ctx = multiprocessing.get_context("spawn")
-        self.conn, theirs = ctx.Pipe()
-        self.target = ctx.Process(target=_target, args=(theirs, sizes), daemon=True)
-        self.target.start()
+        # A fresh interpreter talking msgpack frames: nothing is pickled.
+        self.target = spawn("kvwire_nixl.rawbench", "--target", *map(str, sizes))
         self.closers: list[Callable[[], None]] = []
         self.raw_regs: list[Any] = []
         self.kvwire: NixlTransport | None = None
@@ -243,9 +235,14 @@ class _Rig:
             sink = np.zeros(nbytes, dtype=np.uint8)
             sink[:] = 1
             self.sinks.append(sink)
-        if not self.conn.poll(TIMEOUT_S):
+        stdout = self.target.stdout
+        assert stdout is not None
+        ready, _, _ = select.select([stdout], [], [], TIMEOUT_S)
+        hello = read_frame(stdout) if ready else None
+        if hello is None:
             raise TransportError("the raw NIXL target process did not start")
-        metadata, self.remote_bases = self.conn.recv()
+        metadata: bytes = hello["metadata"]
+        self.remote_bases: list[int] = hello["bases"]
         for sink in self.sinks:
             row = (int(sink.ctypes.data), sink.nbytes, 0, "")
             self.raw_regs.append(self.raw.register_memory([row], "DRAM"))
@@ -273,12 +270,8 @@ class _Rig:
             for reg in self.raw_regs:
                 self.raw.deregister_memory(reg)
             self.raw = None  # the agent goes before the buffers it registered
-        self.conn.send("stop")
-        if self.conn.poll(TIMEOUT_S):
-            self.conn.recv()
-        self.target.join(TIMEOUT_S)
-        if self.target.is_alive():
-            self.target.kill()
+        close_pipes(self.target)  # the target's signal to exit
+        wait_or_kill(self.target, TIMEOUT_S)
 
 
 def _result(name: str, values: list[float], unit: str, raw: str | None, raw_value: float) -> Result:
@@ -305,8 +298,8 @@ def paired_benchmark(quick: bool, memcpy: MemcpySampler | None = None) -> list[R
         for seed, ((count, size, label), sink, remote_base) in enumerate(
             zip(SHAPES, rig.sinks, rig.remote_bases, strict=True)
         ):
-            local = _scattered(int(sink.ctypes.data), count, size, seed=1)
-            remote = _scattered(remote_base, count, size, seed=2)
+            local = scattered(int(sink.ctypes.data), count, size, np.random.default_rng(1))
+            remote = scattered(remote_base, count, size, np.random.default_rng(2))
             pair = rig.contenders(local, remote)
             source = (_source_bytes(seed, sink.nbytes), remote_base)
             for read in pair.values():
@@ -336,5 +329,8 @@ def paired_benchmark(quick: bool, memcpy: MemcpySampler | None = None) -> list[R
 
 
 if __name__ == "__main__":
-    for result in paired_benchmark(quick=False):
-        print(result.as_dict())
+    if sys.argv[1:2] == ["--target"]:
+        _target([int(n) for n in sys.argv[2:]])
+    else:
+        for result in paired_benchmark(quick=False):
+            print(result.as_dict())

@@ -46,6 +46,7 @@ from kvwire.transport import (
     MemKind,
     Region,
     XferState,
+    as_message,
     region_of_array,
     region_of_tensor,
 )
@@ -198,19 +199,14 @@ class NixlTransport:
     @property
     def capabilities(self) -> Capabilities:
         if self._capabilities is None:
-            kinds = {MemKind.DRAM}
+            kinds = set()
+            if self._backend_takes("DRAM"):
+                kinds.add(MemKind.DRAM)
             if self._backend_takes("VRAM") and cuda_device_present():
                 kinds.add(MemKind.VRAM)
-            if not self._backend_takes("DRAM"):
-                kinds.discard(MemKind.DRAM)
             self._capabilities = Capabilities(
-                read=True,
-                write=True,
-                notifications=True,
                 mem_kinds=frozenset(kinds),
-                cross_process=True,
                 cross_host=self._opts.backend in _NETWORK_BACKENDS,
-                max_descriptors=None,
                 ordered_notifications=self._ordered_notifications(),
             )
         return self._capabilities
@@ -356,7 +352,7 @@ class NixlTransport:
             message = b""
             owes_empty = False
         else:
-            message = _message_bytes(notify)
+            message = as_message(notify)
             owes_empty = not message  # NIXL cannot attach b"": it is sent after DONE
         request = None
         key = None
@@ -465,7 +461,7 @@ class NixlTransport:
         cls = (
             DescriptorError
             if status in (_NOT_FOUND, "NIXL_ERR_INVALID_PARAM")
-            else (TransferFailedError)
+            else TransferFailedError
         )
         raise translate(
             failure, cls, f"creating a {op} of {loc.shape[0]} descriptor(s) with {peer!r}"
@@ -618,11 +614,10 @@ class NixlTransport:
         agent = self._open_agent()
         if peer not in self._peers:
             raise UnknownPeerError(f"no peer named {peer!r}; add it with add_peer first")
-        if not isinstance(message, (bytes, bytearray, memoryview)):
-            raise TransportError(f"a notification must be bytes, got {type(message)}")
+        body = as_message(message)
         with self._lock:
             try:
-                agent.send_notif(peer, bytes(message))
+                agent.send_notif(peer, body)
             except Exception as exc:
                 cls = UnknownPeerError if is_status(exc, _NOT_FOUND) else TransferFailedError
                 raise translate(exc, cls, f"notifying {peer!r}") from exc
@@ -757,14 +752,6 @@ class NixlTransport:
         for key in stale:
             self._free(self._cache.pop(key))
         self._remote_kind = {k: v for k, v in self._remote_kind.items() if k[0] != peer}
-
-
-def _message_bytes(notify: object) -> bytes:
-    if isinstance(notify, bytes):
-        return notify
-    if isinstance(notify, (bytearray, memoryview)):
-        return bytes(notify)
-    raise DescriptorError(f"a notification must be bytes, got {type(notify)}")
 
 
 def _as_region(item: object) -> Region:

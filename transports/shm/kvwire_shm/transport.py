@@ -51,6 +51,7 @@ from kvwire.transport import (
     Region,
     XferState,
     as_descs,
+    as_message,
     check_pair,
 )
 from kvwire_shm import _cma, _cuda, _memcopy
@@ -229,16 +230,7 @@ class ShmTransport:
         if want_cuda is True and self._cuda is None:
             raise ConfigError("shm transport: cuda=True but no CUDA device is available")
         kinds = {MemKind.DRAM} | ({MemKind.VRAM} if self._cuda is not None else set())
-        self._caps = Capabilities(
-            read=True,
-            write=True,
-            notifications=True,
-            mem_kinds=frozenset(kinds),
-            cross_process=True,
-            cross_host=False,
-            max_descriptors=None,
-            ordered_notifications=True,
-        )
+        self._caps = Capabilities(mem_kinds=frozenset(kinds), ordered_notifications=True)
         allow_any_ptracer()
         self._lock = threading.Lock()
         self._closed = False
@@ -471,8 +463,7 @@ class ShmTransport:
         worker: splitting by route and coalescing happen off the caller's thread, except
         where VRAM is involved and the split itself can reject the transfer."""
         self._check_open()
-        if notify is not None and not isinstance(notify, bytes):
-            raise TransportError(f"a notification must be bytes, got {type(notify).__name__}")
+        notify = None if notify is None else as_message(notify)
         peer = self._peer(peer_name)
         local, remote = _checked_pair(local, remote)
         table = self._local  # swapped whole under the lock, never changed in place
@@ -565,8 +556,7 @@ class ShmTransport:
 
     def notify(self, peer: str, message: bytes) -> None:
         self._check_open()
-        if not isinstance(message, bytes):
-            raise TransportError(f"a notification must be bytes, got {type(message).__name__}")
+        message = as_message(message)
         target = self._peer(peer)
         if target.broken is not None:
             raise TransferFailedError(target.broken)

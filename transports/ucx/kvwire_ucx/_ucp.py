@@ -54,6 +54,7 @@ from kvwire.errors import TransportError, TransportUnavailableError
 UCS_OK = 0
 UCS_INPROGRESS = 1
 UCS_ERR_BUSY = -15
+UCS_ERR_CONNECTION_RESET = -25
 
 STATUS_NAMES: dict[int, str] = {
     0: "UCS_OK",
@@ -145,14 +146,9 @@ UCS_MEMORY_TYPE_CUDA = 1
 # ucp_request_param_t.op_attr_mask
 UCP_OP_ATTR_FIELD_CALLBACK = 1 << 1
 UCP_OP_ATTR_FIELD_USER_DATA = 1 << 2
-UCP_OP_ATTR_FIELD_DATATYPE = 1 << 3
 UCP_OP_ATTR_FIELD_FLAGS = 1 << 4
 UCP_OP_ATTR_FIELD_MEMORY_TYPE = 1 << 6
 UCP_OP_ATTR_FIELD_MEMH = 1 << 8
-UCP_OP_ATTR_FLAG_MULTI_SEND = 1 << 19
-
-# datatypes
-UCP_DATATYPE_IOV = 2
 
 # active messages
 UCP_AM_HANDLER_PARAM_FIELD_ID = 1 << 0
@@ -341,12 +337,6 @@ class UcpAmRecvParam(Structure):
     _fields_ = (("recv_attr", c_uint64), ("reply_ep", c_void_p))
 
 
-class UcpDtIov(Structure):
-    """``ucp_dt_iov_t`` (16 bytes)."""
-
-    _fields_ = (("buffer", c_void_p), ("length", c_size_t))
-
-
 # --------------------------------------------------------------------------------------
 # Library loading
 # --------------------------------------------------------------------------------------
@@ -498,7 +488,6 @@ class Context:
         lib: Library,
         *,
         name: str,
-        wakeup: bool = True,
         config: dict[str, str] | None = None,
     ) -> None:
         self.lib = lib
@@ -513,9 +502,7 @@ class Context:
                 )
             params = UcpParams()
             params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_NAME
-            params.features = UCP_FEATURE_RMA | UCP_FEATURE_AM
-            if wakeup:
-                params.features |= UCP_FEATURE_WAKEUP
+            params.features = UCP_FEATURE_RMA | UCP_FEATURE_AM | UCP_FEATURE_WAKEUP
             self._name = name.encode()[:31]
             params.name = self._name
             handle = c_void_p()
@@ -624,8 +611,9 @@ class Worker:
     """``ucp_worker_h``: progress engine, address, active-message handler, endpoints.
 
     Not thread-safe by itself (``UCS_THREAD_MODE_SERIALIZED``): the caller holds one lock
-    around every method. Callbacks only record what happened; :meth:`take_events` hands the
-    records over after progress returns.
+    around every method. Callbacks only record what happened, in :attr:`completions`,
+    :attr:`messages` and :attr:`failed_endpoints`, which the caller takes after progress
+    returns.
     """
 
     def __init__(self, context: Context, *, name: str, am_id: int) -> None:

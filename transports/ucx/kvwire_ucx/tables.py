@@ -7,7 +7,6 @@ path is the one ctypes call per (coalesced) row inside the binding.
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
@@ -80,20 +79,6 @@ class RegionTable:
                     )
                 clipped[row] = hits[0]
         return clipped
-
-
-@dataclass(frozen=True)
-class Batch:
-    """The rows one transfer posts, after coalescing: plain ``int64`` columns."""
-
-    local_addrs: Int64s
-    remote_addrs: Int64s
-    lengths: Int64s
-    local_values: Int64s
-    remote_values: Int64s
-
-    def __len__(self) -> int:
-        return int(self.lengths.shape[0])
 
 
 def coalesce(

@@ -41,6 +41,7 @@ from kvwire.transport import (
     Region,
     XferState,
     as_descs,
+    as_message,
     check_pair,
 )
 from kvwire_ucx import _ucp
@@ -212,16 +213,7 @@ class UcxTransport:
         kinds = {MemKind.DRAM}
         if self._context.supports_cuda:
             kinds.add(MemKind.VRAM)
-        return Capabilities(
-            read=True,
-            write=True,
-            notifications=True,
-            mem_kinds=frozenset(kinds),
-            cross_process=True,
-            cross_host=True,
-            max_descriptors=None,
-            ordered_notifications=False,
-        )
+        return Capabilities(mem_kinds=frozenset(kinds), cross_host=True)
 
     @property
     def ucx_version(self) -> str:
@@ -361,7 +353,7 @@ class UcxTransport:
         if peer.watch is not None:
             peer.watch.close()
         force = peer.peer_errors or peer.failed is not None
-        peer.endpoint.close(self._progress_once, force=force)
+        peer.endpoint.close(self._worker.progress, force=force)
         for token, xfer in list(self._inflight.items()):
             if xfer.peer == peer.name:
                 del self._inflight[token]
@@ -382,7 +374,7 @@ class UcxTransport:
         local = _descs(local)
         remote = _descs(remote)
         if notify is not None:
-            notify = bytes(notify)
+            notify = as_message(notify)
         with self._lock:
             self._check_open()
             peer = self._peer(peer_name)
@@ -500,7 +492,7 @@ class UcxTransport:
         if status == _ucp.UCS_OK and peer is not None and not peer.check_alive():
             # Without UCX peer error handling a copy from a dead process can "complete"
             # with no data; the pidfd says whether the peer lived through the whole flush.
-            status = -25  # UCS_ERR_CONNECTION_RESET
+            status = _ucp.UCS_ERR_CONNECTION_RESET
         if status != _ucp.UCS_OK:
             name = _ucp.status_name(status)
             self._settle(xfer, XferState.FAILED, name)
@@ -525,7 +517,7 @@ class UcxTransport:
     # -- notifications ----------------------------------------------------------------------
 
     def notify(self, peer: str, message: bytes) -> None:
-        body = bytes(message)
+        body = as_message(message)
         with self._lock:
             self._check_open()
             target = self._peer(peer)
@@ -582,9 +574,6 @@ class UcxTransport:
             if armed:
                 # The timeout is a safety net only; UCX signals the fd on every event.
                 poller.poll(1000.0)
-
-    def _progress_once(self) -> int:
-        return self._worker.progress()
 
     def _progress_locked(self) -> None:
         self._worker.progress_all()
