@@ -26,6 +26,8 @@ from typing import Literal
 
 from kvwire.errors import IncompatiblePeerError
 from kvwire.geometry import (
+    MOVABLE_LAYOUTS,
+    UNSUPPORTED_LAYOUTS,
     VALID_MEM_KINDS,
     KVGeometry,
     KVLayout,
@@ -34,6 +36,7 @@ from kvwire.geometry import (
     RemoteGeometry,
     RemoteRegion,
     heads_per_rank,
+    parse_layout,
 )
 
 Mode = Literal["pull", "push"]
@@ -274,11 +277,14 @@ def _pair_by_name(
 def _check_globals(
     local: KVGeometry, remote: RemoteGeometry, mode: Mode, policy: PeerPolicy, problems: _Problems
 ) -> None:
+    remote_layout: KVLayout | None = None
     try:
-        remote_layout = KVLayout(remote.kv_cache_layout)
-    except ValueError:
-        problems.add("kv_cache_layout", "HND or NHD", repr(remote.kv_cache_layout))
-        remote_layout = None
+        remote_layout = parse_layout(remote.kv_cache_layout, who="remote")
+    except IncompatiblePeerError:
+        name = remote.kv_cache_layout
+        why = UNSUPPORTED_LAYOUTS.get(name) if isinstance(name, str) else None
+        got = f"{name} ({why})" if why else repr(name)
+        problems.add("kv_cache_layout", f"one of {', '.join(MOVABLE_LAYOUTS)}", got)
     lk, rk = local.kernel_block_size, remote.kernel_block_size
     if rk <= 0 or remote.physical_blocks_per_logical <= 0:
         problems.add(
@@ -296,8 +302,13 @@ def _check_globals(
         problems.add("tp_rank", f"in [0, {rt})", remote.tp_rank)
     elif max(rt, heads) % min(rt, heads):
         problems.add("tp_size", f"a divisor or multiple of {heads} KV heads", rt)
-    if remote.dcp_size != local.dcp_size:
-        problems.add("dcp_size", local.dcp_size, remote.dcp_size, "DCP must match")
+    ld, rd = local.dcp_size, remote.dcp_size
+    if rd <= 0 or max(ld, rd) % min(ld, rd):
+        problems.add("dcp_size", f"a divisor or multiple of {ld}", rd, "vLLM rule")
+    elif rd != ld:
+        # vLLM accepts sizes that divide; moving between them is a token gather kvwire's
+        # planner does not do, so the side that plans the transfer refuses by name.
+        problems.add("dcp_size", ld, rd, "kvwire plans DCP transfers only between equal sizes")
     has_ssm = any(local.kind_of(i) is RegionKind.SSM for i in range(len(local.regions)))
     if has_ssm:
         if rt != lt:
@@ -310,8 +321,12 @@ def _check_globals(
     if split and remote_layout is not local.layout:
         problems.add("kv_cache_layout", local.layout.value, remote_layout.value, "vLLM rule")
     hetero_tp = lt != rt and not (lt > heads and rt > heads)
-    if split and hetero_tp and KVLayout.NHD in (local.layout, remote_layout):
-        problems.add("kv_cache_layout", "HND for heterogeneous TP", "NHD", "vLLM rule")
+    tokens_first = [x.value for x in (local.layout, remote_layout) if not x.heads_first]
+    if split and hetero_tp and tokens_first:
+        problems.add(
+            "kv_cache_layout", "heads before tokens for heterogeneous TP", tokens_first[0],
+            "vLLM rule",
+        )  # fmt: skip
     producer_k, consumer_k = (rk, lk) if mode == "pull" else (lk, rk)
     producer_tp, consumer_tp = (rt, lt) if mode == "pull" else (lt, rt)
     if producer_k > consumer_k:

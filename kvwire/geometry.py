@@ -3,8 +3,8 @@
 A KV cache is a list of *regions*: one registered tensor (or one view of a shared tensor)
 holding ``num_blocks`` equally spaced blocks. Block ``b`` of a region starts at
 ``base_addr + b * block_stride`` and its first ``block_len`` bytes are the payload. Inside an
-attention block the bytes are ``heads x tokens x content`` (``HND``) or
-``tokens x heads x content`` (``NHD``), where *content* is everything one head stores for one
+attention block the bytes are ``heads x tokens x content`` (vLLM's ``LBHNC``) or
+``tokens x heads x content`` (``LBNHC``), where *content* is everything one head stores for one
 token (K and V packed side by side when they share a region, the key alone when they do
 not). Replicated (MLA) regions hold the same bytes on every TP rank; SSM regions hold one
 state page per logical block.
@@ -37,12 +37,46 @@ VALID_MEM_KINDS = ("VRAM", "DRAM")
 
 
 class KVLayout(str, enum.Enum):
-    """Order of the axes inside one attention block (the block axis is always outermost)."""
+    """A KV cache's physical layout, by the name vLLM puts in ``kv_cache_layout``.
 
-    HND = "HND"
-    """heads, tokens, content: one head's tokens are contiguous, so TP head slices are too."""
-    NHD = "NHD"
-    """tokens, heads, content: one token's heads are contiguous."""
+    vLLM (0.31.0 to 0.33.0) sends the name of its ``KVCacheLayout`` enum: a stride permutation
+    of the logical axes layer, block, head, token, content. vLLM refuses a non-MLA peer whose
+    name differs from its own, so the name is part of the protocol, not a description. What
+    kvwire's descriptor math needs from it is the order inside one layer's page of a block,
+    :attr:`heads_first`; where the page sits (one region per layer, or every layer's page in
+    one block row, the block-outermost ``BL..`` layouts) is what the regions' base addresses
+    and strides describe. ``HND``/``NHD`` are kvwire's short names for the common two.
+    """
+
+    LBHNC = "LBHNC"
+    """Layer-outermost, heads before tokens in a block (vLLM's default, forced on CUDA)."""
+    LBNHC = "LBNHC"
+    """Layer-outermost, tokens before heads in a block."""
+    BLHNC = "BLHNC"
+    """Block-outermost (every layer's page in one block row), heads before tokens."""
+    BLNHC = "BLNHC"
+    """Block-outermost, tokens before heads."""
+    HND = "LBHNC"
+    NHD = "LBNHC"
+
+    @property
+    def heads_first(self) -> bool:
+        """One head's tokens are contiguous in a block, so TP head slices are too."""
+        return self.value[2] == "H"
+
+    @property
+    def block_outermost(self) -> bool:
+        return self.value[0] == "B"
+
+
+MOVABLE_LAYOUTS: tuple[str, ...] = tuple(m.value for m in KVLayout if m.name == m.value)
+"""The vLLM layout names kvwire moves, in the order errors list them."""
+
+UNSUPPORTED_LAYOUTS = {
+    "LHBNC": "heads outside blocks: a block's bytes are not one span per region",
+    "BHLNC": "heads outside layers: a layer's page of a block is not one span",
+}
+"""vLLM layout names kvwire knows and cannot move, with the reason they are refused."""
 
 
 class RegionKind(str, enum.Enum):
@@ -57,13 +91,20 @@ class RegionKind(str, enum.Enum):
 
 
 def parse_layout(value: str | KVLayout, *, who: str = "local") -> KVLayout:
-    """The layout named by ``value``; an unknown name is an incompatible peer, not a crash."""
-    try:
-        return KVLayout(value)
-    except ValueError:
-        raise IncompatiblePeerError(
-            f"{who} kv_cache_layout: expected one of HND, NHD, got {value!r}"
-        ) from None
+    """The layout named by ``value`` (a vLLM name, or ``HND``/``NHD``).
+
+    An unknown or unsupported name is an incompatible peer (or a bad local setting), never a
+    crash; the message names what kvwire accepts.
+    """
+    if isinstance(value, KVLayout):
+        return value
+    layout = KVLayout.__members__.get(value) if isinstance(value, str) else None
+    if layout is not None:
+        return layout
+    known = ", ".join(MOVABLE_LAYOUTS)
+    why = UNSUPPORTED_LAYOUTS.get(value) if isinstance(value, str) else None
+    reason = f"{value} is not supported ({why})" if why else f"got {value!r}"
+    raise IncompatiblePeerError(f"{who} kv_cache_layout: expected one of {known}; {reason}")
 
 
 def rank_heads(tp_rank: int, tp_size: int, total_kv_heads: int) -> npt.NDArray[np.int64]:

@@ -46,6 +46,7 @@ from kvwire.geometry import (
     Region,
     RegionKind,
     RemoteGeometry,
+    parse_layout,
     rank_heads,
 )
 
@@ -220,7 +221,7 @@ def _row_offsets(
     layout: KVLayout, head_pos: IntArray, tokens: IntArray, num_heads: int, kernel: int
 ) -> IntArray:
     """Row index (in units of one head-token content) of (head position, token) pairs."""
-    if layout is KVLayout.HND:
+    if layout.heads_first:
         return head_pos * kernel + tokens
     return tokens * num_heads + head_pos
 
@@ -276,7 +277,7 @@ def _attention_pattern(
     zero = _merge(zero_rows, zero_rows, content)[:, 1:]
 
     def shift(side: _Side, heads: int) -> int:
-        per_token = content if side.layout is KVLayout.HND else content * heads
+        per_token = content if side.layout.heads_first else content * heads
         return unit * per_token
 
     return _Pattern(
@@ -467,7 +468,7 @@ class PeerLayout:
             heads=tuple(int(h) for h in local.heads),
         )
         remote_side = _Side(
-            layout=KVLayout(remote.kv_cache_layout),
+            layout=parse_layout(remote.kv_cache_layout, who="remote"),
             kernel=remote.kernel_block_size,
             ppl=remote.physical_blocks_per_logical,
             logical=remote.block_size,

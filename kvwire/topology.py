@@ -122,15 +122,26 @@ def read_source_ranks(
     return sorted(set(sources))
 
 
-def producer_expected_notifications(producer_tp: int, consumer_tp: int) -> int:
-    """Completion notifications a producer rank waits for before freeing (pull mode).
+def pull_completion_count(
+    producer_tp: int, consumer_tp: int, producer_dcp: int = 1, consumer_dcp: int = 1
+) -> int:
+    """The count a consumer rank puts in its pull completion, ``f"{request_id}:{count}"``.
 
-    ``consumer_tp // producer_tp`` consumer ranks share a producer rank when the consumer
-    has more ranks; otherwise exactly one consumer rank notifies each producer rank (with
-    MLA and producer TP > consumer TP the consumer reads one rank and notifies the rest).
+    It is how many consumer ranks read from (or notify) one producer rank, and the producer
+    frees a request once it has heard from exactly that many. vLLM's D sends this number, and
+    vLLM's P waits for the number it is sent, so both sides must compute it identically:
+    ``max(1, consumer_tp // producer_tp)`` when the producer's cache is not DCP-sharded (with
+    MLA and producer TP > consumer TP the consumer reads one rank and notifies the rest, once
+    each). With a DCP-sharded producer every consumer rank of a replicated (DCP 1) consumer
+    reads every shard, and a sharded consumer reads ``consumer_dcp // producer_dcp`` of them.
     """
     _check_sizes(producer_tp, consumer_tp)
-    return consumer_tp // producer_tp if consumer_tp > producer_tp else 1
+    for name, dcp in (("producer", producer_dcp), ("consumer", consumer_dcp)):
+        if isinstance(dcp, bool) or not isinstance(dcp, int) or dcp < 1:
+            raise ConfigError(f"{name} dcp_size must be an int >= 1, got {dcp!r}")
+    if producer_dcp > 1:
+        return consumer_tp if consumer_dcp == 1 else max(1, consumer_dcp // producer_dcp)
+    return max(1, consumer_tp // producer_tp)
 
 
 def consumer_expected_notifications(

@@ -126,6 +126,7 @@ class Engine:
         "attempt",
         "clock_offset",
         "engine_id",
+        "features",
         "hb_armed",
         "hb_ids",
         "host",
@@ -149,6 +150,7 @@ class Engine:
         self.tp_size = tp_size
         self.pp_size = pp_size
         self.clock_offset = 0.0
+        self.features: frozenset[str] = frozenset()
         self.waiting: dict[str, None] = {}
         """Requests queued behind the handshake, in arrival order."""
         self.refs = 0
@@ -368,6 +370,7 @@ class MachineCore:
         engine.tp_size = event.remote_tp_size
         engine.pp_size = event.remote_pp_size
         engine.clock_offset = event.clock_offset
+        engine.features = event.peer_features
         engine.state = EngineState.READY
         engine.last_active = now
         self._engine_ready(engine, event, now, out)

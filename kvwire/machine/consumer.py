@@ -63,7 +63,7 @@ from kvwire.wire.notifications import (
     encode_heartbeat,
     encode_push_registration,
 )
-from kvwire.wire.schemas import Completion, PushRegistration
+from kvwire.wire.schemas import PUSH_RELEASE, Completion, PushRegistration
 
 S = ConsumerState
 _ALL_RANKS: tuple[RemoteRank, ...] = ()
@@ -175,7 +175,8 @@ class ConsumerMachine(MachineCore):
         notif = b""
         if problem is None and self.config.mode is TransferMode.PULL:
             try:
-                notif = encode_completion(remote.request_id, self.config.tp_size)
+                count = topology.pull_completion_count(remote.tp_size, self.config.tp_size)
+                notif = encode_completion(remote.request_id, count)
             except KVWireError as exc:
                 problem = str(exc)
         if problem is not None:
@@ -239,6 +240,9 @@ class ConsumerMachine(MachineCore):
     def _engine_ready(
         self, engine: Engine, event: HandshakeDone, now: float, out: list[Action]
     ) -> None:
+        push = self.config.mode is TransferMode.PUSH
+        if push and PUSH_RELEASE not in engine.features:
+            engine.notes.clear()  # releases this producer would not understand
         if engine.notes:
             ranks = self._notify_ranks(engine)
             for data in engine.notes:
@@ -532,8 +536,9 @@ class ConsumerMachine(MachineCore):
     def _release_producer(self, req: _Req, out: list[Action], only_unread: bool = False) -> None:
         """Tell the producer ranks this rank owes a completion that they may free.
 
-        Completions are counted per sender, so repeating one is harmless. In push mode the
-        producer learns from a registration with no blocks instead.
+        Completions are counted per sender, so repeating one is harmless. In push mode a
+        producer that announced :data:`PUSH_RELEASE` learns from a registration with no
+        blocks instead; any other (vLLM's) frees when its lease runs out.
         """
         engine = req.engine
         if self.config.mode is TransferMode.PUSH:
@@ -542,7 +547,8 @@ class ConsumerMachine(MachineCore):
             if req.state is S.WAIT_ALLOC or req.state is S.WAIT_PEER:
                 data = self._registration(req, ())
                 if engine.state is EngineState.READY:
-                    out.append(SendNotification(engine.engine_id, _ALL_RANKS, data, req.rid))
+                    if PUSH_RELEASE in engine.features:
+                        out.append(SendNotification(engine.engine_id, _ALL_RANKS, data, req.rid))
                 elif engine.state is EngineState.HANDSHAKING:
                     engine.notes.append(data)
             return
@@ -610,8 +616,19 @@ def _check_remote(remote: RemotePrefill, config: MachineConfig) -> str | None:
         return "kv_transfer_params lack the producer's engine or request id"
     if "," in remote.request_id:
         return f"producer request id {remote.request_id!r} contains ','"
-    if remote.tp_size < 1 or remote.pp_size < 1:
-        return f"producer sizes tp={remote.tp_size} pp={remote.pp_size} are not positive"
+    if remote.tp_size < 1 or remote.pp_size < 1 or remote.dcp_size < 1:
+        return (
+            f"producer sizes tp={remote.tp_size} pp={remote.pp_size} "
+            f"dcp={remote.dcp_size} are not positive"
+        )
+    if remote.dcp_size > 1:
+        # A DCP-sharded producer holds a slice of each block's tokens per rank; reading it
+        # needs a gather across ranks that kvwire's planner does not do. Refusing here keeps
+        # the request from being reported done with one shard's bytes.
+        return (
+            f"producer KV is DCP-sharded (dcp_size {remote.dcp_size}); kvwire consumers "
+            "read only unsharded (dcp_size 1) producers"
+        )
     big, small = max(remote.tp_size, config.tp_size), min(remote.tp_size, config.tp_size)
     if big % small:
         return f"producer TP {remote.tp_size} and ours {config.tp_size} do not divide"

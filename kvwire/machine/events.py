@@ -64,6 +64,7 @@ class RemotePrefill(msgspec.Struct, frozen=True, kw_only=True):
     block_ids: BlockIds = ()
     tp_size: int = 1
     pp_size: int = 1
+    dcp_size: int = 1
     blocks_expiry_time: float | None = None
 
 
@@ -130,6 +131,8 @@ class HandshakeDone(Event, frozen=True):
     remote_tp_size: int
     remote_pp_size: int = 1
     clock_offset: float = 0.0
+    peer_features: frozenset[str] = frozenset()
+    """kvwire additions the peer announced (:data:`kvwire.wire.schemas.FEATURES`)."""
 
     def __post_init__(self) -> None:
         _check_id(self.engine_id, "engine_id")

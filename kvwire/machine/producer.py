@@ -268,19 +268,14 @@ class ProducerMachine(MachineCore):
             self.stats.notifications_unexpected += 1
             return
         successors(PRODUCER, req.state, NotificationReceived, f"request {req.rid!r}")
-        try:
-            needed = topology.producer_expected_notifications(self.config.tp_size, msg.count)
-        except KVWireError as exc:
-            self.stats.remote_errors += 1
-            out.append(PeerMisbehaved(f"completion for {req.rid!r}: {exc}", None, req.rid))
-            self._free(req, FreeReason.PROTOCOL, out)
-            return
         if sender in req.senders:
             self.stats.completions_duplicate += 1
             return
         req.senders.add(sender)
+        # The consumer states how many of its ranks read from this one (vLLM's D does the
+        # same, and vLLM's P trusts it), so the count is the sender's to set.
         if not req.needed:
-            req.needed = needed
+            req.needed = msg.count
         if len(req.senders) >= req.needed:
             self._free(req, FreeReason.SENT, out)
 

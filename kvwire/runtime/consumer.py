@@ -89,6 +89,7 @@ class Consumer(_Endpoint[Finished]):
             block_ids=as_block_ids(remote.block_ids) if pull else (),
             tp_size=meta.tp_size,
             pp_size=meta.pp_size,
+            dcp_size=meta.dcp_size,
             blocks_expiry_time=remote.blocks_expiry_time,
         )
         events: list[Event] = [RequestAdded(request_id, remote=prefill)]

@@ -512,6 +512,7 @@ class Driver:
                         remote_tp_size=action.expected_tp_size,
                         remote_pp_size=action.expected_pp_size,
                         clock_offset=result.clock_offset,
+                        peer_features=result.features,
                     )
                 )
         except KVWireError as exc:

@@ -112,6 +112,7 @@ class Producer(_Endpoint[list[FreedRequest]]):
         self, request_id: str, blocks: tuple[tuple[int, ...], ...], num_tokens: int | None
     ) -> dict[str, Any]:
         cfg = self.config
+        geometry = self._driver.geometry
         params: dict[str, Any] = {
             "do_remote_prefill": True,
             "do_remote_decode": False,
@@ -121,7 +122,7 @@ class Producer(_Endpoint[list[FreedRequest]]):
             "remote_host": cfg.side_channel_host,
             "remote_port": cfg.side_channel_port,
             "tp_size": cfg.tp_size,
-            "dcp_size": 1,
+            "dcp_size": geometry.dcp_size if geometry is not None else 1,
             "pp_size": cfg.pp_size,
             "remote_blocks_expiry_time": None,
             "transfer_mode": cfg.mode,

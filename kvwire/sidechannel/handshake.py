@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from kvwire.compat import CompatFactors
 from kvwire.errors import HandshakeError, WireDecodeError
 from kvwire.sidechannel.client import HandshakeClient
-from kvwire.wire.handshake import decode_handshake
+from kvwire.wire.handshake import decode_handshake, decode_handshake_payload, peer_features
 from kvwire.wire.schemas import AnyAgentMetadata
 
 
@@ -26,6 +26,8 @@ class PeerHandshake:
     """Peer clock minus ours, from the lowest-RTT sample."""
     best_rtt: float
     attempts: int
+    features: frozenset[str] = frozenset()
+    """kvwire protocol additions every queried rank announced (empty for a vLLM peer)."""
 
 
 def fetch_agent_metadata(
@@ -47,6 +49,7 @@ def fetch_agent_metadata(
     """
     replies = client.fetch_payloads(host, port, ranks)
     decoded: dict[tuple[int, int], AnyAgentMetadata] = {}
+    features: frozenset[str] | None = None
     for key, reply in replies.replies.items():
         try:
             md = decode_handshake(
@@ -64,4 +67,10 @@ def fetch_agent_metadata(
                 f"{host}:{port} is engine {md.engine_id!r}, expected {expected_engine_id!r}"
             )
         decoded[key] = md
-    return PeerHandshake(decoded, replies.clock_offset, replies.best_rtt, replies.attempts)
+        # The envelope decoded again (the metadata inside stays opaque bytes): a handshake
+        # happens once per engine, and only a kvwire peer's hello names features.
+        announced = peer_features(decode_handshake_payload(reply.payload))
+        features = announced if features is None else features & announced
+    return PeerHandshake(
+        decoded, replies.clock_offset, replies.best_rtt, replies.attempts, features or frozenset()
+    )

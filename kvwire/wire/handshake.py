@@ -26,6 +26,7 @@ from kvwire.wire.codec import (
     encode_struct,
 )
 from kvwire.wire.schemas import (
+    FEATURES,
     AgentMetadataV13,
     AgentMetadataV14,
     AnyAgentMetadata,
@@ -101,7 +102,9 @@ def encode_handshake_payload(
     hello = None
     if factors is not None:
         hello = KVWireHello(
-            connector_version=factors.nixl_connector_version, factors=factors.as_dict()
+            connector_version=factors.nixl_connector_version,
+            factors=factors.as_dict(),
+            features=list(FEATURES),
         )
     return encode_struct(
         HandshakePayload(
@@ -233,6 +236,12 @@ def decode_handshake(
     return decode_struct(
         payload.agent_metadata_bytes, md_type, max_size=max_size, what="agent metadata"
     )
+
+
+def peer_features(payload: HandshakePayload) -> frozenset[str]:
+    """The protocol additions a kvwire peer announces; empty for a plain vLLM peer."""
+    hello = payload.kvwire
+    return frozenset(hello.features or ()) if hello is not None else frozenset()
 
 
 def peer_version(payload: HandshakePayload) -> int | None:

@@ -26,6 +26,15 @@ Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
 MAX_KV_GROUPS = 1024
 MAX_REGIONS = 1 << 16
 MAX_FACTORS = 64
+MAX_FEATURES = 32
+
+FeatureName = Annotated[str, msgspec.Meta(max_length=64)]
+PUSH_RELEASE = "push-release"
+"""A push producer that accepts a registration with no blocks as "free this request now".
+vLLM's push producer fails on one (it indexes the first block group) and keeps the blocks
+until the lease, so a consumer sends it only to producers that name this feature."""
+FEATURES: tuple[str, ...] = (PUSH_RELEASE,)
+"""What this kvwire understands beyond vLLM's protocol, announced in every ``kvwire`` hello."""
 
 BlockIds = Annotated[list[list[NonNegInt]], msgspec.Meta(max_length=MAX_KV_GROUPS)]
 """Block ids per KV-cache group: one list per group."""
@@ -108,6 +117,9 @@ class KVWireHello(msgspec.Struct, frozen=True, gc=False, omit_defaults=True):
 
     connector_version: int
     factors: Annotated[dict[str, FactorValue], msgspec.Meta(max_length=MAX_FACTORS)] | None = None
+    features: Annotated[list[FeatureName], msgspec.Meta(max_length=MAX_FEATURES)] | None = None
+    """Protocol additions this peer understands beyond vLLM's (see :data:`FEATURES`). A
+    consumer uses one only with a producer that named it, so vLLM peers never see them."""
 
 
 class HandshakePayload(msgspec.Struct, frozen=True, gc=False, omit_defaults=True):

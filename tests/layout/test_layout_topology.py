@@ -43,7 +43,7 @@ def test_peering_is_symmetric(p_tp: int, d_tp: int) -> None:
 
 @pytest.mark.parametrize(("p_tp", "d_tp"), PAIRS)
 def test_producer_waits_for_exactly_the_consumers_that_notify_it(p_tp: int, d_tp: int) -> None:
-    expected = topology.producer_expected_notifications(p_tp, d_tp)
+    expected = topology.pull_completion_count(p_tp, d_tp)
     for p in range(p_tp):
         notifiers = [d for d in range(d_tp) if p in topology.notified_producer_ranks(d, d_tp, p_tp)]
         assert len(notifiers) == expected
@@ -84,4 +84,29 @@ def test_every_consumer_head_has_one_source_that_holds_it(p_tp: int, d_tp: int, 
 def test_mla_with_more_producer_ranks_reads_one_and_notifies_all() -> None:
     assert topology.read_source_ranks(1, 2, 8, 1, is_mla=True) == [4]
     assert topology.notified_producer_ranks(1, 2, 8) == [4, 5, 6, 7]
-    assert topology.producer_expected_notifications(8, 2) == 1
+    assert topology.pull_completion_count(8, 2) == 1
+
+
+@pytest.mark.parametrize(
+    ("p_tp", "d_tp", "p_dcp", "d_dcp", "count"),
+    [
+        (1, 1, 1, 1, 1),
+        (2, 4, 1, 1, 2),  # two D ranks read each P rank
+        (4, 2, 1, 1, 1),  # each P rank is read by one D rank
+        (2, 2, 1, 1, 1),  # not D's world size (the old, wrong count was 2)
+        (4, 4, 2, 1, 4),  # a replicated D reads every shard of a sharded P
+        (4, 4, 2, 4, 2),
+        (4, 4, 4, 2, 1),
+    ],
+)
+def test_pull_completion_count_is_vllms(
+    p_tp: int, d_tp: int, p_dcp: int, d_dcp: int, count: int
+) -> None:
+    # The rule of vLLM 0.31.0's TransferTopology.dcp_consumer_count, seen from D; the interop
+    # suite (make interop) proves it against vLLM's running code.
+    assert topology.pull_completion_count(p_tp, d_tp, p_dcp, d_dcp) == count
+
+
+def test_pull_completion_count_refuses_bad_dcp() -> None:
+    with pytest.raises(ConfigError, match="dcp_size"):
+        topology.pull_completion_count(2, 2, 0, 1)

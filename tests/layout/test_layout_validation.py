@@ -129,11 +129,28 @@ def test_region_name_mismatch() -> None:
     refused(local, peer, "region 1 name", "expected 'layers.1'", "got 'layers.7'")
 
 
-def test_unknown_layout() -> None:
+def test_vllm_layout_names_are_accepted_and_sent() -> None:
+    """vLLM 0.31-0.33 send their KVCacheLayout enum names; kvwire once knew only HND/NHD
+    and refused every non-MLA vLLM peer."""
     local = geometry()
+    assert local.agent_metadata_fields()["kv_cache_layout"] == "LBHNC"
+    for name in ("LBHNC", "BLHNC"):
+        assert validate_peer(local, remote_of(local, kv_cache_layout=name), mode="pull")
+
+
+def test_unknown_and_unsupported_layouts_are_refused_by_name() -> None:
+    local = geometry()
+    refused(local, remote_of(local, kv_cache_layout="XYZ"), "kv_cache_layout", "LBHNC", "'XYZ'")
     refused(
-        local, remote_of(local, kv_cache_layout="LBHNC"), "kv_cache_layout", "HND or NHD", "'LBHNC'"
-    )
+        local, remote_of(local, kv_cache_layout="LHBNC"), "kv_cache_layout",
+        "LHBNC (heads outside blocks",
+    )  # fmt: skip
+
+
+def test_vllm_strict_refuses_a_layout_name_that_differs() -> None:
+    local = geometry()
+    peer = remote_of(local, kv_cache_layout="LBNHC")
+    refused(local, peer, "kv_cache_layout", "LBHNC", "LBNHC", policy=PeerPolicy(vllm_strict=True))
 
 
 def test_kernel_block_sizes_must_divide() -> None:
@@ -306,14 +323,21 @@ def test_strict_rejects_mixed_layouts() -> None:
     local = geometry(layout="HND")
     peer = remote_of(geometry(layout="NHD"))
     validate_peer(local, peer)  # kvwire moves it
-    refused(local, peer, "kv_cache_layout", "expected HND", "got NHD", policy=STRICT)
+    refused(local, peer, "kv_cache_layout", "expected LBHNC", "got LBNHC", policy=STRICT)
 
 
 def test_strict_rejects_head_slicing_of_nhd() -> None:
     local = geometry(layout="NHD", tp=2)
     peer = remote_of(geometry(layout="NHD", tp=1), tp=1, tp_rank=0)
     validate_peer(local, peer)
-    refused(local, peer, "kv_cache_layout", "HND for heterogeneous TP", "got NHD", policy=STRICT)
+    refused(
+        local,
+        peer,
+        "kv_cache_layout",
+        "heads before tokens for heterogeneous TP",
+        "got LBNHC",
+        policy=STRICT,
+    )
 
 
 def test_strict_rejects_producer_blocks_larger_than_consumer_blocks() -> None:

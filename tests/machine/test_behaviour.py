@@ -135,7 +135,8 @@ def test_consumer_with_more_ranks_reads_its_one_producer_rank() -> None:
     read = one(c.handle(HandshakeDone("P", attempt, 2), 0.0), PostRead)
     assert read.remote_rank == (0, 1)
     assert read.remote_block_ids == ((12,),)  # the tail of the producer's list
-    assert read.notification == b"p1:4"
+    # vLLM's count: how many consumer ranks read this producer rank (4 // 2), not our TP.
+    assert read.notification == b"p1:2"
 
 
 def test_push_registration_and_prompt_match_in_either_order_by_base_id() -> None:

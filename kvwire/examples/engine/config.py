@@ -86,7 +86,7 @@ class CacheConfig:
 
     @property
     def kv_layout(self) -> KVLayout:
-        return KVLayout(self.layout)
+        return parse_layout(self.layout)
 
     def check_model(self, model: ModelConfig) -> None:
         """Reject TP sizes the model's heads cannot be sharded over."""

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from kvwire.examples.engine.config import CacheConfig, ModelConfig
-from kvwire.geometry import KVGeometry, KVLayout, Region, RegionKind
+from kvwire.geometry import KVGeometry, Region, RegionKind
 
 FLOAT_BYTES = 4
 BACKEND_NAME = "KVWIRE_REFERENCE"
@@ -47,7 +47,7 @@ class RankKVCache:
         self.tp_rank = tp_rank
         self.heads = heads
         n, b, h, c = cache.num_blocks, cache.block_size, len(heads), model.cache_content
-        hnd = cache.kv_layout is KVLayout.HND
+        hnd = cache.kv_layout.heads_first
         shape: tuple[int, ...]
         if cache.kv_split:
             shape = (2, n, h, b, c // 2) if hnd else (2, n, b, h, c // 2)
@@ -100,7 +100,7 @@ class RankKVCache:
     def write(self, layer: int, block: int, offset: int, values: torch.Tensor) -> None:
         """Store one token's ``[heads, content]`` values at ``offset`` of ``block``."""
         t = self.tensors[layer]
-        hnd = self.config.kv_layout is KVLayout.HND
+        hnd = self.config.kv_layout.heads_first
         if self.config.kv_split:
             half = values.shape[-1] // 2
             for part, chunk in enumerate((values[:, :half], values[:, half:])):
@@ -117,7 +117,7 @@ class RankKVCache:
         """The first ``num_tokens`` tokens stored in ``blocks``, as ``[heads, tokens, content]``."""
         t = self.tensors[layer]
         index = torch.tensor(blocks, dtype=torch.long)
-        hnd = self.config.kv_layout is KVLayout.HND
+        hnd = self.config.kv_layout.heads_first
         h, c = len(self.heads), self.model.cache_content
         if self.config.kv_split:
             picked = t.index_select(1, index)
