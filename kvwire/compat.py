@@ -73,7 +73,7 @@ class CompatFactors(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         num_hidden_layers: int,
         attn_backend_name: str,
         cache_dtype: str = "auto",
-        is_hma_enabled: bool = False,
+        is_hma_enabled: bool = True,
         transfer_mode: TransferMode = "pull",
         speculative: SpeculativeFactors | None = None,
         connector_version: int = 13,
@@ -83,6 +83,8 @@ class CompatFactors(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         ``dtype`` may be given as ``"bfloat16"`` or ``"torch.bfloat16"`` (vLLM hashes the
         latter); ``num_kv_heads`` and ``num_hidden_layers`` are model totals, not per rank.
         Pass ``speculative`` only for EAGLE-family drafters (vLLM hashes ``None`` otherwise).
+        ``is_hma_enabled`` defaults to what a vLLM GPU engine with the NIXL connector hashes:
+        the hybrid KV cache manager resolves *on* there (vLLM on ``CpuPlatform``: off).
         """
         if speculative is not None and speculative.kv_cache_dtype is None:
             speculative = msgspec.structs.replace(speculative, kv_cache_dtype=cache_dtype)
@@ -110,6 +112,23 @@ class CompatFactors(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             return msgspec.convert(dict(factors), cls)
         except (msgspec.ValidationError, TypeError, ValueError) as exc:
             raise ConfigError(f"invalid compatibility factors: {exc}") from None
+
+    @classmethod
+    def from_vllm_config(cls, config: Mapping[str, Any]) -> CompatFactors:
+        """The factors a vLLM engine with this configuration hashes.
+
+        ``config`` is shaped like vLLM's ``VllmConfig`` (a JSON file of it, say), reading only
+        what vLLM's hash reads: ``model_config`` (``model``, ``dtype`` and the model totals
+        ``num_kv_heads``, ``head_size``, ``num_hidden_layers``, or an ``hf_config`` holding
+        ``num_key_value_heads``, ``head_dim`` and ``num_hidden_layers``), ``cache_config``
+        (``cache_dtype``), ``scheduler_config`` (``disable_hybrid_kv_cache_manager``; unset
+        resolves as vLLM resolves it: on for GPUs, off on ``"platform": "cpu"``),
+        ``speculative_config`` and ``kv_transfer_config`` (``kv_connector``:
+        ``NixlPushConnector`` means push). Top-level ``vllm_version`` (default 0.31.0),
+        ``attn_backend_name`` (default ``FLASH_ATTN``, ``CPU_ATTN`` on CPU) and ``platform``
+        fill what vLLM learns at run time.
+        """
+        return _from_vllm_config(config)
 
     def as_dict(self) -> dict[str, Any]:
         """The factors as plain JSON values (tuples become lists), in vLLM's key order."""
@@ -176,3 +195,95 @@ def _canonical(value: Any) -> str:
 def format_differences(differing: Mapping[str, tuple[Any, Any]]) -> str:
     """One line naming each differing factor with both values: ``model: 'a' != 'b'``."""
     return "; ".join(f"{name}: {a!r} != {b!r}" for name, (a, b) in differing.items())
+
+
+_VLLM_DEFAULT_RELEASE = "0.31.0"
+_EAGLE_METHODS = frozenset({"eagle", "eagle3", "mtp", "dflash"})
+
+
+def _section(config: Mapping[str, Any], name: str) -> Mapping[str, Any]:
+    value = config.get(name) or {}
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"vLLM config: {name} must be an object, got {type(value).__name__}")
+    return value
+
+
+def _model_total(model: Mapping[str, Any], ours: str, hf_key: str) -> Any:
+    if ours in model:
+        return model[ours]
+    hf = model.get("hf_config") or {}
+    if isinstance(hf, Mapping) and hf_key in hf:
+        return hf[hf_key]
+    raise ConfigError(f"vLLM config: model_config needs {ours} (or hf_config.{hf_key})")
+
+
+def _from_vllm_config(config: Mapping[str, Any]) -> CompatFactors:
+    # Imported here: the wire package imports this module, and needs it whole first.
+    from kvwire.wire.versions import VLLM_RELEASES
+
+    if not isinstance(config, Mapping):
+        raise ConfigError(f"vLLM config must be an object, got {type(config).__name__}")
+    model = _section(config, "model_config")
+    cache = _section(config, "cache_config")
+    scheduler = _section(config, "scheduler_config")
+    transfer = _section(config, "kv_transfer_config")
+    platform = str(config.get("platform", "cuda")).lower()
+    release = str(config.get("vllm_version", _VLLM_DEFAULT_RELEASE))
+    disable_hma = scheduler.get("disable_hybrid_kv_cache_manager")
+    if disable_hma is None:
+        disable_hma = platform == "cpu"
+    connector = str(transfer.get("kv_connector", "NixlConnector"))
+    mode: TransferMode = "push" if connector == "NixlPushConnector" else "pull"
+    cache_dtype = str(cache.get("cache_dtype", "auto"))
+    spec = config.get("speculative_config")
+    speculative = None
+    if isinstance(spec, Mapping) and spec.get("method") in _EAGLE_METHODS:
+        draft = spec.get("draft_model_config") or {}
+        aux = spec.get("auxiliary_layer_ids")
+        speculative = SpeculativeFactors(
+            method=str(spec["method"]),
+            model=str(draft.get("model", spec.get("model", ""))),
+            revision=draft.get("revision"),
+            code_revision=draft.get("code_revision"),
+            parallel_drafting=bool(spec.get("parallel_drafting", False)),
+            kv_cache_dtype=spec.get("kv_cache_dtype"),
+            auxiliary_layer_ids=tuple(aux) if aux is not None else None,
+        )
+    try:
+        return CompatFactors.build(
+            vllm_version=release,
+            connector_version=next(
+                (
+                    v
+                    for v, r in VLLM_RELEASES.items()
+                    if release.startswith(r.rsplit(".", 1)[0] + ".")
+                ),
+                min(VLLM_RELEASES),
+            ),
+            model=str(model["model"]) if "model" in model else _missing("model_config.model"),
+            dtype=str(model.get("dtype", "bfloat16")),
+            num_kv_heads=int(_model_total(model, "num_kv_heads", "num_key_value_heads")),
+            head_size=int(_model_total(model, "head_size", "head_dim")),
+            num_hidden_layers=int(_model_total(model, "num_hidden_layers", "num_hidden_layers")),
+            attn_backend_name=str(
+                config.get("attn_backend_name", "CPU_ATTN" if platform == "cpu" else "FLASH_ATTN")
+            ),
+            cache_dtype=cache_dtype,
+            is_hma_enabled=not bool(disable_hma),
+            transfer_mode=mode,
+            speculative=speculative,
+        )
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"vLLM config: {exc}") from None
+
+
+def _connector_version(release: str, releases: Mapping[int, str]) -> int:
+    """The NIXL connector version a vLLM release speaks (same minor release)."""
+    for version, known in releases.items():
+        if release.startswith(known.rsplit(".", 1)[0] + "."):
+            return version
+    return min(releases)
+
+
+def _missing(what: str) -> Any:
+    raise ConfigError(f"vLLM config: {what} is required")

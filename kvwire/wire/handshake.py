@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Iterator
 from typing import Any, Literal, overload
 
 import msgspec
@@ -249,17 +250,45 @@ def peer_version(payload: HandshakePayload) -> int | None:
     return payload.kvwire.connector_version if payload.kvwire is not None else None
 
 
-def _guess_remote_factors(local: CompatFactors, remote_hash: str) -> CompatFactors | None:
-    """Recognise a plain vLLM peer that differs from us only in version or transfer mode."""
+# Values a vLLM peer plausibly differs in, tried one factor at a time to name the factor
+# behind a bare hash mismatch (vLLM sends only the digest).
+_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "bfloat16", "float16", "float32")
+_DTYPES = ("torch.bfloat16", "torch.float16", "torch.float32")
+_BACKENDS = (
+    "FLASH_ATTN", "FLASHINFER", "TRITON_ATTN", "CPU_ATTN", "FLEX_ATTENTION", "ROCM_ATTN",
+    "ROCM_AITER_FA", "FLASHMLA", "FLASH_ATTN_MLA", "FLASHINFER_MLA", "TRITON_MLA", "CUTLASS_MLA",
+)  # fmt: skip
+
+
+def _single_factor_changes(local: CompatFactors) -> Iterator[CompatFactors]:
+    """Every candidate peer that differs from ``local`` in exactly one plausible way."""
+    replace = msgspec.structs.replace
+    yield replace(local, is_hma_enabled=not local.is_hma_enabled)
+    if local.speculative_config is not None:
+        yield replace(local, speculative_config=None)
+    for cache_dtype in _CACHE_DTYPES:
+        yield replace(local, cache_dtype=cache_dtype)
+    for dtype in _DTYPES:
+        yield replace(local, dtype=dtype)
+    for backend in _BACKENDS:
+        yield replace(local, attn_backend_name=backend)
     modes = ("pull", "push")
     for ver, mode in itertools.product(SUPPORTED_VERSIONS, modes):
-        releases = dict.fromkeys((local.vllm_version, VLLM_RELEASES[ver]))
-        for release in releases:
-            candidate = msgspec.structs.replace(
+        for release in dict.fromkeys((local.vllm_version, VLLM_RELEASES[ver])):
+            yield replace(
                 local, nixl_connector_version=ver, vllm_version=release, transfer_mode=mode
             )
-            if candidate != local and compatibility_hash(candidate) == remote_hash:
-                return candidate
+
+
+def _guess_remote_factors(local: CompatFactors, remote_hash: str) -> CompatFactors | None:
+    """The one plausible change of our factors that gives a plain vLLM peer's hash, if any.
+
+    Cheap (about a hundred SHA-256 digests of a few hundred bytes), and run only after a
+    mismatch, so a vLLM peer's bare "hash mismatch" still names the factor.
+    """
+    for candidate in _single_factor_changes(local):
+        if candidate != local and compatibility_hash(candidate) == remote_hash:
+            return candidate
     return None
 
 

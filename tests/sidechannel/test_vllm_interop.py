@@ -37,7 +37,7 @@ def vllm_factors() -> dict[str, object]:
         "vllm_version": "0.31.0", "nixl_connector_version": 13,
         "model": "meta-llama/Meta-Llama-3-8B", "dtype": "torch.bfloat16", "num_kv_heads": 8,
         "head_size": 128, "num_hidden_layers": 32, "attn_backend_name": "FLASH_ATTN",
-        "cache_dtype": "auto", "is_hma_enabled": False, "speculative_config": None,
+        "cache_dtype": "auto", "is_hma_enabled": True, "speculative_config": None,
         "transfer_mode": "pull",
     }  # fmt: skip
 

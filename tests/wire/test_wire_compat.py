@@ -20,6 +20,51 @@ BASE = CompatFactors.build(
 )
 
 
+def test_default_hma_matches_a_vllm_gpu_engine() -> None:
+    """vLLM on GPUs with the NIXL connector resolves the hybrid KV cache manager on and
+    hashes ``is_hma_enabled: true``; the old default (False) gave a bare hash mismatch."""
+    assert CompatFactors.build(**{**_settings(BASE), "is_hma_enabled": True}) == (
+        CompatFactors.build(**{k: v for k, v in _settings(BASE).items() if k != "is_hma_enabled"})
+    )
+
+
+VLLM_CONFIG = {
+    "model_config": {
+        "model": "m",
+        "dtype": "bfloat16",
+        "hf_config": {"num_key_value_heads": 8, "head_dim": 128, "num_hidden_layers": 32},
+    },
+    "cache_config": {"cache_dtype": "fp8"},
+}
+
+
+def test_factors_from_a_vllm_config() -> None:
+    assert CompatFactors.from_vllm_config(VLLM_CONFIG) == msgspec.structs.replace(
+        BASE, is_hma_enabled=True
+    )
+    cpu = CompatFactors.from_vllm_config({**VLLM_CONFIG, "platform": "cpu"})
+    assert (cpu.is_hma_enabled, cpu.attn_backend_name) == (False, "CPU_ATTN")
+    push = CompatFactors.from_vllm_config(
+        {**VLLM_CONFIG, "kv_transfer_config": {"kv_connector": "NixlPushConnector"}}
+    )
+    assert push.transfer_mode == "push"
+    v14 = CompatFactors.from_vllm_config({**VLLM_CONFIG, "vllm_version": "0.32.0"})
+    assert v14.nixl_connector_version == 14
+    off = CompatFactors.from_vllm_config(
+        {**VLLM_CONFIG, "scheduler_config": {"disable_hybrid_kv_cache_manager": True}}
+    )
+    assert off.is_hma_enabled is False
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [[], {"model_config": 5}, {"model_config": {"model": "m"}}, {"model_config": {}}],
+)
+def test_bad_vllm_config_is_a_config_error(bad: object) -> None:
+    with pytest.raises(kvwire.ConfigError, match="vLLM config"):
+        CompatFactors.from_vllm_config(bad)  # type: ignore[arg-type]
+
+
 def test_dtype_spellings_hash_alike() -> None:
     short = msgspec.structs.replace(BASE, dtype="torch.bfloat16")
     built = CompatFactors.build(**{**_settings(BASE), "dtype": "bfloat16"})
@@ -48,7 +93,7 @@ def test_every_factor_changes_the_hash() -> None:
         "num_hidden_layers": 31,
         "attn_backend_name": "FLASHINFER",
         "cache_dtype": "auto",
-        "is_hma_enabled": True,
+        "is_hma_enabled": not BASE.is_hma_enabled,
         "speculative_config": SpeculativeFactors("eagle", "d"),
         "transfer_mode": "push",
     }

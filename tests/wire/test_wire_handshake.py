@@ -94,6 +94,26 @@ def test_push_pull_mismatch_with_plain_peer_names_transfer_mode() -> None:
     assert info.value.differing == {"transfer_mode": ("pull", "push")}
 
 
+@pytest.mark.parametrize(
+    ("factor", "value"),
+    [
+        ("is_hma_enabled", not OURS.is_hma_enabled),
+        ("cache_dtype", "fp8_e4m3"),
+        ("attn_backend_name", "FLASHINFER"),
+        ("dtype", "torch.float16"),
+    ],
+)
+def test_plain_vllm_peer_differing_in_one_factor_is_named(factor: str, value: object) -> None:
+    """vLLM sends only a digest; kvwire finds the single change of its own factors that
+    reproduces it, so the error names the factor instead of two hashes."""
+    theirs = msgspec.structs.replace(OURS, **{factor: value})
+    wire = kvwire.encode_handshake_payload(METADATA, compatibility_hash=theirs.hash())
+    with pytest.raises(kvwire.IncompatiblePeerError) as info:
+        kvwire.decode_handshake(wire, local_hash=OURS.hash(), local_factors=OURS)
+    assert info.value.differing == {factor: (getattr(OURS, factor), value)}
+    assert factor in str(info.value)
+
+
 def test_kvwire_peer_names_differing_model() -> None:
     theirs = msgspec.structs.replace(OURS, model="Qwen/Qwen3-32B", num_kv_heads=4)
     wire = kvwire.encode_handshake_payload(
