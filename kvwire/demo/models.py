@@ -53,6 +53,15 @@ PRESETS: dict[str, ModelPreset] = {
 ALIASES = {"mla": "deepseek-v3"}
 
 
+def vllm_layer_name(layer: int) -> str:
+    """The attention layer name vLLM gives layer ``layer`` of a Llama-style model.
+
+    vLLM's D requires a peer's region names to equal its own layer names, in order, so an
+    engine advertises the names its model really has; the demo uses vLLM's for its presets.
+    """
+    return f"model.layers.{layer}.self_attn.attn"
+
+
 def preset(name: str) -> ModelPreset:
     key = ALIASES.get(name, name)
     try:
@@ -109,13 +118,13 @@ class CacheSpec:
                 block_len=self.block_len,
                 num_blocks=self.num_blocks,
                 mem_kind="DRAM",
-                name=f"layer{layer}",
+                name=vllm_layer_name(layer),
             )
             for layer in range(self.layers)
         ]
         return KVGeometry(
             regions=regions,
-            kv_cache_layout="HND",
+            kv_cache_layout="LBHNC",
             block_size=BLOCK_TOKENS,
             total_kv_heads=1 if self.model.mla else self.model.kv_heads,
             tp_rank=self.tp_rank,
