@@ -83,8 +83,9 @@ class CompatFactors(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         ``dtype`` may be given as ``"bfloat16"`` or ``"torch.bfloat16"`` (vLLM hashes the
         latter); ``num_kv_heads`` and ``num_hidden_layers`` are model totals, not per rank.
         Pass ``speculative`` only for EAGLE-family drafters (vLLM hashes ``None`` otherwise).
-        ``is_hma_enabled`` defaults to what a vLLM GPU engine with the NIXL connector hashes:
-        the hybrid KV cache manager resolves *on* there (vLLM on ``CpuPlatform``: off).
+        ``is_hma_enabled`` defaults to what a vLLM engine with the NIXL connector hashes: the
+        hybrid KV cache manager resolves *on* (vLLM 0.31.0's CUDA, ROCm, XPU and CPU platforms
+        all support it, and the NIXL connectors do).
         """
         if speculative is not None and speculative.kv_cache_dtype is None:
             speculative = msgspec.structs.replace(speculative, kv_cache_dtype=cache_dtype)
@@ -122,7 +123,7 @@ class CompatFactors(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         ``num_kv_heads``, ``head_size``, ``num_hidden_layers``, or an ``hf_config`` holding
         ``num_key_value_heads``, ``head_dim`` and ``num_hidden_layers``), ``cache_config``
         (``cache_dtype``), ``scheduler_config`` (``disable_hybrid_kv_cache_manager``; unset
-        resolves as vLLM resolves it: on for GPUs, off on ``"platform": "cpu"``),
+        resolves as vLLM resolves it for the NIXL connectors: the manager stays on),
         ``speculative_config`` and ``kv_transfer_config`` (``kv_connector``:
         ``NixlPushConnector`` means push). Top-level ``vllm_version`` (default 0.31.0),
         ``attn_backend_name`` (default ``FLASH_ATTN``, ``CPU_ATTN`` on CPU) and ``platform``
@@ -229,9 +230,7 @@ def _from_vllm_config(config: Mapping[str, Any]) -> CompatFactors:
     transfer = _section(config, "kv_transfer_config")
     platform = str(config.get("platform", "cuda")).lower()
     release = str(config.get("vllm_version", _VLLM_DEFAULT_RELEASE))
-    disable_hma = scheduler.get("disable_hybrid_kv_cache_manager")
-    if disable_hma is None:
-        disable_hma = platform == "cpu"
+    disable_hma = bool(scheduler.get("disable_hybrid_kv_cache_manager") or False)
     connector = str(transfer.get("kv_connector", "NixlConnector"))
     mode: TransferMode = "push" if connector == "NixlPushConnector" else "pull"
     cache_dtype = str(cache.get("cache_dtype", "auto"))
@@ -269,7 +268,7 @@ def _from_vllm_config(config: Mapping[str, Any]) -> CompatFactors:
                 config.get("attn_backend_name", "CPU_ATTN" if platform == "cpu" else "FLASH_ATTN")
             ),
             cache_dtype=cache_dtype,
-            is_hma_enabled=not bool(disable_hma),
+            is_hma_enabled=not disable_hma,
             transfer_mode=mode,
             speculative=speculative,
         )

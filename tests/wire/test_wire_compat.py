@@ -42,8 +42,9 @@ def test_factors_from_a_vllm_config() -> None:
     assert CompatFactors.from_vllm_config(VLLM_CONFIG) == msgspec.structs.replace(
         BASE, is_hma_enabled=True
     )
+    # vLLM 0.31.0's CpuPlatform supports the hybrid manager too: only the backend differs.
     cpu = CompatFactors.from_vllm_config({**VLLM_CONFIG, "platform": "cpu"})
-    assert (cpu.is_hma_enabled, cpu.attn_backend_name) == (False, "CPU_ATTN")
+    assert (cpu.is_hma_enabled, cpu.attn_backend_name) == (True, "CPU_ATTN")
     push = CompatFactors.from_vllm_config(
         {**VLLM_CONFIG, "kv_transfer_config": {"kv_connector": "NixlPushConnector"}}
     )
