@@ -229,14 +229,28 @@ class VllmEngine:
 
     # -- D ---------------------------------------------------------------------------
     def add(
-        self, rid: str, index: int, params: dict[str, Any], num_tokens: int, hit: int = 0
+        self,
+        rid: str,
+        index: int,
+        params: dict[str, Any],
+        num_tokens: int,
+        hit: int = 0,
+        *,
+        allocate: bool = True,
     ) -> list[int]:
+        """D: the request arrives; with ``allocate`` its blocks too (``hit`` leading
+        blocks are local prefix-cache hits), else it waits (see :meth:`allocate`)."""
+        assert self.scheduler is not None
+        self.scheduler.call({"op": "add", "rid": rid, "params": params,
+                             "num_tokens": num_tokens})  # fmt: skip
+        return self.allocate(rid, index, num_tokens, hit) if allocate else []
+
+    def allocate(self, rid: str, index: int, num_tokens: int, hit: int = 0) -> list[int]:
         assert self.scheduler is not None
         blocks = self.take_blocks(self.blocks_for(num_tokens))
         for w in self.workers:
             w.call({"op": "prepare", "index": index, "blocks": blocks, "hit": hit})
-        self.scheduler.call({"op": "add", "rid": rid, "params": params,
-                             "num_tokens": num_tokens, "blocks": blocks, "hit": hit})  # fmt: skip
+        self.scheduler.call({"op": "alloc", "rid": rid, "blocks": blocks, "hit": hit})
         return blocks
 
     def check(self, index: int, blocks: list[int]) -> tuple[int, int]:

@@ -42,7 +42,7 @@ class _Records(logging.Handler):
     """vLLM's warnings and errors, returned with each answer (why a handshake failed)."""
 
     def __init__(self) -> None:
-        super().__init__(logging.WARNING)
+        super().__init__(int(os.environ.get("INTEROP_VLLM_LOG_LEVEL", logging.WARNING)))
         self.lines: list[str] = []
 
     def emit(self, record: logging.LogRecord) -> None:
@@ -344,9 +344,15 @@ class SchedulerPart:
             return {"delay": delay, "params": params}
         if op == "add":
             # D: the proxy's request arrives with P's params; ``hit`` blocks are local.
-            rid, n, hit = cmd["rid"], int(cmd["num_tokens"]), int(cmd.get("hit", 0))
+            rid, n = cmd["rid"], int(cmd["num_tokens"])
             req = self._request(rid, n, dict(cmd["params"]))
             self.sched.on_new_request(req)
+            if cmd.get("blocks") is None:
+                return {}  # waiting for blocks: heartbeats keep P's lease alive meanwhile
+            return self.handle({**cmd, "op": "alloc"})
+        if op == "alloc":
+            rid, hit = cmd["rid"], int(cmd.get("hit", 0))
+            req = self.requests[rid]
             count, is_async = self.sched.get_num_new_matched_tokens(req, hit * self.block_size)
             req.num_computed_tokens = hit * self.block_size
             blocks = list(cmd["blocks"])
@@ -460,6 +466,7 @@ class WorkerPart:
 def serve(reader: Any, writer: Any) -> int:
     """Answer one peer's frames until ``exit`` or end of stream."""
     logging.getLogger("vllm").addHandler(RECORDS)
+    logging.getLogger("vllm").setLevel(min(RECORDS.level, logging.INFO))
     out = FrameWriter(writer)
     start = read_frame(reader)
     if start is None:
