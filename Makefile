@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.kvwire-installed
 
 export UCX_NET_DEVICES ?= lo
 
-.PHONY: demo test lint typecheck unit venv clean fuzz docs
+.PHONY: demo test lint typecheck unit venv clean fuzz docs interop interop-venv interop-venvs
 
 $(STAMP): pyproject.toml constraints-dev.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -38,7 +38,35 @@ docs: $(STAMP)
 	$(BIN)/python scripts/gen_docs.py
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
 
-test: lint typecheck docs unit
+test: lint typecheck docs unit interop
+
+# Interop with vLLM's own NIXL connector code (interop/, docs/interop.md). Each venv: torch
+# pinned first (the CPU wheel on disk), vLLM without its dependencies (CUDA kernels, model
+# code), the light requirements it needs to import the connector (pinned, --no-deps: nothing can
+# pull another torch), nixl-cu12 plus the `nixl` alias vLLM imports, kvwire itself (editable).
+# 0.33.0 is not built: it pins torch==2.14.0, for which no CPU wheel is reachable here.
+VLLM_VENV := .venv-vllm
+define interop_venv
+$(1)/.interop-installed: interop/requirements-vllm-$(2).txt pyproject.toml constraints-dev.txt
+	test -x $(1)/bin/python || $(PYTHON) -m venv $(1)
+	$(1)/bin/python -m pip install -q --upgrade pip
+	$(1)/bin/python -m pip install -q -c constraints-dev.txt torch
+	$(1)/bin/python -m pip install -q --no-deps vllm==$(2)
+	$(1)/bin/python -m pip install -q --no-deps -r interop/requirements-vllm-$(2).txt
+	$(1)/bin/python -m pip install -q --no-deps -c constraints-dev.txt nixl-cu12
+	cp -r interop/nixl_alias/nixl "$$$$($(1)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/"
+	$(1)/bin/python -m pip install -q --no-deps -e .
+	$(1)/bin/python -c 'import torch, vllm, nixl._api, kvwire_nixl; assert torch.__version__ == "2.13.0+cpu", torch.__version__; assert vllm.__version__ == "$(2)", vllm.__version__'
+	touch $$@
+endef
+$(eval $(call interop_venv,$(VLLM_VENV),0.31.0))
+$(eval $(call interop_venv,$(VLLM_VENV)-0.32,0.32.0))
+
+interop-venv: $(VLLM_VENV)/.interop-installed
+interop-venvs: interop-venv $(VLLM_VENV)-0.32/.interop-installed
+
+interop: interop-venvs
+	VLLM_TARGET_DEVICE=cpu $(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider interop/tests
 
 # Fuzz every wire decoder for FUZZ_SECONDS (FUZZ_TARGET=all, or one name from
 # `fuzz/fuzz_decoders.py --list`). atheris (prebuilt wheel) is installed on first use; where
@@ -59,4 +87,4 @@ fuzz: $(STAMP)
 	fi
 
 clean:
-	rm -rf $(VENV) build dist
+	rm -rf $(VENV) $(VLLM_VENV) $(VLLM_VENV)-0.32 build dist

@@ -14,7 +14,7 @@ from functools import lru_cache
 import numpy as np
 import numpy.typing as npt
 
-from kvwire.demo.models import BLOCK_TOKENS, CacheSpec
+from kvwire.demo.models import CacheSpec
 from kvwire.geometry import rank_heads
 
 U16 = npt.NDArray[np.uint16]
@@ -38,7 +38,8 @@ def _pattern(spec: CacheSpec, num_blocks: int) -> U16:
     else:
         heads = rank_heads(spec.tp_rank, spec.tp_size, spec.model.kv_heads).astype(np.uint32)
     layer = np.arange(spec.layers, dtype=np.uint32) * np.uint32(2654)
-    pos = np.arange(num_blocks * BLOCK_TOKENS, dtype=np.uint32).reshape(num_blocks, BLOCK_TOKENS)
+    tokens = spec.block_tokens
+    pos = np.arange(num_blocks * tokens, dtype=np.uint32).reshape(num_blocks, tokens)
     elem = np.arange(elements, dtype=np.uint32)
     value = (
         layer[:, None, None, None, None]
@@ -55,7 +56,7 @@ def blocks_view(spec: CacheSpec, buffer: npt.NDArray[np.uint8]) -> U16:
     """The rank's KV memory as ``[layers, num_blocks, heads, tokens, elements]`` uint16."""
     elements = spec.model.content_bytes // 2
     flat = buffer[: spec.total_bytes].view(np.uint16)
-    return flat.reshape(spec.layers, spec.num_blocks, spec.heads_here, BLOCK_TOKENS, elements)
+    return flat.reshape(spec.layers, spec.num_blocks, spec.heads_here, spec.block_tokens, elements)
 
 
 def fill(

@@ -13,6 +13,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
+from collections.abc import Mapping
 from typing import Any
 
 from kvwire.demo.models import BLOCK_TOKENS
@@ -38,6 +39,10 @@ class EngineOptions:
     handshake_timeout: float = 5.0
     secret: bytes | None = field(default=None, repr=False)
     """Shared secret of the authenticated handshake; None: vLLM's plain handshake."""
+    block_tokens: int = BLOCK_TOKENS
+    rank_extra: Mapping[str, Any] = field(default_factory=dict)
+    """More ``init`` keys for every rank (kvwire.demo.worker): a peer engine's layout
+    name, layer names, backend or compat factors."""
 
     def rank_init(self, role: str, rank: int, side_channel_port: int) -> dict[str, Any]:
         return {
@@ -55,7 +60,12 @@ class EngineOptions:
             "lease_s": self.lease_s,
             "handshake_timeout": self.handshake_timeout,
             "secret": self.secret.hex() if self.secret is not None else None,
+            "block_tokens": self.block_tokens,
+            **self.rank_extra,
         }
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_tokens)
 
 
 def blocks_for(num_tokens: int) -> int:
@@ -123,7 +133,7 @@ class PrefillEngine:
     ) -> dict[str, Any]:
         """Compute (fill) the prompt on every rank; returns the kv_transfer_params."""
         with self._lock:
-            count = blocks_for(num_tokens)
+            count = self.options.blocks_for(num_tokens)
             deadline = time.monotonic() + timeout
             blocks = self._pool.take(count)
             while blocks is None:
@@ -254,15 +264,19 @@ class DecodeEngine:
         return len(self._inflight)
 
     def can_take(self, num_tokens: int) -> bool:
-        return self._pool.free >= blocks_for(num_tokens)
+        return self._pool.free >= self.options.blocks_for(num_tokens)
 
-    def submit(self, rid: str, index: int, params: dict[str, Any], num_tokens: int) -> None:
-        """The request arrives at D with P's params; allocate and hand it to every rank."""
-        blocks = self._pool.take(blocks_for(num_tokens))
+    def submit(
+        self, rid: str, index: int, params: dict[str, Any], num_tokens: int, *, hit: int = 0
+    ) -> None:
+        """The request arrives at D with P's params; allocate and hand it to every rank
+        (``hit`` leading blocks are a local prefix-cache hit, not received)."""
+        blocks = self._pool.take(self.options.blocks_for(num_tokens))
         if blocks is None:
             raise ConfigError("decode engine has no free blocks (call poll first)")
         self._inflight[rid] = _Inflight(index, blocks, time.perf_counter())
-        msg = {"op": "recv", "rid": rid, "index": index, "params": params, "blocks": blocks}
+        msg = {"op": "recv", "rid": rid, "index": index, "params": params, "blocks": blocks,
+               "hit": hit}  # fmt: skip
         for rank in self._ranks:
             rank.send(msg)
 

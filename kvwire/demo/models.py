@@ -80,6 +80,8 @@ class CacheSpec:
     num_blocks: int
     tp_rank: int
     tp_size: int
+    block_tokens: int = BLOCK_TOKENS
+    """Tokens per block (vLLM's CPU attention wants multiples of 32)."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.layers <= self.model.num_layers:
@@ -100,7 +102,7 @@ class CacheSpec:
 
     @property
     def block_len(self) -> int:
-        return self.heads_here * BLOCK_TOKENS * self.model.content_bytes
+        return self.heads_here * self.block_tokens * self.model.content_bytes
 
     @property
     def region_bytes(self) -> int:
@@ -110,28 +112,43 @@ class CacheSpec:
     def total_bytes(self) -> int:
         return self.layers * self.region_bytes
 
-    def geometry(self, base_addr: int) -> KVGeometry:
-        """Regions laid out layer after layer from ``base_addr``."""
+    def geometry(
+        self,
+        base_addr: int,
+        *,
+        layout: str = "LBHNC",
+        region_names: list[str] | None = None,
+        attn_backend_name: str | None = None,
+    ) -> KVGeometry:
+        """Regions laid out layer after layer from ``base_addr``; an engine that talks to
+        a real vLLM passes vLLM's layout name, its layer names and its backend."""
+        names = region_names or [vllm_layer_name(layer) for layer in range(self.layers)]
+        if len(names) != self.layers:
+            raise ConfigError(f"{len(names)} region names for {self.layers} layers")
         regions = [
             Region(
                 base_addr=base_addr + layer * self.region_bytes,
                 block_len=self.block_len,
                 num_blocks=self.num_blocks,
                 mem_kind="DRAM",
-                name=vllm_layer_name(layer),
+                name=names[layer],
             )
             for layer in range(self.layers)
         ]
         return KVGeometry(
             regions=regions,
-            kv_cache_layout="LBHNC",
-            block_size=BLOCK_TOKENS,
+            kv_cache_layout=layout,
+            block_size=self.block_tokens,
             total_kv_heads=1 if self.model.mla else self.model.kv_heads,
             tp_rank=self.tp_rank,
             tp_size=self.tp_size,
             is_mla=self.model.mla,
-            attn_backend_name="FLASHMLA" if self.model.mla else "FLASH_ATTN",
+            attn_backend_name=attn_backend_name or self.default_backend,
         )
+
+    @property
+    def default_backend(self) -> str:
+        return "FLASHMLA" if self.model.mla else "FLASH_ATTN"
 
     def compat(self, mode: str) -> CompatFactors:
         """Both sides of the demo hash the same model facts (total layers, not the slice)."""

@@ -23,12 +23,15 @@ import threading
 import time
 from typing import Any
 
+import msgspec
 import numpy as np
 import numpy.typing as npt
 
-from kvwire.demo.content import count_wrong_bytes, fill
+from kvwire.compat import CompatFactors
+from kvwire.demo.content import count_wrong_bytes, fill, scribble
 from kvwire.demo.framing import FrameWriter, commands, read_frame
-from kvwire.demo.models import CacheSpec, preset
+from kvwire.demo.models import BLOCK_TOKENS, CacheSpec, preset
+from kvwire.geometry import KVGeometry
 from kvwire.runtime import Consumer, Producer, RuntimeConfig
 from kvwire.sidechannel import RetryPolicy
 from kvwire.transport import load
@@ -62,7 +65,27 @@ def _spec(init: dict[str, Any]) -> CacheSpec:
         num_blocks=int(init["num_blocks"]),
         tp_rank=int(init["tp_rank"]),
         tp_size=int(init["tp_size"]),
+        block_tokens=int(init.get("block_tokens") or BLOCK_TOKENS),
     )
+
+
+def _geometry(init: dict[str, Any], spec: CacheSpec, buffer: npt.NDArray[np.uint8]) -> KVGeometry:
+    """The rank's regions; ``layout``, ``region_names`` and ``attn_backend`` in ``init``
+    describe a peer engine's (a real vLLM's) choices, else the demo's own."""
+    return spec.geometry(
+        int(buffer.ctypes.data),
+        layout=init.get("layout") or "HND",
+        region_names=init.get("region_names"),
+        attn_backend_name=init.get("attn_backend"),
+    )
+
+
+def _compat(init: dict[str, Any], spec: CacheSpec) -> CompatFactors:
+    """The demo's factors, or ``init["compat"]`` (a factor dict, e.g. a vLLM engine's)."""
+    factors = init.get("compat")
+    if factors is None:
+        return spec.compat(init["mode"])
+    return msgspec.convert(factors, CompatFactors)
 
 
 def _config(init: dict[str, Any], spec: CacheSpec) -> RuntimeConfig:
@@ -73,7 +96,7 @@ def _config(init: dict[str, Any], spec: CacheSpec) -> RuntimeConfig:
         mode=init["mode"],
         side_channel_host=init["side_channel_host"],
         side_channel_port=int(init["side_channel_port"]),
-        compat=spec.compat(init["mode"]),
+        compat=_compat(init, spec),
         lease_s=float(init.get("lease_s", 30.0)),
         handshake=RetryPolicy(timeout=float(init.get("handshake_timeout", 5.0)), retries=1),
         secret=bytes.fromhex(init["secret"]) if init.get("secret") else None,
@@ -85,7 +108,7 @@ def run_prefill(reader: Any, out: FrameWriter, init: dict[str, Any]) -> None:
     buffer = allocate(init["transport"], spec.total_bytes)
     producer = Producer(_config(init, spec), init["transport"])
     try:
-        producer.register_kv_caches(spec.geometry(int(buffer.ctypes.data)))
+        producer.register_kv_caches(_geometry(init, spec, buffer))
         out.send({"ok": True, "payload": producer.handshake_payload(), "pid": os.getpid()})
         for cmd in commands(reader):
             op = cmd["op"]
@@ -139,16 +162,23 @@ def run_decode(reader: Any, out: FrameWriter, init: dict[str, Any]) -> None:
 
     reporter = threading.Thread(target=report, name="demo-decode-report", daemon=True)
     try:
-        consumer.register_kv_caches(spec.geometry(int(buffer.ctypes.data)))
+        consumer.register_kv_caches(_geometry(init, spec, buffer))
         out.send({"ok": True, "payload": consumer.handshake_payload(), "pid": os.getpid()})
         reporter.start()
         for cmd in commands(reader):
             op = cmd["op"]
             if op == "recv":
+                # ``hit`` leading blocks are a local prefix-cache hit: they hold the
+                # request's content already and only the rest is received (and checked
+                # with them, so a suffix written at the wrong offset is caught).
                 blocks = list(cmd["blocks"])
+                hit = int(cmd.get("hit", 0))
+                if hit:
+                    fill(spec, buffer, int(cmd["index"]), blocks)
+                    scribble(spec, buffer, blocks[hit:])
                 with lock:
                     pending[cmd["rid"]] = (int(cmd["index"]), blocks, time.perf_counter())
-                consumer.add_request(cmd["rid"], cmd["params"], [blocks])
+                consumer.add_request(cmd["rid"], cmd["params"], [blocks[hit:]])
             elif op == "stats":
                 metrics = consumer.metrics.snapshot()["totals"]
                 stats = {"metrics": metrics, "machine": consumer.machine_stats()}

@@ -1,0 +1,362 @@
+"""Engines for interop tests: a real vLLM engine (interop/vllm_peer.py processes) and a
+kvwire engine (kvwire.demo's engines: one kvwire.runtime rank process per TP rank).
+
+Both sides fill and check KV bytes with ``kvwire.demo.content``; a request is identified by
+its id and a content index. Waiting loops step the vLLM engine (its scheduler builds the
+metadata, every worker runs ``start_load_kv`` and ``get_finished``) as vLLM's engine loop does.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvwire.compat import CompatFactors
+from kvwire.demo.engines import DecodeEngine, EngineOptions, PrefillEngine
+from kvwire.demo.framing import FrameWriter, read_frame, wait_or_kill
+from kvwire.demo.models import preset
+
+PEER = Path(__file__).with_name("vllm_peer.py")
+BLOCK = 32  # CPU_ATTN kernel blocks are multiples of 32 tokens
+VLLM_VERSION = "0.31.0"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class PeerError(RuntimeError):
+    pass
+
+
+class Zygote:
+    """A vllm_peer.py fork server for one vLLM version: imports vLLM once; every peer is a
+    fork of it (a separate process with its own NIXL agent, as vLLM's ranks are)."""
+
+    def __init__(self, python: str = sys.executable, tmp: str | None = None) -> None:
+        self.path = os.path.join(tmp or tempfile.mkdtemp(prefix="vllm-zygote-"), "sock")
+        env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "PYTHONUNBUFFERED": "1"}
+        env.setdefault("UCX_NET_DEVICES", "lo")
+        self.proc = subprocess.Popen(
+            [python, str(PEER), "--zygote", self.path], stdout=subprocess.PIPE, env=env
+        )
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if line.strip() != b"ready":
+            self.proc.kill()
+            raise PeerError(f"vLLM zygote did not start ({self.proc.wait()})")
+
+    def connect(self) -> socket.socket:
+        mine, theirs = socket.socketpair()
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+            conn.connect(self.path)
+            socket.send_fds(conn, [b"peer"], [theirs.fileno()])
+        theirs.close()
+        return mine
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+                conn.connect(self.path)
+                conn.sendall(b"quit")
+            wait_or_kill(self.proc, 10)
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+
+
+class Peer:
+    """One forked vllm_peer.py process (a scheduler or a worker)."""
+
+    def __init__(self, start: dict[str, Any], zygote: Zygote, env: dict[str, str]) -> None:
+        self.sock = zygote.connect()
+        self._out = FrameWriter(self.sock.makefile("wb"))
+        self._in = self.sock.makefile("rb")
+        self.log: list[str] = []
+        self._out.send({**start, "env": env})
+        self.hello = self._answer()
+
+    def _answer(self) -> dict[str, Any]:
+        msg = read_frame(self._in)
+        if msg is None:
+            raise PeerError(f"vLLM peer exited; log: {self.log[-5:]}")
+        self.log.extend(msg.get("log", []))
+        if not msg.get("ok"):
+            raise PeerError(f"{msg.get('error')}; log: {self.log[-5:]}")
+        return msg
+
+    def send(self, cmd: dict[str, Any]) -> None:
+        self._out.send(cmd)
+
+    def call(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        self._out.send(cmd)
+        return self._answer()
+
+    def close(self) -> None:
+        """Ask the peer to exit and wait for its stream to end (it shut down)."""
+        try:
+            self._out.send({"op": "exit"})
+            while read_frame(self._in) is not None:
+                pass
+        except OSError:
+            pass
+        self._in.close()
+        self.sock.close()
+
+
+@dataclass
+class Geometry:
+    model: str = "llama-3-8b"
+    layers: int = 2
+    num_blocks: int = 32
+    block_size: int = BLOCK
+
+
+def factors(
+    geo: Geometry, mode: str, *, backend: str | None = None, hma: bool | None = False
+) -> dict[str, Any]:
+    """The compatibility factors a vLLM 0.31.0 CPU engine hashes for this model, as a dict
+    a kvwire rank turns into ``CompatFactors`` (``hma=None``: kvwire's own default)."""
+    m = preset(geo.model)
+    kwargs: dict[str, Any] = dict(
+        vllm_version=VLLM_VERSION,
+        model=m.hf_name,
+        dtype="bfloat16",
+        num_kv_heads=1 if m.mla else m.kv_heads,
+        head_size=m.latent_dim if m.mla else m.head_dim,
+        num_hidden_layers=m.num_layers,
+        attn_backend_name=backend or ("CPU_MLA" if m.mla else "CPU_ATTN"),
+        transfer_mode=mode,
+    )
+    if hma is not None:
+        kwargs["is_hma_enabled"] = hma
+    import msgspec
+
+    return msgspec.to_builtins(CompatFactors.build(**kwargs))
+
+
+@dataclass
+class VllmEngine:
+    """A vLLM engine: one scheduler process and ``tp`` worker processes."""
+
+    role: str  # "P" or "D"
+    mode: str
+    tp: int
+    geo: Geometry = field(default_factory=Geometry)
+    lease: int = 30
+    hma: bool | None = None
+    zygote: Zygote | None = None
+    engine_id: str = ""
+    extra_config: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.engine_id = self.engine_id or f"vllm-{self.role}-{os.getpid()}-{id(self) % 10000}"
+        assert self.zygote is not None, "a VllmEngine needs a Zygote"
+        self.port = free_port()
+        env = {
+            "VLLM_TARGET_DEVICE": "cpu",
+            "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+            "VLLM_NIXL_SIDE_CHANNEL_PORT": str(self.port),
+            "UCX_NET_DEVICES": os.environ.get("UCX_NET_DEVICES", "lo"),
+        }
+        base = {
+            "role": self.role, "mode": self.mode, "engine_id": self.engine_id,
+            "tp_size": self.tp, "model": self.geo.model, "layers": self.geo.layers,
+            "num_blocks": self.geo.num_blocks, "block_size": self.geo.block_size,
+            "lease": self.lease, "hma": self.hma, "layout": "LBHNC",
+            "extra_config": self.extra_config,
+        }  # fmt: skip
+        self.workers: list[Peer] = []
+        self.scheduler: Peer | None = None
+        try:
+            self.scheduler = Peer({**base, "part": "scheduler"}, self.zygote, env)
+            for rank in range(self.tp):
+                start = {**base, "part": "worker", "tp_rank": rank}
+                self.workers.append(Peer(start, self.zygote, env))
+            payloads = {str(r): w.hello["payload"] for r, w in enumerate(self.workers)}
+            self.scheduler.call({"op": "serve", "payloads": payloads})
+        except BaseException:
+            self.close()
+            raise
+        self._free = list(range(self.geo.num_blocks))
+        self._sending: dict[str, int] = {}
+        self._recving: dict[str, int] = {}
+        self.freed: set[str] = set()
+        self.received: set[str] = set()
+        self.invalid: set[int] = set()
+
+    @property
+    def layer_names(self) -> list[str]:
+        return [f"model.layers.{i}.self_attn.attn" for i in range(self.geo.layers)]
+
+    @property
+    def log(self) -> list[str]:
+        assert self.scheduler is not None
+        return [*self.scheduler.log, *(line for w in self.workers for line in w.log)]
+
+    def take_blocks(self, n: int) -> list[int]:
+        blocks, self._free = self._free[:n], self._free[n:]
+        assert len(blocks) == n, "vLLM engine out of blocks"
+        return blocks
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.geo.block_size)
+
+    # -- P ---------------------------------------------------------------------------
+    def prefill(self, rid: str, index: int, num_tokens: int) -> dict[str, Any]:
+        """Schedule, compute (fill) and finish a prompt; returns P's kv_transfer_params."""
+        assert self.scheduler is not None
+        blocks = self.take_blocks(self.blocks_for(num_tokens))
+        for w in self.workers:
+            w.call({"op": "fill", "index": index, "blocks": blocks})
+        self.scheduler.call({"op": "prefill", "rid": rid, "num_tokens": num_tokens,
+                             "blocks": blocks})  # fmt: skip
+        self.step()
+        answer = self.scheduler.call({"op": "finish", "rid": rid})
+        assert answer["delay"], "vLLM P did not hold the blocks"
+        self.step()
+        params: dict[str, Any] = answer["params"]
+        return params
+
+    # -- D ---------------------------------------------------------------------------
+    def add(
+        self,
+        rid: str,
+        index: int,
+        params: dict[str, Any],
+        num_tokens: int,
+        hit: int = 0,
+        *,
+        allocate: bool = True,
+    ) -> list[int]:
+        """D: the request arrives; with ``allocate`` its blocks too (``hit`` leading
+        blocks are local prefix-cache hits), else it waits (see :meth:`allocate`)."""
+        assert self.scheduler is not None
+        self.scheduler.call({"op": "add", "rid": rid, "params": params,
+                             "num_tokens": num_tokens})  # fmt: skip
+        return self.allocate(rid, index, num_tokens, hit) if allocate else []
+
+    def allocate(self, rid: str, index: int, num_tokens: int, hit: int = 0) -> list[int]:
+        assert self.scheduler is not None
+        blocks = self.take_blocks(self.blocks_for(num_tokens))
+        for w in self.workers:
+            w.call({"op": "prepare", "index": index, "blocks": blocks, "hit": hit})
+        self.scheduler.call({"op": "alloc", "rid": rid, "blocks": blocks, "hit": hit})
+        return blocks
+
+    def check(self, index: int, blocks: list[int]) -> tuple[int, int]:
+        wrong = checked = 0
+        for w in self.workers:
+            a = w.call({"op": "check", "index": index, "blocks": blocks})
+            wrong += a["wrong"]
+            checked += a["checked"]
+        return wrong, checked
+
+    def done(self, rid: str) -> None:
+        assert self.scheduler is not None
+        self.scheduler.call({"op": "done", "rid": rid})
+
+    # -- the engine loop -------------------------------------------------------------
+    def step(self) -> None:
+        """One engine step: metadata to every worker, results aggregated as vLLM's
+        KVOutputAggregator does (finished once every worker reported it)."""
+        assert self.scheduler is not None
+        meta = self.scheduler.call({"op": "meta"})["meta"]
+        for w in self.workers:
+            w.send({"op": "step", "meta": meta})
+        sending: set[str] = set()
+        recving: set[str] = set()
+        for w in self.workers:
+            a = w._answer()
+            self.invalid.update(a["invalid"])
+            for rid in a["sending"]:
+                self._sending[rid] = self._sending.get(rid, 0) + 1
+                if self._sending[rid] == self.tp:
+                    sending.add(rid)
+            for rid in a["recving"]:
+                self._recving[rid] = self._recving.get(rid, 0) + 1
+                if self._recving[rid] == self.tp:
+                    recving.add(rid)
+        self.freed |= sending
+        self.received |= recving
+        self.scheduler.call({"op": "output", "sending": sorted(sending),
+                             "recving": sorted(recving)})  # fmt: skip
+
+    def stats(self) -> list[dict[str, Any]]:
+        return [w.call({"op": "stats"}) for w in self.workers]
+
+    def close(self) -> None:
+        for w in self.workers:
+            w.close()
+        if self.scheduler is not None:
+            self.scheduler.close()
+
+
+def kvwire_options(
+    role: str,
+    mode: str,
+    tp: int,
+    geo: Geometry,
+    *,
+    lease: float = 30.0,
+    rank_extra: dict[str, Any] | None = None,
+) -> EngineOptions:
+    return EngineOptions(
+        model=geo.model,
+        layers=geo.layers,
+        tp=tp,
+        num_blocks=geo.num_blocks,
+        mode=mode,
+        transport="nixl",
+        engine_id=f"kvwire-{role}-{os.getpid()}-{free_port()}",
+        lease_s=lease,
+        block_tokens=geo.block_size,
+        rank_extra=rank_extra or {},
+    )
+
+
+def vllm_compatible_extra(geo: Geometry, mode: str, names: list[str]) -> dict[str, Any]:
+    """What a kvwire engine must say to match a vLLM 0.31.0 CPU engine of this model:
+    vLLM's layout name, its layer names as region names, its backend and hash factors."""
+    m = preset(geo.model)
+    backend = "CPU_MLA" if m.mla else "CPU_ATTN"
+    return {
+        "layout": "LBHNC",
+        "region_names": names,
+        "attn_backend": backend,
+        "compat": factors(geo, mode, backend=backend),
+    }
+
+
+def wait_until(
+    cond: Callable[[], bool], step: Callable[[], None], timeout: float, what: str
+) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout:g}s waiting for {what}")
+        step()
+        time.sleep(0.005)
+
+
+__all__ = [
+    "BLOCK",
+    "DecodeEngine",
+    "Geometry",
+    "PrefillEngine",
+    "VllmEngine",
+    "Zygote",
+    "factors",
+    "kvwire_options",
+    "vllm_compatible_extra",
+    "wait_until",
+]

@@ -1,0 +1,177 @@
+"""vLLM 0.31.0's own NIXL connector classes against kvwire, over real NIXL, bytes checked.
+
+Every cell moves one request's KV (filled by P with ``kvwire.demo.content``), checks every
+byte on D, and checks that P frees the request's blocks exactly once all of D's ranks are
+done. vLLM sides are interop/vllm_peer.py processes; kvwire sides are kvwire.demo engines
+(``kvwire.runtime`` Producer/Consumer per rank process, transport ``nixl``). The kvwire
+side says what a vLLM 0.31.0 engine says (layout ``LBHNC``, vLLM's layer names as region
+names, ``CPU_ATTN`` and the hash factors of a CPU engine) through kvwire's own config.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from harness import (
+    DecodeEngine,
+    Geometry,
+    PrefillEngine,
+    VllmEngine,
+    Zygote,
+    kvwire_options,
+    vllm_compatible_extra,
+    wait_until,
+)
+
+TOKENS = 100  # 4 blocks of 32: the last one partly filled
+# Request ids as vLLM makes them (``{id}-{8 hex}``): P and D ids differ in the suffix only,
+# as when a proxy forwards one request to both; push registrations match on the base.
+TP_PAIRS = [(1, 1), (2, 2), (1, 2), (2, 1), (2, 4), (4, 2)]
+MLA = Geometry(model="mla", layers=2, num_blocks=32)
+GQA = Geometry()
+
+
+def _ids(pairs: list[tuple[int, int]]) -> list[str]:
+    return [f"tp{p}->{d}" for p, d in pairs]
+
+
+class KvwireD:
+    """A kvwire decode engine plus the results its ranks reported."""
+
+    def __init__(self, mode: str, tp: int, geo: Geometry, names: list[str]) -> None:
+        extra = vllm_compatible_extra(geo, mode, names)
+        self.engine = DecodeEngine(kvwire_options("D", mode, tp, geo, rank_extra=extra)).start()
+        self.results: dict[str, Any] = {}
+
+    def poll(self) -> None:
+        for result in self.engine.poll(0.0):
+            self.results[result.rid] = result
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+class KvwireP:
+    def __init__(self, mode: str, tp: int, geo: Geometry, names: list[str], lease: float = 30):
+        extra = vllm_compatible_extra(geo, mode, names)
+        opts = kvwire_options("P", mode, tp, geo, lease=lease, rank_extra=extra)
+        self.engine = PrefillEngine(opts).start()
+
+    def holds(self) -> int:
+        self.engine.reclaim()
+        return self.engine.held_requests()
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+def vllm_to_kvwire(
+    zygote: Zygote, mode: str, p_tp: int, d_tp: int, geo: Geometry, hit: int = 0
+) -> None:
+    """vLLM P -> kvwire D: D's bytes are right and vLLM P frees once D is done."""
+    p = VllmEngine("P", mode, p_tp, geo, zygote=zygote)
+    d = KvwireD(mode, d_tp, geo, p.layer_names)
+    try:
+        params = p.prefill("req-a-aaaaaaaa", 7, TOKENS)
+        assert params["transfer_mode"] == mode and params["tp_size"] == p_tp
+        d.engine.submit("req-a-dddddddd", 7, params, TOKENS, hit=hit)
+
+        def step() -> None:
+            p.step()
+            d.poll()
+
+        wait_until(lambda: "req-a-dddddddd" in d.results, step, 40, "kvwire D to finish")
+        result = d.results["req-a-dddddddd"]
+        assert result.ok, f"kvwire D failed: {result.reasons} {result.invalid_blocks}"
+        assert result.checked_bytes > 0 and result.wrong_bytes == 0
+        wait_until(lambda: "req-a-aaaaaaaa" in p.freed, p.step, 10, "vLLM P to free the blocks")
+    finally:
+        log = p.log
+        d.close()
+        p.close()
+    assert not [line for line in log if "rror" in line], log
+
+
+def kvwire_to_vllm(
+    zygote: Zygote, mode: str, p_tp: int, d_tp: int, geo: Geometry, hit: int = 0
+) -> None:
+    """kvwire P -> vLLM D: vLLM D's bytes are right and kvwire P frees once D is done."""
+    d = VllmEngine("D", mode, d_tp, geo, zygote=zygote)
+    p = KvwireP(mode, p_tp, geo, d.layer_names)
+    try:
+        params = p.engine.prefill("req-b-aaaaaaaa", 9, TOKENS)
+        blocks = d.add("req-b-dddddddd", 9, params, TOKENS, hit=hit)
+
+        def step() -> None:
+            d.step()
+
+        wait_until(lambda: "req-b-dddddddd" in d.received, step, 40, "vLLM D to receive")
+        assert not d.invalid, f"vLLM D reported invalid blocks {d.invalid}: {d.log[-5:]}"
+        wrong, checked = d.check(9, blocks)
+        assert checked > 0 and wrong == 0, f"{wrong} of {checked} bytes wrong"
+        d.done("req-b-dddddddd")
+        wait_until(lambda: p.holds() == 0, d.step, 10, "kvwire P to free the blocks")
+        assert p.engine.freed_reasons["sent"] == 1, p.engine.freed_reasons
+    finally:
+        d.close()
+        p.close()
+
+
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_vllm_to_vllm(zygote: Zygote, mode: str) -> None:
+    """The harness itself: vLLM P and vLLM D, both real, bytes checked, P frees."""
+    p = VllmEngine("P", mode, 1, GQA, zygote=zygote)
+    d = VllmEngine("D", mode, 1, GQA, zygote=zygote)
+    try:
+        params = p.prefill("req-v-aaaaaaaa", 3, TOKENS)
+        blocks = d.add("req-v-dddddddd", 3, params, TOKENS)
+
+        def step() -> None:
+            d.step()
+            p.step()
+
+        wait_until(lambda: "req-v-dddddddd" in d.received, step, 40, "vLLM D to receive")
+        assert not d.invalid
+        wrong, checked = d.check(3, blocks)
+        assert checked == 4 * 2 * 8 * 32 * 512 and wrong == 0
+        wait_until(lambda: "req-v-aaaaaaaa" in p.freed, step, 10, "vLLM P to free")
+    finally:
+        d.close()
+        p.close()
+
+
+@pytest.mark.parametrize("mode", ["pull", "push"])
+@pytest.mark.parametrize(("p_tp", "d_tp"), TP_PAIRS, ids=_ids(TP_PAIRS))
+def test_vllm_p_kvwire_d(zygote: Zygote, mode: str, p_tp: int, d_tp: int) -> None:
+    vllm_to_kvwire(zygote, mode, p_tp, d_tp, GQA)
+
+
+@pytest.mark.parametrize("mode", ["pull", "push"])
+@pytest.mark.parametrize(("p_tp", "d_tp"), TP_PAIRS, ids=_ids(TP_PAIRS))
+def test_kvwire_p_vllm_d(zygote: Zygote, mode: str, p_tp: int, d_tp: int) -> None:
+    kvwire_to_vllm(zygote, mode, p_tp, d_tp, GQA)
+
+
+MLA_PAIRS = [(1, 1), (2, 1), (1, 2)]
+
+
+@pytest.mark.parametrize(("p_tp", "d_tp"), MLA_PAIRS, ids=_ids(MLA_PAIRS))
+def test_mla_vllm_p_kvwire_d(zygote: Zygote, p_tp: int, d_tp: int) -> None:
+    vllm_to_kvwire(zygote, "pull", p_tp, d_tp, MLA)
+
+
+@pytest.mark.parametrize(("p_tp", "d_tp"), MLA_PAIRS, ids=_ids(MLA_PAIRS))
+def test_mla_kvwire_p_vllm_d(zygote: Zygote, p_tp: int, d_tp: int) -> None:
+    kvwire_to_vllm(zygote, "pull", p_tp, d_tp, MLA)
+
+
+@pytest.mark.parametrize("geo", [GQA, MLA], ids=["gqa", "mla"])
+def test_prefix_hit_on_kvwire_d(zygote: Zygote, geo: Geometry) -> None:
+    """D holds the first block locally: only the tail of P's blocks lands, in place."""
+    vllm_to_kvwire(zygote, "pull", 1, 1, geo, hit=1)
+
+
+@pytest.mark.parametrize("geo", [GQA, MLA], ids=["gqa", "mla"])
+def test_prefix_hit_on_vllm_d(zygote: Zygote, geo: Geometry) -> None:
+    kvwire_to_vllm(zygote, "pull", 1, 1, geo, hit=1)
