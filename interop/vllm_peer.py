@@ -172,8 +172,9 @@ def build_configs(start: dict[str, Any]) -> tuple[Any, Any]:
     names = layer_names(start)
     page = spec.block_len
     tensors = [
-        KVCacheTensor(size=spec.region_bytes, layers=[name], layer_stride=spec.region_bytes,
-                      block_stride=page)  # fmt: skip
+        KVCacheTensor(
+            size=spec.region_bytes, layers=[name], layer_stride=spec.region_bytes, block_stride=page
+        )
         for name in names
     ]
     kv_cache_config = KVCacheConfig(
