@@ -204,6 +204,13 @@ def stand_in_parallel_state(start: dict[str, Any]) -> None:
     base_worker.get_current_attn_backends = (  # type: ignore[attr-defined]
         lambda *_a, **_k: [_backend(mla)]
     )
+    if hasattr(base_worker, "get_current_attn_backends_and_specs"):  # vLLM 0.32 and later
+        base_worker.get_current_attn_backends_and_specs = (  # type: ignore[attr-defined]
+            lambda _vllm_config, kv_cache_config, _fallback: (
+                [_backend(mla)],
+                [kv_cache_config.kv_cache_groups[0].kv_cache_spec],
+            )
+        )
 
 
 # -- metadata between the scheduler and the workers -------------------------------------

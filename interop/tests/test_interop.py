@@ -29,7 +29,7 @@ TOKENS = 100  # 4 blocks of 32: the last one partly filled
 # Request ids as vLLM makes them (``{id}-{8 hex}``): P and D ids differ in the suffix only,
 # as when a proxy forwards one request to both; push registrations match on the base.
 TP_PAIRS = [(1, 1), (2, 2), (1, 2), (2, 1), (2, 4), (4, 2)]
-MLA = Geometry(model="mla", layers=2, num_blocks=32)
+MLA = Geometry(model="mla", layers=2, num_blocks=32, block_size=16)  # CPU_MLA: 16-token kernels
 GQA = Geometry()
 
 
