@@ -22,8 +22,8 @@ demo: $(STAMP)
 	$(BIN)/kvwire demo
 
 lint: $(STAMP)
-	$(BIN)/ruff check kvwire transports conformance tests fuzz scripts
-	$(BIN)/ruff format --check kvwire transports conformance tests fuzz scripts
+	$(BIN)/ruff check kvwire transports conformance tests fuzz scripts interop
+	$(BIN)/ruff format --check kvwire transports conformance tests fuzz scripts interop
 
 typecheck: $(STAMP)
 	$(BIN)/mypy --strict kvwire transports/shm/kvwire_shm transports/nixl/kvwire_nixl \

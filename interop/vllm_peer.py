@@ -172,8 +172,9 @@ def build_configs(start: dict[str, Any]) -> tuple[Any, Any]:
     names = layer_names(start)
     page = spec.block_len
     tensors = [
-        KVCacheTensor(size=spec.region_bytes, layers=[name], layer_stride=spec.region_bytes,
-                      block_stride=page)  # fmt: skip
+        KVCacheTensor(
+            size=spec.region_bytes, layers=[name], layer_stride=spec.region_bytes, block_stride=page
+        )
         for name in names
     ]
     kv_cache_config = KVCacheConfig(
@@ -203,6 +204,13 @@ def stand_in_parallel_state(start: dict[str, Any]) -> None:
     base_worker.get_current_attn_backends = (  # type: ignore[attr-defined]
         lambda *_a, **_k: [_backend(mla)]
     )
+    if hasattr(base_worker, "get_current_attn_backends_and_specs"):  # vLLM 0.32 and later
+        base_worker.get_current_attn_backends_and_specs = (  # type: ignore[attr-defined]
+            lambda _vllm_config, kv_cache_config, _fallback: (
+                [_backend(mla)],
+                [kv_cache_config.kv_cache_groups[0].kv_cache_spec],
+            )
+        )
 
 
 # -- metadata between the scheduler and the workers -------------------------------------

@@ -10,6 +10,7 @@ names, ``CPU_ATTN`` and the hash factors of a CPU engine) through kvwire's own c
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
@@ -28,7 +29,7 @@ TOKENS = 100  # 4 blocks of 32: the last one partly filled
 # Request ids as vLLM makes them (``{id}-{8 hex}``): P and D ids differ in the suffix only,
 # as when a proxy forwards one request to both; push registrations match on the base.
 TP_PAIRS = [(1, 1), (2, 2), (1, 2), (2, 1), (2, 4), (4, 2)]
-MLA = Geometry(model="mla", layers=2, num_blocks=32)
+MLA = Geometry(model="mla", layers=2, num_blocks=32, block_size=16)  # CPU_MLA: 16-token kernels
 GQA = Geometry()
 
 
@@ -39,9 +40,12 @@ def _ids(pairs: list[tuple[int, int]]) -> list[str]:
 class KvwireD:
     """A kvwire decode engine plus the results its ranks reported."""
 
-    def __init__(self, mode: str, tp: int, geo: Geometry, names: list[str]) -> None:
+    def __init__(
+        self, mode: str, tp: int, geo: Geometry, names: list[str], lease: float = 30
+    ) -> None:
         extra = vllm_compatible_extra(geo, mode, names)
-        self.engine = DecodeEngine(kvwire_options("D", mode, tp, geo, rank_extra=extra)).start()
+        opts = kvwire_options("D", mode, tp, geo, lease=lease, rank_extra=extra)
+        self.engine = DecodeEngine(opts).start()
         self.results: dict[str, Any] = {}
 
     def poll(self) -> None:
@@ -175,3 +179,112 @@ def test_prefix_hit_on_kvwire_d(zygote: Zygote, geo: Geometry) -> None:
 @pytest.mark.parametrize("geo", [GQA, MLA], ids=["gqa", "mla"])
 def test_prefix_hit_on_vllm_d(zygote: Zygote, geo: Geometry) -> None:
     kvwire_to_vllm(zygote, "pull", 1, 1, geo, hit=1)
+
+
+# -- leases and heartbeats (MLA, so that only the lease rules are under test) ----------
+
+LEASE = 6  # vLLM's kv_lease_duration is whole seconds; heartbeats every LEASE // 6
+
+
+def test_vllm_p_lease_expires_without_consumer(zygote: Zygote) -> None:
+    """vLLM P frees a request nobody reads once its lease runs out, not before."""
+    p = VllmEngine("P", "pull", 1, MLA, lease=2, zygote=zygote)
+    try:
+        p.prefill("req-e-aaaaaaaa", 1, TOKENS)
+        started = time.monotonic()
+        wait_until(lambda: "req-e-aaaaaaaa" in p.freed, p.step, 15, "the lease to expire")
+        assert time.monotonic() - started >= 1.5
+    finally:
+        p.close()
+
+
+def test_kvwire_p_lease_expires_without_consumer(zygote: Zygote) -> None:
+    """kvwire P, told the names and factors of a vLLM engine, frees on expiry too."""
+    p = KvwireP("pull", 1, MLA, [f"model.layers.{i}.self_attn.attn" for i in range(2)], lease=2)
+    try:
+        p.engine.prefill("req-e-aaaaaaaa", 1, TOKENS)
+        started = time.monotonic()
+        wait_until(lambda: p.holds() == 0, lambda: time.sleep(0.05), 15, "the lease to expire")
+        assert time.monotonic() - started >= 1.5
+        assert p.engine.freed_reasons["expired"] == 1, p.engine.freed_reasons
+    finally:
+        p.close()
+
+
+def test_kvwire_d_heartbeats_extend_vllm_p_lease(zygote: Zygote) -> None:
+    """A request queued at kvwire D for twice vLLM P's lease: kvwire's heartbeats keep
+    vLLM P's blocks; once D allocates, the bytes arrive and P frees them."""
+    p = VllmEngine("P", "pull", 1, MLA, lease=LEASE, zygote=zygote)
+    d = KvwireD("pull", 1, MLA, p.layer_names, lease=LEASE)
+    try:
+        params = p.prefill("req-h-aaaaaaaa", 5, TOKENS)
+        d.engine.submit("req-h-dddddddd", 5, params, TOKENS, wait=True)
+        end = time.monotonic() + 2 * LEASE
+        while time.monotonic() < end:
+            p.step()
+            d.poll()
+            time.sleep(0.05)
+        assert "req-h-aaaaaaaa" not in p.freed, "vLLM P let the lease run out despite heartbeats"
+        d.engine.allocate("req-h-dddddddd")
+
+        def step() -> None:
+            p.step()
+            d.poll()
+
+        wait_until(lambda: "req-h-dddddddd" in d.results, step, 30, "kvwire D to finish")
+        result = d.results["req-h-dddddddd"]
+        assert result.ok and result.checked_bytes > 0 and result.wrong_bytes == 0, result
+        wait_until(lambda: "req-h-aaaaaaaa" in p.freed, p.step, 10, "vLLM P to free")
+    finally:
+        d.close()
+        p.close()
+
+
+def test_vllm_d_heartbeats_extend_kvwire_p_lease(zygote: Zygote) -> None:
+    """A request waiting at vLLM D for twice kvwire P's lease: vLLM's heartbeats keep
+    kvwire P's blocks; then the read completes and P frees them as sent."""
+    d = VllmEngine("D", "pull", 1, MLA, lease=LEASE, zygote=zygote)
+    p = KvwireP("pull", 1, MLA, d.layer_names, lease=LEASE)
+    try:
+        params = p.engine.prefill("req-h-aaaaaaaa", 6, TOKENS)
+        d.add("req-h-dddddddd", 6, params, TOKENS, allocate=False)
+        end = time.monotonic() + 2 * LEASE
+        while time.monotonic() < end:
+            d.step()
+            time.sleep(0.05)
+        assert p.holds() == 1, f"kvwire P freed early: {p.engine.freed_reasons}"
+        blocks = d.allocate("req-h-dddddddd", 6, TOKENS)
+        wait_until(lambda: "req-h-dddddddd" in d.received, d.step, 30, "vLLM D to receive")
+        wrong, checked = d.check(6, blocks)
+        assert checked > 0 and wrong == 0
+        wait_until(lambda: p.holds() == 0, d.step, 10, "kvwire P to free")
+        assert p.engine.freed_reasons["sent"] == 1, p.engine.freed_reasons
+    finally:
+        d.close()
+        p.close()
+
+
+# -- protocol versions ------------------------------------------------------------------
+
+
+def test_vllm_032_peer_refused_naming_both_versions(zygote_032: Zygote) -> None:
+    """vLLM 0.32.0 speaks v14: kvwire (v13) refuses its handshake and names both."""
+    p = VllmEngine("P", "pull", 1, MLA, zygote=zygote_032)
+    d = KvwireD("pull", 1, MLA, p.layer_names)
+    try:
+        params = p.prefill("req-x-aaaaaaaa", 2, TOKENS)
+        d.engine.submit("req-x-dddddddd", 2, params, TOKENS)
+
+        def step() -> None:
+            p.step()
+            d.poll()
+
+        wait_until(lambda: "req-x-dddddddd" in d.results, step, 30, "kvwire D to refuse")
+        result = d.results["req-x-dddddddd"]
+        assert not result.ok and result.reasons == ["handshake"], result
+        assert result.invalid_blocks, "the refused request's blocks must be reported invalid"
+    finally:
+        d.close()
+        p.close()
+    detail = " ".join(result.details)
+    assert "13" in detail and "14" in detail, detail

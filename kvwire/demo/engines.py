@@ -12,8 +12,8 @@ import collections
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvwire.demo.models import BLOCK_TOKENS
@@ -219,6 +219,8 @@ class RequestResult:
     reasons: list[str] = field(default_factory=list)
     invalid_blocks: list[list[int]] = field(default_factory=list)
     blocks: list[int] = field(default_factory=list)
+    details: list[str] = field(default_factory=list)
+    """Each failed rank's one-line reason (e.g. which versions a refused peer speaks)."""
 
 
 @dataclass
@@ -267,18 +269,31 @@ class DecodeEngine:
         return self._pool.free >= self.options.blocks_for(num_tokens)
 
     def submit(
-        self, rid: str, index: int, params: dict[str, Any], num_tokens: int, *, hit: int = 0
+        self,
+        rid: str,
+        index: int,
+        params: dict[str, Any],
+        num_tokens: int,
+        *,
+        hit: int = 0,
+        wait: bool = False,
     ) -> None:
         """The request arrives at D with P's params; allocate and hand it to every rank
-        (``hit`` leading blocks are a local prefix-cache hit, not received)."""
+        (``hit`` leading blocks are a local prefix-cache hit, not received; ``wait``: the
+        ranks learn of the blocks only at :meth:`allocate`, the request queues meanwhile)."""
         blocks = self._pool.take(self.options.blocks_for(num_tokens))
         if blocks is None:
             raise ConfigError("decode engine has no free blocks (call poll first)")
         self._inflight[rid] = _Inflight(index, blocks, time.perf_counter())
         msg = {"op": "recv", "rid": rid, "index": index, "params": params, "blocks": blocks,
-               "hit": hit}  # fmt: skip
+               "hit": hit, "wait": wait}  # fmt: skip
         for rank in self._ranks:
             rank.send(msg)
+
+    def allocate(self, rid: str, *, hit: int = 0) -> None:
+        """Hand a waiting request its blocks (see :meth:`submit`)."""
+        for rank in self._ranks:
+            rank.send({"op": "alloc", "rid": rid, "hit": hit})
 
     def poll(self, timeout: float) -> list[RequestResult]:
         """Results of requests every rank has reported on (waits up to ``timeout`` for one)."""
@@ -328,6 +343,7 @@ class DecodeEngine:
             reasons=sorted({str(r.get("reason")) for r in reports if not r["ok"]}),
             invalid_blocks=[g for r in reports if not r["ok"] for g in r.get("invalid", [])],
             blocks=req.blocks,
+            details=[str(r.get("detail", "")) for r in reports if not r["ok"]],
         )
 
     def stats(self, timeout: float = 10.0) -> dict[int, dict[str, Any]]:

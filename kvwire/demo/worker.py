@@ -178,7 +178,14 @@ def run_decode(reader: Any, out: FrameWriter, init: dict[str, Any]) -> None:
                     scribble(spec, buffer, blocks[hit:])
                 with lock:
                     pending[cmd["rid"]] = (int(cmd["index"]), blocks, time.perf_counter())
-                consumer.add_request(cmd["rid"], cmd["params"], [blocks[hit:]])
+                # ``wait``: the request queues for blocks (heartbeats keep P's lease) until
+                # an ``alloc`` command.
+                allocated = None if cmd.get("wait") else [blocks[hit:]]
+                consumer.add_request(cmd["rid"], cmd["params"], allocated)
+            elif op == "alloc":
+                with lock:
+                    blocks = pending[cmd["rid"]][1]
+                consumer.blocks_allocated(cmd["rid"], [blocks[int(cmd.get("hit", 0)) :]])
             elif op == "stats":
                 metrics = consumer.metrics.snapshot()["totals"]
                 stats = {"metrics": metrics, "machine": consumer.machine_stats()}
