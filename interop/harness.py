@@ -122,7 +122,7 @@ class Geometry:
 
 
 def factors(
-    geo: Geometry, mode: str, *, backend: str | None = None, hma: bool | None = False
+    geo: Geometry, mode: str, *, backend: str | None = None, hma: bool | None = None
 ) -> dict[str, Any]:
     """The compatibility factors a vLLM 0.31.0 CPU engine hashes for this model, as a dict
     a kvwire rank turns into ``CompatFactors`` (``hma=None``: kvwire's own default)."""
