@@ -120,6 +120,12 @@ class PeerAgent:
         data: bytes = self.call(p.ReadDescs(np.ascontiguousarray(descs, np.int64).tobytes()))
         return data
 
+    def digest(self, descs: I64) -> int:
+        """CRC-32 of what :meth:`read` would return, computed in the peer."""
+        raw = np.ascontiguousarray(descs, np.int64).tobytes()
+        crc: int = self.call(p.ReadDescs(raw, digest=True))
+        return crc
+
     def drain(self, at_least: int = 0, timeout: float = 0.0) -> list[tuple[str, bytes]]:
         got = self.call(p.Drain(at_least, timeout), timeout=timeout + self.timeout)
         return [(str(peer), bytes(msg)) for peer, msg in got]
