@@ -195,7 +195,7 @@ class LifecycleTests:
         finally:
             with contextlib.suppress(TransportError):
                 link.local.remove_peer(peer.agent_name)
-            peer.close()
+            peer.close(10.0)
 
     def _check_read(
         self, link: Link, peer: str, laddr: int, raddr: int, seed: int, what: str

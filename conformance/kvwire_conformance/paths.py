@@ -128,6 +128,20 @@ class Solo:
     local: list[Mirror] = field(default_factory=list)
     big: Mirror | None = None
     local_big: Mirror | None = None
+    """Regions for the threshold transfers, made by the first test that needs them."""
+    handles: list[object] = field(default_factory=list)
+    """This agent's registrations to undo at the end (shared by all solos)."""
+
+    def bigs(self, link: Link, alloc: str, nbytes: int) -> tuple[Mirror, Mirror]:
+        if self.big is None or self.local_big is None or self.big.nbytes < nbytes:
+            got = self.agent.alloc(nbytes, alloc)
+            seed = memory_seed("big", alloc)
+            self.agent.fill(got["addr"], got["nbytes"], seed)
+            self.big = Mirror(got["addr"], got["nbytes"], memory.pattern(seed, nbytes).copy())
+            link.local.add_peer(self.agent.metadata())
+            self.local_big, handle = local_mirror(link, alloc, nbytes, memory_seed("lb", alloc))
+            self.handles.append(handle)
+        return self.local_big, self.big
 
 
 @dataclass
@@ -145,6 +159,16 @@ class Rows:
     def descs(self, mirrors: list[Mirror], which: I64, offsets: I64) -> I64:
         bases = np.array([m.addr for m in mirrors], dtype=np.int64)
         return memory.descs(0, bases[which] + offsets, self.length)
+
+
+def resync(peer: PeerAgent, local: Sequence[Mirror], remote: Sequence[Mirror]) -> None:
+    """Mirrors take the memory's present contents: a test starts from what is there, even
+    after an earlier test failed midway."""
+    for m in local:
+        m.expected[:] = memory.view(m.addr, m.nbytes)
+    for m in remote:
+        whole = memory.descs(m.addr, np.zeros(1, np.int64), np.full(1, m.nbytes, np.int64))
+        m.expected[:] = np.frombuffer(peer.read(whole), dtype=np.uint8)
 
 
 def move(link: Link, agent_peer: str, rows: Rows, write: bool, note: bytes | None = None) -> object:
@@ -281,14 +305,10 @@ class PathTests:
             if not link.local_regions:
                 yield out
                 return
-            cases = threshold_cases(thresholds(link.spec.transport, link.local))
-            big = case_bytes(cases)
             for alloc in link.spec.allocators:
-                solo = new_solo(link, alloc, (*REGION_SIZES, big), cls.timeout)
+                solo = new_solo(link, alloc, REGION_SIZES, cls.timeout)
                 out[alloc] = solo
-                solo.big = solo.remote.pop()
-                solo.local_big, handle = local_mirror(link, alloc, big, memory_seed("lb", alloc))
-                handles.append(handle)
+                solo.handles = handles
                 for extra in range(2):
                     mirror, handle = local_mirror(link, alloc, 2 << 20, memory_seed(alloc, extra))
                     handles.append(handle)
@@ -298,7 +318,7 @@ class PathTests:
             for solo in out.values():
                 with contextlib.suppress(TransportError):
                     link.local.remove_peer(solo.name)
-                solo.agent.close()
+                solo.agent.close(10.0)
             for handle in handles:
                 with contextlib.suppress(TransportError):
                     link.local.deregister(handle)
@@ -316,6 +336,7 @@ class PathTests:
         write = op == "write"
         for alloc, solo in solos.items():
             local, remote = solo.local, solo.remote
+            resync(solo.agent, local, remote)
             rng = np.random.default_rng(memory_seed("zero", alloc, op))
             lengths = rng.integers(1, 4096, size=24).astype(np.int64)
             lengths[[0, 5, 6, 11, 23]] = 0  # first, a pair, middle, last
@@ -345,18 +366,43 @@ class PathTests:
         write = op == "write"
         for alloc, solo in solos.items():
             local, remote = solo.local, solo.remote
+            resync(solo.agent, local, remote)
             rng = np.random.default_rng(memory_seed("regions", alloc, op))
             lengths = rng.integers(1, 8 << 10, size=300).astype(np.int64)
             li, loff = spread(rng, lengths, [m.nbytes for m in local])
             ri, roff = spread(rng, lengths, [m.nbytes for m in remote])
             rows = Rows(li, loff, ri, roff, lengths, local, remote)
-            handle = move(link, solo.name, rows, write)
-            state = link.wait(handle)
-            assert state is XferState.DONE, f"[{alloc}] {op} over several regions: {state.name}"
-            link.local.release(handle)
-            settle(rows, write)
-            check_local(local, f"[{alloc}] {op} over several regions")
-            check_remote(solo.agent, rows, f"[{alloc}] {op} over several regions")
+            self._move_and_check(link, solo.name, solo.agent, rows, write, f"[{alloc}] {op}")
+        if len(link.peer_regions) > 1:
+            # One transfer over every kind of memory the suite's peer holds.
+            window = 2 << 20
+            remote = []
+            for alloc, pr in link.peer_regions.items():
+                seed = memory_seed("mixed", alloc, op)
+                link.peer.fill(pr.addr, window, seed)
+                remote.append(Mirror(pr.addr, window, memory.pattern(seed, window).copy()))
+            local = [
+                Mirror(lr.addr, window, lr.view[:window].copy())
+                for lr in link.local_regions.values()
+            ]
+            rng = np.random.default_rng(memory_seed("mixed", op))
+            lengths = rng.integers(1, 8 << 10, size=120).astype(np.int64)
+            li, loff = spread(rng, lengths, [m.nbytes for m in local])
+            ri, roff = spread(rng, lengths, [m.nbytes for m in remote])
+            rows = Rows(li, loff, ri, roff, lengths, local, remote)
+            self._move_and_check(link, link.peer_name, link.peer, rows, write, f"mixed {op}")
+
+    @staticmethod
+    def _move_and_check(
+        link: Link, name: str, agent: PeerAgent, rows: Rows, write: bool, what: str
+    ) -> None:
+        handle = move(link, name, rows, write)
+        state = link.wait(handle)
+        assert state is XferState.DONE, f"{what} over several regions: {state.name}"
+        link.local.release(handle)
+        settle(rows, write)
+        check_local(rows.local, f"{what} over several regions")
+        check_remote(agent, rows, f"{what} over several regions")
 
     # -- thresholds -----------------------------------------------------------------------
 
@@ -371,8 +417,9 @@ class PathTests:
         write = op == "write"
         cases = threshold_cases(thresholds(link.spec.transport, link.local))
         for alloc, solo in solos.items():
-            assert solo.big is not None and solo.local_big is not None
-            local, remote = [solo.local_big], [solo.big]
+            local_big, big = solo.bigs(link, alloc, case_bytes(cases))
+            local, remote = [local_big], [big]
+            resync(solo.agent, local, remote)
             rng = np.random.default_rng(memory_seed("thresholds", alloc, op))
             for label, lengths in cases:
                 n = lengths.shape[0]
@@ -401,10 +448,11 @@ class PathTests:
         if len(solos) < 1:
             pytest.skip("needs host memory")
         tag = uuid.uuid4().hex[:8]
-        plan = []
+        plan: list[tuple[Solo, Rows | None, bool, bytes]] = []
         for alloc, solo in solos.items():
             solo.agent.drain()
             local, remote = solo.local, solo.remote
+            resync(solo.agent, local, remote)
             rng = np.random.default_rng(memory_seed("several", alloc))
             for i in range(4):
                 lengths = rng.integers(1, 64 << 10, size=16).astype(np.int64)
@@ -415,16 +463,25 @@ class PathTests:
         # Disjoint rows per peer: reads land in this agent's extra regions, which each
         # peer owns alone; interleave the peers' posts.
         plan.sort(key=lambda entry: entry[3].rsplit(b":", 1)[1])
-        handles = [move(link, solo.name, rows, write, note) for solo, rows, write, note in plan]
+        handles = [
+            move(link, solo.name, rows, write, note) for solo, rows, write, note in plan if rows
+        ]
         for (solo, rows, write, _), handle in zip(plan, handles, strict=True):
+            assert rows is not None
             assert link.wait(handle) is XferState.DONE, f"a transfer to {solo.name} failed"
             link.local.release(handle)
             settle(rows, write)
+        plain = {}
+        for solo in solos.values():
+            plain[solo.name] = f"plain:{tag}:{solo.name}".encode()
+            link.local.notify(solo.name, plain[solo.name])
         for solo in solos.values():
             check_local(solo.local, f"several peers, {solo.name}")
             mine = [entry for entry in plan if entry[0] is solo]
+            mine.append((solo, None, False, plain[solo.name]))
             for _, rows, _, _ in mine:
-                check_remote(solo.agent, rows, f"several peers, {solo.name}")
+                if rows is not None:
+                    check_remote(solo.agent, rows, f"several peers, {solo.name}")
             got = solo.agent.drain(at_least=len(mine), timeout=self.timeout)
             assert sorted(m for _, m in got) == sorted(note for *_, note in mine), (
                 f"peer {solo.name} got notifications meant for others or lost its own"

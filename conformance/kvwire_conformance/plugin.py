@@ -132,8 +132,10 @@ def _check_selected_transport(config: pytest.Config) -> None:
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     outcomes: dict[str, dict[str, Any]] = _outcomes
-    entry = outcomes.setdefault(report.nodeid, {"outcome": "passed", "detail": ""})
-    if report.skipped:
+    entry = outcomes.setdefault(report.nodeid, {"outcome": UNFINISHED, "detail": ""})
+    if report.passed and report.when == "call" and entry["outcome"] == UNFINISHED:
+        entry["outcome"] = "passed"
+    elif report.skipped:
         entry["outcome"] = "skipped"
         longrepr = report.longrepr
         if isinstance(longrepr, tuple) and len(longrepr) == 3:
@@ -154,6 +156,8 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
 
 
 _outcomes: dict[str, dict[str, Any]] = {}
+UNFINISHED = "unfinished"
+"""A test whose call never reported: the run stopped (or died) inside it."""
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
@@ -161,6 +165,10 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if not path:
         return
     capabilities: dict[str, str] = getattr(session.config, "_kvwire_capabilities", {})
+    for entry in _outcomes.values():
+        if entry["outcome"] == UNFINISHED:
+            entry["outcome"] = "error"
+            entry["detail"] = "the test never finished (the run was interrupted inside it)"
     rows = [
         {"test": nodeid, "capability": capabilities.get(nodeid, "core"), **entry}
         for nodeid, entry in _outcomes.items()

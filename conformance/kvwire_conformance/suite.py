@@ -17,6 +17,7 @@ claim is skipped with the reason.
 from __future__ import annotations
 
 import contextlib
+import threading
 import uuid
 import zlib
 from collections.abc import Callable, Iterator
@@ -128,6 +129,41 @@ class Link:
             self.local.wait(0.05)
 
 
+CLOSE_TIMEOUT_S = 10.0
+"""How long a fixture's teardown waits for an agent's ``close()``."""
+
+
+def _test_timeout(config: pytest.Config) -> float:
+    try:
+        return float(config.getoption("--kvwire-timeout"))
+    except ValueError:  # the plugin is not loaded
+        return CLOSE_TIMEOUT_S
+
+
+def close_within(agent: Transport, seconds: float, what: str) -> None:
+    """``agent.close()`` on a helper thread, failing the test if it does not return in time.
+
+    pytest-timeout fires once per test: after a test body timed out, its teardown runs
+    unbounded, so a ``close()`` that hangs there needs its own limit.
+    """
+    done = threading.Event()
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            agent.close()
+        except BaseException as exc:  # re-raised on the test's thread
+            errors.append(exc)
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="kvwire-conformance-close", daemon=True).start()
+    if not done.wait(seconds):
+        pytest.fail(f"{what}: close() did not return within {seconds:g} s", pytrace=False)
+    if errors:
+        raise errors[0]
+
+
 def _with_declared_allocators(allocators: tuple[str, ...], agent: object) -> tuple[str, ...]:
     """``allocators`` plus those the agent's class (or a wrapped agent's, through
     ``.inner``) declares: a plain-function factory or a wrapper must not lose them."""
@@ -222,7 +258,7 @@ class TransportSuite(PathTests, LifecycleTests):
 
     @pytest.fixture(scope="class")
     @classmethod
-    def link(cls, spec: Spec) -> Iterator[Link]:
+    def link(cls, spec: Spec, request: pytest.FixtureRequest) -> Iterator[Link]:
         local_name = f"kvwire-conformance-local-{uuid.uuid4().hex[:8]}"
         local = create(spec.transport, local_name, **spec.options)
         peer: PeerAgent | None = None
@@ -244,9 +280,10 @@ class TransportSuite(PathTests, LifecycleTests):
             link.local_name = peer.call(p.AddPeer(local.local_metadata()))
             yield link
         finally:
+            bound = min(CLOSE_TIMEOUT_S, cls.timeout, _test_timeout(request.config))
             if peer is not None:
-                peer.close()
-            local.close()
+                peer.close(bound)
+            close_within(local, bound, "the suite's agent")
 
     # -- helpers ----------------------------------------------------------------------
 

@@ -142,12 +142,12 @@ class PeerAgent:
         self.process.wait(timeout=self.timeout)
         self._chan.close()
 
-    def close(self) -> None:
-        """Close the peer's transport, let it exit, and reap it."""
+    def close(self, timeout: float = 30.0) -> None:
+        """Close the peer's transport, let it exit, and reap it (killed after ``timeout``)."""
         if self.process.poll() is None:
             try:
-                self.call(p.Close(), timeout=30)
-                self.process.wait(timeout=30)
+                self.call(p.Close(), timeout=timeout)
+                self.process.wait(timeout=timeout)
             except (PeerAgentError, OSError, subprocess.TimeoutExpired):
                 pass
         self.kill()
