@@ -12,7 +12,7 @@ import contextlib
 import gc
 import time
 import weakref
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import msgspec
 import numpy as np
@@ -58,7 +58,7 @@ def _small_rows(link: Link, i: int) -> tuple[memory.I64, memory.I64]:
 class LifecycleTests:
     """Mixed into :class:`~kvwire_conformance.suite.TransportSuite`."""
 
-    timeout: float
+    timeout: ClassVar[float]
     require: Any
     expect_rejected: Any
     roundtrip: Any

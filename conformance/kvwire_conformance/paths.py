@@ -20,7 +20,7 @@ import uuid
 import zlib
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 import pytest
@@ -227,7 +227,7 @@ def check_remote(peer: PeerAgent, rows: Rows, what: str) -> None:
         end = np.minimum(rows.roff[mask] + rows.length[mask] + 1, m.nbytes)
         descs = memory.descs(m.addr, start, end - start)
         expected = memory.gather(m.expected, start, end - start)
-        if peer.digest(descs) == zlib.crc32(expected):
+        if peer.digest(descs) == zlib.crc32(expected.tobytes()):
             continue
         got = np.frombuffer(peer.read(descs), dtype=np.uint8)
         assert_bytes(
@@ -243,8 +243,8 @@ def spread(rng: np.random.Generator, lengths: I64, sizes: Sequence[int]) -> tupl
     """Place rows across regions of ``sizes``: (region index, offset) per row, no overlap,
     each region's first byte, and its last where a second row lands there, touched."""
     n = lengths.shape[0]
-    which = rng.integers(0, len(sizes), size=n).astype(np.int64)
-    offsets = np.zeros(n, dtype=np.int64)
+    which: I64 = np.asarray(rng.integers(0, len(sizes), size=n), dtype=np.int64)
+    offsets: I64 = np.zeros(n, dtype=np.int64)
     for r, size in enumerate(sizes):
         mask = np.flatnonzero(which == r)
         if not mask.shape[0]:
@@ -289,7 +289,7 @@ def local_mirror(link: Link, alloc: str, nbytes: int, seed: int) -> tuple[Mirror
 class PathTests:
     """Mixed into :class:`~kvwire_conformance.suite.TransportSuite`."""
 
-    timeout: float
+    timeout: ClassVar[float]
     require: Any
     expect_rejected: Any
     roundtrip: Any
@@ -466,11 +466,11 @@ class PathTests:
         handles = [
             move(link, solo.name, rows, write, note) for solo, rows, write, note in plan if rows
         ]
-        for (solo, rows, write, _), handle in zip(plan, handles, strict=True):
-            assert rows is not None
+        for (solo, posted, write, _), handle in zip(plan, handles, strict=True):
+            assert posted is not None
             assert link.wait(handle) is XferState.DONE, f"a transfer to {solo.name} failed"
             link.local.release(handle)
-            settle(rows, write)
+            settle(posted, write)
         plain = {}
         for solo in solos.values():
             plain[solo.name] = f"plain:{tag}:{solo.name}".encode()
@@ -479,9 +479,9 @@ class PathTests:
             check_local(solo.local, f"several peers, {solo.name}")
             mine = [entry for entry in plan if entry[0] is solo]
             mine.append((solo, None, False, plain[solo.name]))
-            for _, rows, _, _ in mine:
-                if rows is not None:
-                    check_remote(solo.agent, rows, f"several peers, {solo.name}")
+            for _, posted, _, _ in mine:
+                if posted is not None:
+                    check_remote(solo.agent, posted, f"several peers, {solo.name}")
             got = solo.agent.drain(at_least=len(mine), timeout=self.timeout)
             assert sorted(m for _, m in got) == sorted(note for *_, note in mine), (
                 f"peer {solo.name} got notifications meant for others or lost its own"

@@ -388,7 +388,7 @@ class TransportSuite(PathTests, LifecycleTests):
         whole = memory.descs(pr.addr, np.array([0]), np.array([pr.nbytes]))
         expected = memory.cached_pattern(bg_seed, pr.nbytes).copy()
         memory.scatter(expected, roff, lengths, memory.gather(lr.view, loff, lengths))
-        if link.peer.digest(whole) != zlib.crc32(expected):
+        if link.peer.digest(whole) != zlib.crc32(expected.tobytes()):
             got = np.frombuffer(link.peer.read(whole), dtype=np.uint8)
             assert_bytes(got, expected, roff, lengths, f"WRITE {case} [{alloc}] peer memory")
 
