@@ -817,7 +817,7 @@ for _name, _section, _breaks, _test, _cls in _LIBRARY:
     if _independent:
         # nixl refuses a post to a dead peer at once, so no poll of it ever sees FAILED.
         _inners = ("shm", "ucx") if _cls in _POLLS_FAILED else ("shm", "nixl", "ucx")
-    _timeout = 10.0 if _name == "close_hangs" else 60.0
+    _timeout = 5.0 if _name == "close_hangs" else 60.0
     VARIANTS[_name] = Variant(
         _name, _section, _breaks, _test, _make, _independent, _timeout, _inners
     )

@@ -16,7 +16,7 @@ from kvwire_broken_shm import VARIANTS
 from kvwire_conformance import TransportSuite
 
 INNER = os.environ.get("KVWIRE_TEETH_INNER", "shm")
-WAIT_S = 15.0
+WAIT_S = 8.0
 NEED_FULL_REGIONS = {
     "test_read_moves_exact_bytes",
     "test_write_moves_exact_bytes",
