@@ -52,16 +52,24 @@ REGION_SIZES = (1 << 20, 3 << 20, 2 << 20)
 """The separately registered regions of each single-kind peer."""
 
 
-def declared(transport: str, agent: object, attribute: str) -> list[Any]:
-    """An optional ``attribute`` of the factory and of the agent's class (through wrappers'
-    ``.inner``), values in order of first appearance."""
-    owners: list[object] = [load(transport)]
+def agent_classes_declare(agent: object, attribute: str) -> list[Any]:
+    """An optional class ``attribute`` of the agent and of every agent it wraps (through
+    ``.inner``), outermost first."""
+    out: list[Any] = []
     seen: set[int] = set()
     while agent is not None and id(agent) not in seen:
         seen.add(id(agent))
-        owners.append(type(agent))
+        if hasattr(type(agent), attribute):
+            out.append(getattr(type(agent), attribute))
         agent = getattr(agent, "inner", None)
-    return [getattr(owner, attribute) for owner in owners if hasattr(owner, attribute)]
+    return out
+
+
+def declared(transport: str, agent: object, attribute: str) -> list[Any]:
+    """An optional ``attribute`` of the factory, then of the agent's classes."""
+    factory = load(transport)
+    own = [getattr(factory, attribute)] if hasattr(factory, attribute) else []
+    return own + agent_classes_declare(agent, attribute)
 
 
 def thresholds(transport: str, agent: object) -> dict[str, list[int]]:
@@ -297,8 +305,8 @@ class PathTests:
     @pytest.fixture(scope="class")
     @classmethod
     def solos(cls, link: Link) -> Iterator[dict[str, Solo]]:
-        """One single-kind peer per allocator, with several regions each, and big local
-        and remote regions for the threshold transfers."""
+        """One single-kind peer per allocator, with several regions each, and this agent's
+        extra regions of the same allocator (the threshold test adds big ones on demand)."""
         out: dict[str, Solo] = {}
         handles: list[object] = []
         try:

@@ -43,7 +43,7 @@ from kvwire.transport import (
 from kvwire_conformance import memory
 from kvwire_conformance.lifecycle import LifecycleTests
 from kvwire_conformance.memory import I64, U8
-from kvwire_conformance.paths import PathTests
+from kvwire_conformance.paths import PathTests, agent_classes_declare
 from kvwire_conformance.resources import leaks_after, snapshot
 
 capability = pytest.mark.kvwire_capability
@@ -164,17 +164,14 @@ def close_within(agent: Transport, seconds: float, what: str) -> None:
         raise errors[0]
 
 
-def _with_declared_allocators(allocators: tuple[str, ...], agent: object) -> tuple[str, ...]:
+def _with_declared_allocators(
+    allocators: tuple[str, ...], link_agent: Transport
+) -> tuple[str, ...]:
     """``allocators`` plus those the agent's class (or a wrapped agent's, through
     ``.inner``) declares: a plain-function factory or a wrapper must not lose them."""
     out = list(allocators)
-    seen: set[int] = set()
-    while agent is not None and id(agent) not in seen:
-        seen.add(id(agent))
-        for spec in getattr(type(agent), "conformance_allocators", ()):
-            if spec not in out:
-                out.append(str(spec))
-        agent = getattr(agent, "inner", None)
+    for declared in agent_classes_declare(link_agent, "conformance_allocators"):
+        out += [str(spec) for spec in declared if str(spec) not in out]
     return tuple(out)
 
 
