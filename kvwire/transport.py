@@ -11,20 +11,38 @@ Contract (the conformance suite enforces it):
 * A notification attached to a transfer is delivered to the peer only after all of that
   transfer's bytes are visible in the peer's memory.
 * ``poll`` returning ``DONE`` means every byte of the transfer has landed; ``FAILED`` is
-  reported, never dropped; a transfer never goes from a terminal state back to ``PENDING``.
+  reported, never dropped; a terminal state is final: ``poll`` answers the same however
+  often it is called before ``release``. A dead peer's transfers end ``FAILED``, whatever
+  memory it held.
 * ``release`` of a running transfer is safe (it aborts or detaches); releasing twice is an
-  error only in the sense of raising ``TransportError``, never a crash.
+  error only in the sense of raising ``TransportError``, never a crash. After ``release``
+  the agent keeps nothing of the transfer: runs of transfers and releases leave its
+  records, threads, descriptors and mappings where they were.
+* A row of length 0 is legal and moves nothing; one transfer's rows may fall in any
+  registered regions of either side.
+* ``deregister`` removes exactly the registration named; handles are never reused;
+  deregistering twice, or a handle never issued, raises ``TransportError``.
+* ``add_peer`` of a known peer (a repeat, or a refresh with more regions) returns the same
+  name, makes every region of the new blob usable and frees the old entry's resources;
+  a blob that is not this transport's raises ``PeerMetadataError``. After ``remove_peer``
+  posts naming the peer raise until it is added again.
+* ``wait(timeout)`` returns within about ``timeout`` seconds when nothing happens.
 * Every method raises :class:`kvwire.errors.TransportError` subclasses, never a backend's
   raw exception.
-* After ``close()`` no thread, file descriptor or mapping of the transport remains.
+* After ``close()`` no thread, file descriptor or mapping of the transport remains, and
+  every call but ``close`` raises ``TransportError``.
+
+docs/writing-a-transport.md lists each clause with the conformance test that enforces it.
 
 Descriptors are ``(N, 3)`` ``int64`` numpy arrays of ``(address, length, device_id)``; the
 local and remote arrays of one transfer pair up row by row and must have equal lengths.
 
 Optional extras (not part of the Protocol; used when present): a ``failure_reason(handle)``
-method saying why a transfer FAILED, and a ``conformance_allocators`` tuple of
-``"module:function"`` host allocators on the factory, which the conformance suite and
-``kvwire bench transport`` also run over. docs/transports.md has the contract in prose.
+method saying why a transfer FAILED; a ``resource_counts()`` method counting what the agent
+holds; on the factory or the agent's class, a ``conformance_allocators`` tuple of
+``"module:function"`` host allocators, which the conformance suite and
+``kvwire bench transport`` also run over, and ``conformance_thresholds``, the sizes where
+the adapter changes strategy. docs/transports.md has the contract in prose.
 """
 
 from __future__ import annotations

@@ -7,6 +7,9 @@ it is re-exported here so ``kvwire_conformance.memory`` keeps its names.
 
 from __future__ import annotations
 
+import functools
+import mmap
+
 import numpy as np
 
 from kvwire.peer.memory import (
@@ -22,9 +25,12 @@ from kvwire.peer.memory import (
 )
 
 __all__ = [
+    "DEFAULT_ALLOCATORS",
     "I64",
     "U8",
     "allocate",
+    "anonymous_mmap",
+    "cached_pattern",
     "descs",
     "gather",
     "pattern",
@@ -35,6 +41,23 @@ __all__ = [
     "scatter",
     "view",
 ]
+
+
+DEFAULT_ALLOCATORS = ("numpy", "kvwire_conformance.memory:anonymous_mmap")
+"""Host memory every adapter is tested over, whatever its factory declares: numpy's heap
+and a page-aligned private mapping of its own (no slack before the first byte)."""
+
+
+def anonymous_mmap(nbytes: int) -> U8:
+    """A zeroed, page-aligned, private anonymous mapping as a uint8 array (kept mapped
+    while the array lives)."""
+    return np.frombuffer(mmap.mmap(-1, nbytes), dtype=np.uint8)
+
+
+@functools.lru_cache(maxsize=4)
+def cached_pattern(seed: int, nbytes: int) -> U8:
+    """:func:`pattern`, kept for the few seeds a test reuses (read-only arrays)."""
+    return pattern(seed, nbytes)
 
 
 def random_spans(

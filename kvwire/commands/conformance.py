@@ -39,6 +39,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-x", "--exitfirst", action="store_true", help="stop at the first failure")
     parser.add_argument("--json", action="store_true", help="print the outcomes as JSON")
     parser.add_argument("-v", "--verbose", action="store_true", help="pytest's verbose output")
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="fail any test (setup and teardown included) that runs longer (default 120)",
+    )
 
 
 def _pytest_command(args: argparse.Namespace, report: str, ini: str, root: str) -> list[str]:
@@ -69,6 +76,10 @@ def _pytest_command(args: argparse.Namespace, report: str, ini: str, root: str) 
         cmd += ["-k", args.keyword]
     if args.exitfirst:
         cmd.append("-x")
+    if args.timeout is not None:
+        if not args.timeout > 0:
+            raise ConfigError(f"--timeout wants a positive number of seconds, got {args.timeout}")
+        cmd += ["--kvwire-timeout", str(args.timeout)]
     return cmd
 
 
@@ -77,16 +88,31 @@ def _table(tests: list[dict[str, Any]]) -> str:
     for test in tests:
         outcome = "failed" if test["outcome"] == "error" else test["outcome"]
         counts[test["capability"]][outcome] += 1
-    rows = [("capability", "passed", "failed", "skipped", "verdict")]
+    rows = [("capability", "passed", "failed", "skipped", "unchecked", "verdict")]
     for cap in sorted(counts):
         c = counts[cap]
-        verdict = "FAIL" if c["failed"] else ("pass" if c["passed"] else "skipped")
-        rows.append((cap, str(c["passed"]), str(c["failed"]), str(c["skipped"]), verdict))
+        verdict = (
+            "FAIL"
+            if c["failed"]
+            else "could not check"
+            if c["unchecked"]
+            else ("pass" if c["passed"] else "skipped")
+        )
+        rows.append(
+            (
+                cap,
+                str(c["passed"]),
+                str(c["failed"]),
+                str(c["skipped"]),
+                str(c["unchecked"]),
+                verdict,
+            )
+        )
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(widths[i]) for i, c in enumerate(row)).rstrip() for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     for test in tests:
-        if test["outcome"] in ("failed", "error", "skipped"):
+        if test["outcome"] in ("failed", "error", "skipped", "unchecked"):
             name = test["test"].split("::")[-1]
             lines.append(f"{test['outcome'].upper():8} {name}: {test['detail']}")
     return "\n".join(lines)
@@ -122,9 +148,11 @@ def run(args: argparse.Namespace) -> int:
         total = len(tests)
         passed = sum(t["outcome"] == "passed" for t in tests)
         skipped = sum(t["outcome"] == "skipped" for t in tests)
+        unchecked = sum(t["outcome"] == "unchecked" for t in tests)
         verdict = "PASS" if ok else "FAIL"
         sys.stdout.write(
-            f"{verdict}: {passed} passed, {len(failed)} failed, {skipped} skipped of {total}\n"
+            f"{verdict}: {passed} passed, {len(failed)} failed, {skipped} skipped, "
+            f"{unchecked} could not be checked on this host, of {total}\n"
         )
     if code == PYTEST_NO_TESTS:
         sys.stderr.write("kvwire conformance: no test matched\n")

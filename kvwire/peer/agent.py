@@ -120,6 +120,12 @@ class PeerAgent:
         data: bytes = self.call(p.ReadDescs(np.ascontiguousarray(descs, np.int64).tobytes()))
         return data
 
+    def digest(self, descs: I64) -> int:
+        """CRC-32 of what :meth:`read` would return, computed in the peer."""
+        raw = np.ascontiguousarray(descs, np.int64).tobytes()
+        crc: int = self.call(p.ReadDescs(raw, digest=True))
+        return crc
+
     def drain(self, at_least: int = 0, timeout: float = 0.0) -> list[tuple[str, bytes]]:
         got = self.call(p.Drain(at_least, timeout), timeout=timeout + self.timeout)
         return [(str(peer), bytes(msg)) for peer, msg in got]
@@ -136,12 +142,12 @@ class PeerAgent:
         self.process.wait(timeout=self.timeout)
         self._chan.close()
 
-    def close(self) -> None:
-        """Close the peer's transport, let it exit, and reap it."""
+    def close(self, timeout: float = 30.0) -> None:
+        """Close the peer's transport, let it exit, and reap it (killed after ``timeout``)."""
         if self.process.poll() is None:
             try:
-                self.call(p.Close(), timeout=30)
-                self.process.wait(timeout=30)
+                self.call(p.Close(), timeout=timeout)
+                self.process.wait(timeout=timeout)
             except (PeerAgentError, OSError, subprocess.TimeoutExpired):
                 pass
         self.kill()

@@ -17,6 +17,7 @@ import socket
 import sys
 import time
 import traceback
+import zlib
 from typing import Any
 
 import numpy as np
@@ -73,7 +74,8 @@ class _Agent:
             memory.view(req.addr, req.nbytes)[:] = memory.pattern(req.seed, req.nbytes)
             return None
         if isinstance(req, p.ReadDescs):
-            return memory.read_descs(_descs(req.descs))
+            data = memory.read_descs(_descs(req.descs))
+            return zlib.crc32(data) if req.digest else data
         if isinstance(req, p.Metadata):
             return t.local_metadata()
         if isinstance(req, p.AddPeer):

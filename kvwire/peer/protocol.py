@@ -37,9 +37,11 @@ class Fill(msgspec.Struct, tag=True):
 
 
 class ReadDescs(msgspec.Struct, tag=True):
-    """Oracle read of the spans of an (N, 3) int64 descriptor array (raw bytes)."""
+    """Oracle read of the spans of an (N, 3) int64 descriptor array (raw bytes), or with
+    ``digest`` only their CRC-32, which spares the channel large reads."""
 
     descs: bytes
+    digest: bool = False
 
 
 class Metadata(msgspec.Struct, tag=True):
@@ -134,13 +136,15 @@ def send(sock: socket.socket, payload: bytes) -> None:
 
 
 def _exact(sock: socket.socket, n: int) -> bytes:
-    chunks = bytearray()
-    while len(chunks) < n:
-        part = sock.recv(min(n - len(chunks), 1 << 22))
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        part = sock.recv_into(view[got:], min(n - got, 1 << 22))
         if not part:
             raise EOFError("peer agent channel closed")
-        chunks += part
-    return bytes(chunks)
+        got += part
+    return bytes(buf)
 
 
 def receive(sock: socket.socket) -> bytes:

@@ -29,7 +29,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import msgspec
 import numpy as np
@@ -217,6 +217,12 @@ class ShmTransport:
 
     conformance_allocators = ("kvwire_shm:allocate",)
     """Extra host allocators the conformance suite runs its memory tests over."""
+    conformance_thresholds: ClassVar[dict[str, tuple[int, ...]]] = {
+        "transfer_bytes": (_memcopy.CHUNK_BYTES, _memcopy.SHARE_FROM),
+        "span_bytes": (_memcopy.GATHER_BELOW, _memcopy.CONCURRENT_FROM, _memcopy.RELEASE_FROM),
+        "descriptors": (_cma.IOV_MAX,),
+    }
+    """Where the copy strategy changes: the suite moves sizes on both sides of each."""
 
     def __init__(self, name: str, **options: Any) -> None:
         unknown = set(options) - {"cuda"}
@@ -540,6 +546,16 @@ class ShmTransport:
     def poll(self, handle: object) -> XferState:
         self._check_open()
         return self._xfer(handle).state
+
+    def resource_counts(self) -> dict[str, int]:
+        """What the agent holds, for the conformance suite's accounting."""
+        with self._lock:
+            return {
+                "transfers": len(self._xfers),
+                "peers": len(self._peers),
+                "retiring": len(self._retiring),
+                "registrations": len(self._registrations),
+            }
 
     def failure_reason(self, handle: object) -> str | None:
         """Why a transfer FAILED (None while it has not)."""
