@@ -179,16 +179,16 @@ def native_chunks(
     """:func:`chunks` through the C helper: the same groups, each one call that builds its
     iovecs in C."""
     flat = functools.partial(np.ascontiguousarray, dtype=np.int64)
-    local, remote, lengths = flat(local), flat(remote), flat(lengths)
-    if lengths.shape[0] and int(lengths.max()) > CHUNK_BYTES:
-        local, remote, lengths = split_long(local, remote, lengths, same_space=False)
-    n = int(lengths.shape[0])
+    la, ra, ln = flat(local), flat(remote), flat(lengths)
+    if ln.shape[0] and int(ln.max()) > CHUNK_BYTES:
+        la, ra, ln = split_long(la, ra, ln, same_space=False)
+    n = int(ln.shape[0])
     if n == 0:
         return []
-    ends = list(itertools.accumulate(lengths.tolist()))
+    ends = list(itertools.accumulate(ln.tolist()))
     one = n <= IOV_MAX and ends[-1] <= CHUNK_BYTES
     bounds = [0, n] if one else group_bounds(ends, CHUNK_BYTES, IOV_MAX)
     return [
-        functools.partial(native_cma, pid, local[a:b], remote[a:b], lengths[a:b], write=write)
+        functools.partial(native_cma, pid, la[a:b], ra[a:b], ln[a:b], write=write)
         for a, b in itertools.pairwise(bounds)
     ]

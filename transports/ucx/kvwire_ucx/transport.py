@@ -6,6 +6,9 @@ an endpoint (see ``error_handling``) and unpacks the peer's rkeys. A READ is one
 ``ucp_get_nbx`` per coalesced descriptor row, a WRITE one ``ucp_put_nbx``, then one
 ``ucp_ep_flush_nbx``: the transfer is DONE when that flush completes, and only then is its
 notification sent, as an active message on the same endpoint, so it cannot overtake its data.
+With the C helper ``_native`` built, one call posts every row and, for a READ, progresses
+the worker until the gets completed or a short deadline passed (then the flush takes over),
+so no Python runs per row and a small READ is DONE when ``read`` returns.
 
 Progress: a background thread sleeps in ``poll(2)`` on the worker's event fd, armed with
 ``ucp_worker_arm``; it wakes only when UCX has something to do (a completion, an incoming
@@ -46,6 +49,7 @@ from kvwire.transport import (
 )
 from kvwire_ucx import _ucp
 from kvwire_ucx import metadata as meta_codec
+from kvwire_ucx._native_load import NATIVE
 from kvwire_ucx.tables import RegionTable, coalesce
 from kvwire_ucx.watch import ProcessWatch
 
@@ -55,6 +59,11 @@ NOTIFY_AM_ID = 0x4B56
 _ERROR_MODES = ("auto", "peer", "none")
 _SMALL = 4
 """Transfers of at most this many rows skip numpy: a numpy call costs more than the work."""
+_READ_WAIT_NS = 50_000
+"""How long ``read`` progresses the worker for its gets (C helper only) before leaving the
+rest to a flush: long enough for a small READ over shared memory or loopback TCP to end
+inside the call (no hand-over to the progress thread), short enough not to hold the
+caller of a large one."""
 _PEER_LOST = frozenset(
     {"UCS_ERR_CONNECTION_RESET", "UCS_ERR_UNREACHABLE", "UCS_ERR_ENDPOINT_TIMEOUT"}
 )
@@ -387,7 +396,11 @@ class UcxTransport:
                 self._settle(xfer, XferState.FAILED, peer.failed)
                 return xfer
             try:
-                running = peer.endpoint.post_rma(write, *rows)
+                if NATIVE is None:
+                    running = peer.endpoint.post_rma(write, *rows)
+                else:  # posts and progresses in C; a READ usually ends inside the call
+                    wait_ns = 0 if write else _READ_WAIT_NS
+                    running = peer.endpoint.post_rma_native(write, *rows, wait_ns=wait_ns)
                 if running == 0 and not write:
                     # Every get finished inside its call: the bytes are here already.
                     self._complete(xfer, _ucp.UCS_OK)
