@@ -68,7 +68,8 @@ class NativeHelpers(BuildHookInterface):  # type: ignore[type-arg]
         for module, source in HELPERS.items():
             package, name = module.split(".")
             src = root / source
-            target = (src.parent if editable else out) / f"{name}{suffix}"
+            target = (src.parent if editable else out / package) / f"{name}{suffix}"
+            target.parent.mkdir(exist_ok=True)
             why = compile_helper(src, target)
             if why is not None:
                 sys.stderr.write(f"kvwire build: {module} not built ({why}); pure Python path\n")
