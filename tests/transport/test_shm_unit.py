@@ -293,7 +293,8 @@ def test_releasing_a_running_transfer_stops_it_between_chunks() -> None:
         page = np.array([[dst.ctypes.data, 4096, 0]], dtype=np.int64)
         follow = a.read(peer, page, page + (src.ctypes.data - dst.ctypes.data) * _ADDR)
         assert wait_for(a, follow, timeout=30) is XferState.DONE
-        assert len(ran) == 3, "chunks were claimed after the release"  # 1st, 2nd (refused), next
+        # 1st, 2nd (refused); the small follow-up is one step of its own, not chunks.
+        assert len(ran) == 2, "chunks were claimed after the release"
         assert (dst[:4096] == 7).all()
         assert not dst[4096:].any(), "the released copy went on"
     finally:

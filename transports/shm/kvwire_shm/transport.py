@@ -481,9 +481,9 @@ class ShmTransport:
             xfer = _Xfer(self, peer, write, [], notify)
             with self._lock:
                 self._xfers.add(xfer)
-            job = functools.partial(self._start_few, xfer, *few)
-            if not self._executor.run_now(job):
-                self._executor.submit(job)
+            few_job = functools.partial(self._start_few, xfer, *few)
+            if not self._executor.run_now(few_job):
+                self._executor.submit(few_job)
             return xfer
         local, remote = _checked_pair(local, remote)
         table = self._local  # swapped whole under the lock, never changed in place
@@ -552,24 +552,22 @@ class ShmTransport:
 
     def _start_few(
         self, xfer: _Xfer, route: int, dst: list[int], src: list[int], length: list[int]
-    ) -> Split | None:
-        """The job of a transfer planned by :meth:`_plan_few`: one copy, no splitting."""
+    ) -> None:
+        """The job of a transfer planned by :meth:`_plan_few`: check the peer, copy, end;
+        one step, so nothing to split."""
         if xfer.released or self._closed:
-            return None
-        if xfer.peer.gone():
-            self._end(xfer, TransferFailedError(f"peer {xfer.peer.name!r} is gone"))
-            return None
-        if route == CMA:
-            copy = functools.partial(
-                _cma.copy_few, xfer.peer.pid, dst, src, length, write=xfer.write
-            )
-        else:
-            copy = functools.partial(_memcopy.copy_few, dst, src, length)
-        return Split(
-            [functools.partial(self._chunk, xfer, copy)],
-            functools.partial(self._end, xfer),
-            shared=False,
-        )
+            return
+        error: Exception | None = None
+        try:
+            if xfer.peer.gone():
+                raise TransferFailedError(f"peer {xfer.peer.name!r} (pid {xfer.peer.pid}) is gone")
+            if route == CMA:
+                _cma.copy_few(xfer.peer.pid, dst, src, length, write=xfer.write)
+            else:
+                _memcopy.copy_few(dst, src, length)
+        except Exception as exc:  # expected or a bug: either way this transfer FAILS
+            error = exc
+        self._end(xfer, error)
 
     @staticmethod
     def _plan(request: _Request, write: bool) -> list[_Batch]:
