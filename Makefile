@@ -8,7 +8,11 @@ export UCX_NET_DEVICES ?= lo
 
 .PHONY: demo test lint typecheck unit venv clean fuzz docs interop interop-venv interop-venvs
 
-$(STAMP): pyproject.toml constraints-dev.txt
+# The transports' C helpers are compiled by the editable install (hatch_build.py), so a
+# change to one of them reinstalls; KVWIRE_NO_NATIVE=1 installs without them.
+NATIVE_SRC := hatch_build.py $(wildcard transports/*/kvwire_*/_native.c)
+
+$(STAMP): pyproject.toml constraints-dev.txt $(NATIVE_SRC)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	# torch first and pinned: the CPU wheel on disk, never a CUDA download.
@@ -22,12 +26,12 @@ demo: $(STAMP)
 	$(BIN)/kvwire demo
 
 lint: $(STAMP)
-	$(BIN)/ruff check kvwire transports conformance tests fuzz scripts interop
-	$(BIN)/ruff format --check kvwire transports conformance tests fuzz scripts interop
+	$(BIN)/ruff check kvwire transports conformance tests fuzz scripts interop hatch_build.py
+	$(BIN)/ruff format --check kvwire transports conformance tests fuzz scripts interop hatch_build.py
 
 typecheck: $(STAMP)
 	$(BIN)/mypy --strict kvwire transports/shm/kvwire_shm transports/nixl/kvwire_nixl \
-	  transports/ucx/kvwire_ucx conformance/kvwire_conformance scripts/gen_docs.py
+	  transports/ucx/kvwire_ucx conformance/kvwire_conformance scripts/gen_docs.py hatch_build.py
 
 unit: $(STAMP)
 	$(BIN)/python -m pytest -q

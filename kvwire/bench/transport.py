@@ -10,8 +10,11 @@ plain numpy memory on both sides: what a serving engine registers is its own ten
 When the transport offers its own host allocator (``conformance_allocators``, e.g. shm's
 peer-mappable segments) that memory is measured too, as
 ``<transport>.read.<size>.segment.GBps``. If a module
-``kvwire_<transport>.rawbench`` exists, its ``raw_baseline(quick) -> list[Result]`` adds
-the raw library's own figures. If it has ``paired_benchmark(quick, memcpy_sample) ->
+``kvwire_<transport>.rawbench`` exists, its ``same_memory_reader(transport, peer, local,
+remote)`` (when it returns a callable) is the raw library's READ of the very same blocks,
+timed in turns with the transport's as ``<transport>_raw.read.*`` with the paired ratio
+``<transport>.read.<size>.vs_raw``; otherwise its ``raw_baseline(quick) -> list[Result]``
+adds the raw library's own figures. If it has ``paired_benchmark(quick, memcpy_sample) ->
 list[Result]`` instead, that replaces this module's measurement of the transport: it times
 the adapter and the raw library against one target and the same memory, in turns (the
 only fair comparison on a shared machine), calling ``memcpy_sample(label, nbytes)`` so the
@@ -85,8 +88,9 @@ def _measure(name: str, allocator: str, quick: bool, memcpy: _Memcpy) -> dict[st
     from kvwire.peer.agent import PeerAgent  # the peer process; only the bench needs it
     from kvwire.peer.memory import allocate
 
-    repeats = 5 if quick else 30
+    repeats = 9 if quick else 30
     out: dict[str, float] = {}
+    same_memory_reader = getattr(_rawbench(name), "same_memory_reader", None)
     peer = PeerAgent(name)
     local = create(name, f"kvwire-bench-{uuid.uuid4().hex[:8]}")
     try:
@@ -114,7 +118,11 @@ def _measure(name: str, allocator: str, quick: bool, memcpy: _Memcpy) -> dict[st
                 memcpy.warm(label, count * size)
                 _read(local, peer_name, ldescs, rdescs)
         for count, size, label, ldescs, rdescs in shapes:
-            samples = []
+            raw = None
+            if same_memory_reader is not None:
+                raw = same_memory_reader(local, peer_name, ldescs, rdescs)
+            samples: list[float] = []
+            raw_samples: list[float] = []
             for i in range(repeats):
                 # Alternate which goes first, so neither always runs on the other's leftovers.
                 if i % 2 == 0:
@@ -122,10 +130,23 @@ def _measure(name: str, allocator: str, quick: bool, memcpy: _Memcpy) -> dict[st
                 t0 = time.perf_counter()
                 _read(local, peer_name, ldescs, rdescs)
                 samples.append(count * size / (time.perf_counter() - t0) / 1e9)
+                if raw is not None:  # the raw library's read of the same blocks, in turns
+                    t0 = time.perf_counter()
+                    raw()
+                    raw_samples.append(count * size / (time.perf_counter() - t0) / 1e9)
                 if i % 2 == 1:
                     memcpy.sample(label, count * size)
             out[label] = float(np.median(samples))
             out[f"{label}.min"], out[f"{label}.max"] = min(samples), max(samples)
+            if raw_samples:
+                out[f"{label}.raw"] = float(np.median(raw_samples))
+                out[f"{label}.raw.min"], out[f"{label}.raw.max"] = (
+                    min(raw_samples),
+                    max(raw_samples),
+                )
+                pairs = [k / r for k, r in zip(samples, raw_samples, strict=True)]
+                out[f"{label}.vs_raw"] = float(np.median(pairs))
+                out[f"{label}.vs_raw.min"], out[f"{label}.vs_raw.max"] = min(pairs), max(pairs)
         _, _, _, laddr, raddr, _ = regions[0]
         one_l = np.array([[laddr, LATENCY_BYTES, 0]], dtype=np.int64)
         one_r = np.array([[raddr, LATENCY_BYTES, 0]], dtype=np.int64)
@@ -133,6 +154,12 @@ def _measure(name: str, allocator: str, quick: bool, memcpy: _Memcpy) -> dict[st
             lambda: _read(local, peer_name, one_l, one_r), repeats=50 if quick else 300, warmup=10
         )
         out["latency_us"] = timing.median * 1e6
+        raw_one = None
+        if same_memory_reader is not None:
+            raw_one = same_memory_reader(local, peer_name, one_l, one_r)
+        if raw_one is not None:
+            raw_timing = repeat(raw_one, repeats=50 if quick else 300, warmup=10)
+            out["latency_us.raw"] = raw_timing.median * 1e6
     finally:
         local.close()
         peer.close()
@@ -153,8 +180,42 @@ def _raw_baselines(name: str, quick: bool) -> list[Result]:
     module = _rawbench(name)
     if module is None or hasattr(module, "paired_benchmark"):
         return []  # none, or measured together with the adapter (see run)
+    if getattr(module, "NATIVE", None) is not None and hasattr(module, "same_memory_reader"):
+        return []  # the raw figure was sampled beside the adapter's (see _measure)
     results: list[Result] = module.raw_baseline(quick)
     return results
+
+
+def _add_raw(report: Report, name: str, suffix: str, figures: dict[str, float]) -> None:
+    """The raw library's figures over the same memory, sampled in turns with kvwire's
+    (``same_memory_reader``): ``<name>_raw.read.*`` and kvwire's ``.vs_raw`` ratio, the
+    median over back-to-back pairs (steadier than the ratio of medians under load)."""
+    for _, _, label in SHAPES:
+        if f"{label}.raw" not in figures:
+            continue
+        raw = figures[f"{label}.raw"]
+        report.add(
+            Result(
+                f"{name}_raw.read.{label}{suffix}.GBps",
+                raw,
+                "GB/s",
+                min=figures[f"{label}.raw.min"],
+                max=figures[f"{label}.raw.max"],
+            )
+        )
+        report.add(
+            Result(
+                f"{name}.read.{label}{suffix}.vs_raw",
+                figures[f"{label}.vs_raw"],
+                "x",
+                baseline=f"{name}_raw.read.{label}{suffix}.GBps",
+                ratio=figures[f"{label}.vs_raw"],
+                min=figures[f"{label}.vs_raw.min"],
+                max=figures[f"{label}.vs_raw.max"],
+            )
+        )
+    if "latency_us.raw" in figures:
+        report.add(Result(f"{name}_raw.read.4KiB{suffix}.us", figures["latency_us.raw"], "us"))
 
 
 def run(args: argparse.Namespace) -> Report:
@@ -206,6 +267,7 @@ def run(args: argparse.Namespace) -> Report:
                 )
             )
         report.add(Result(f"{name}.read.4KiB{suffix}.us", figures["latency_us"], "us"))
+        _add_raw(report, name, suffix, figures)
     report.results.extend(paired)
     for name in names:
         report.results.extend(_raw_baselines(name, quick))

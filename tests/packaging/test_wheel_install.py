@@ -91,6 +91,9 @@ def test_wheel_holds_every_import_package_typed(dists: dict[str, Path]) -> None:
         assert f"{package}/__init__.py" in names
         assert f"{package}/py.typed" in names
     assert not any(n.startswith(("tests/", "transports/", "conformance/")) for n in names)
+    if os.environ.get("KVWIRE_NO_NATIVE", "") in ("", "0"):  # built by hatch_build.py
+        for package in ("kvwire_shm", "kvwire_ucx"):
+            assert any(n.startswith(f"{package}/_native.") and n.endswith(".so") for n in names)
 
 
 def test_the_cli_runs(venv_python: Path, workdir: Path) -> None:
@@ -104,6 +107,10 @@ def test_every_package_imports_from_the_venv(venv_python: Path, workdir: Path) -
         "import sys, kvwire, kvwire_shm, kvwire_nixl, kvwire_ucx, kvwire_conformance\n"
         "for m in (kvwire, kvwire_shm, kvwire_nixl, kvwire_ucx, kvwire_conformance):\n"
         "    assert m.__file__.startswith(sys.prefix), m.__file__\n"
+        "from kvwire_shm._native_load import NATIVE as shm\n"
+        "from kvwire_ucx._native_load import NATIVE as ucx\n"
+        "import os; off = os.environ.get('KVWIRE_NO_NATIVE', '') not in ('', '0')\n"
+        "assert (shm is None and ucx is None) if off else (shm and ucx), (shm, ucx)\n"
         "heavy = {'torch', 'nixl_cu12', 'pytest'} & set(sys.modules)\n"
         "assert not heavy, heavy\n"
         "print(kvwire.__version__)\n"

@@ -19,6 +19,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvwire_shm._memcopy import CHUNK_BYTES, group_bounds, split_long
+from kvwire_shm._native_load import NATIVE
 
 IOV_MAX = 1024
 """Linux's UIO_MAXIOV: the most iovecs one process_vm_* call accepts per side."""
@@ -46,6 +47,7 @@ _prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong,
 _prctl.restype = ctypes.c_int
 
 U64 = npt.NDArray[np.uint64]
+I64 = npt.NDArray[np.int64]
 Addresses = npt.NDArray[np.integer[Any]]
 
 
@@ -106,6 +108,31 @@ def cma_copy(
         ln[i] -= np.uint64(into)
 
 
+def native_cma(
+    pid: int, local: Addresses | list[int], remote: Addresses | list[int],
+    lengths: Addresses | list[int], *, write: bool,
+) -> None:  # fmt: skip
+    """:func:`cma_copy` in the C helper (contiguous int64 arrays, or lists): every batch of
+    IOV_MAX iovecs built and issued without the interpreter, the GIL released throughout."""
+    assert NATIVE is not None
+    err = NATIVE.cma(pid, local, remote, lengths, write)
+    if err > 0:
+        raise CmaError(err, f"process_vm_{'writev' if write else 'readv'}: {os.strerror(err)}")
+    if err < 0:
+        raise CmaError(0, "process_vm_* moved no bytes")
+
+
+def copy_few(
+    pid: int, local: list[int], remote: list[int], lengths: list[int], *, write: bool
+) -> None:
+    """Copy a few spans given as lists (a small transfer, on the caller's thread)."""
+    if NATIVE is not None:
+        native_cma(pid, local, remote, lengths, write=write)
+    else:
+        as_array = functools.partial(np.array, dtype=np.int64)
+        cma_copy(pid, as_array(local), as_array(remote), as_array(lengths), write=write)
+
+
 def chunks(
     pid: int, local: Addresses, remote: Addresses, lengths: Addresses, *, write: bool
 ) -> list[Callable[[], object]]:
@@ -144,3 +171,24 @@ def chunks(
     one = n <= IOV_MAX and ends[-1] <= CHUNK_BYTES
     bounds = [0, n] if one else group_bounds(ends, CHUNK_BYTES, IOV_MAX)
     return [functools.partial(run, a, b) for a, b in itertools.pairwise(bounds)]
+
+
+def native_chunks(
+    pid: int, local: Addresses, remote: Addresses, lengths: Addresses, *, write: bool
+) -> list[Callable[[], object]]:
+    """:func:`chunks` through the C helper: the same groups, each one call that builds its
+    iovecs in C."""
+    flat = functools.partial(np.ascontiguousarray, dtype=np.int64)
+    la, ra, ln = flat(local), flat(remote), flat(lengths)
+    if ln.shape[0] and int(ln.max()) > CHUNK_BYTES:
+        la, ra, ln = split_long(la, ra, ln, same_space=False)
+    n = int(ln.shape[0])
+    if n == 0:
+        return []
+    ends = list(itertools.accumulate(ln.tolist()))
+    one = n <= IOV_MAX and ends[-1] <= CHUNK_BYTES
+    bounds = [0, n] if one else group_bounds(ends, CHUNK_BYTES, IOV_MAX)
+    return [
+        functools.partial(native_cma, pid, la[a:b], ra[a:b], ln[a:b], write=write)
+        for a, b in itertools.pairwise(bounds)
+    ]

@@ -122,7 +122,18 @@ class Executor:
             self._run(split, chunk)
         return True
 
-    def _start(self, job: Job) -> None:
+    def run_now(self, job: Job) -> bool:
+        """Run ``job`` whole on this thread (its chunks back to back) if nothing is queued
+        or running, so it keeps its place in the order; False (and ``job`` not run)
+        otherwise. A small transfer saves the hand-over to the worker and its wake-up."""
+        with self._cond:
+            if self._busy or self._split is not None or self._queue or self._stopped:
+                return False
+            self._busy = True
+        self._start(job, here=True)
+        return True
+
+    def _start(self, job: Job, *, here: bool = False) -> None:
         try:
             split = job()
         except BaseException:
@@ -131,7 +142,7 @@ class Executor:
         if split is None:
             self._idle()
             return
-        alone = not split.shared or len(split.chunks) == 1
+        alone = here or not split.shared or len(split.chunks) == 1
         if alone:  # run here, back to back: nothing to hand out
             for chunk in split.chunks:
                 try:

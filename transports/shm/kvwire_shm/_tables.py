@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -56,6 +57,16 @@ class Table:
         )
         self.delta = ordered[0].delta if len(ordered) == 1 else None
         """The one region's address delta, when there is one region."""
+        self._start_list = self.starts.tolist()
+        self._end_list = self.ends.tolist()
+        self.delta_list: list[int] = self.deltas.tolist()
+
+    def find(self, addr: int, length: int) -> int:
+        """:meth:`locate` of one host descriptor in plain Python (a transfer of a few
+        descriptors pays more for numpy calls than for the work): its region's index,
+        or -1 when no region holds it (``locate`` then words the error)."""
+        i = bisect.bisect_right(self._start_list, addr) - 1
+        return i if i >= 0 and self._end_list[i] - addr >= length else -1
 
     def locate(self, descs: Descs, side: str) -> I64:
         """Index of the region holding each descriptor; DescriptorError names the first miss."""

@@ -45,7 +45,13 @@ from ctypes import (
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+import numpy.typing as npt
+
 from kvwire.errors import TransportError, TransportUnavailableError
+from kvwire_ucx._native_load import NATIVE
+
+Array = npt.NDArray[np.int64] | npt.NDArray[np.uint64]
 
 # --------------------------------------------------------------------------------------
 # Constants (ucs/type/status.h, ucp/api/ucp.h, ucp/api/ucp_def.h; UCS_BIT(i) == 1 << i)
@@ -399,6 +405,12 @@ class Library:
             fn.restype = restype
             fn.argtypes = argtypes
             setattr(self, name, fn)
+        address = _address_of(ucp)
+        progress, check_status = address("ucp_worker_progress"), address("ucp_request_check_status")
+        free = address("ucp_request_free")
+        self.native_get = (address("ucp_get_nbx"), free, progress, check_status)
+        """What the C helper's ``rma`` calls to get (function addresses)."""
+        self.native_put = (address("ucp_put_nbx"), free, progress, check_status)
 
     def __getattr__(self, name: str) -> Any:  # prototypes are set in __init__
         raise AttributeError(name)
@@ -411,6 +423,13 @@ class Library:
     def describe(self, status: int) -> str:
         raw: bytes | None = self.ucs_status_string(status)
         return raw.decode() if raw else status_name(status)
+
+
+def _address_of(ucp: ctypes.CDLL) -> Callable[[str], int]:
+    def address(name: str) -> int:
+        return ctypes.cast(getattr(ucp, name), c_void_p).value or 0
+
+    return address
 
 
 _LIBRARY: Library | None = None
@@ -836,6 +855,10 @@ class Endpoint:
         Returns how many rows were still running when posted; 0 means every row completed
         inside its call (for a get: the bytes are already in local memory).
         """
+        if NATIVE is not None:
+            return self.post_rma_native(
+                write, local_addrs, lengths, remote_addrs, rkeys, params, wait_ns=0
+            )
         fn = self.lib.ucp_put_nbx if write else self.lib.ucp_get_nbx
         free = self.lib.ucp_request_free
         ep = self.handle
@@ -851,6 +874,39 @@ class Endpoint:
                 free(req)
                 running += 1
         return running
+
+    def post_rma_native(
+        self,
+        write: bool,
+        local_addrs: Sequence[int] | Array,
+        lengths: Sequence[int] | Array,
+        remote_addrs: Sequence[int] | Array,
+        rkeys: Sequence[int] | Array,
+        params: Sequence[int] | Array,
+        *,
+        wait_ns: int,
+    ) -> int:
+        """:meth:`post_rma` in the C helper: every row posted by one call (lists or
+        contiguous 64-bit arrays), then the worker progressed until each request completed
+        or ``wait_ns`` passed, the GIL released throughout; the same return and errors."""
+        assert NATIVE is not None
+        lib = self.lib
+        functions = lib.native_put if write else lib.native_get
+        worker = self.worker.handle or 0
+        running, status, _ = NATIVE.rma(
+            functions,
+            worker,
+            self.handle or 0,
+            local_addrs,
+            lengths,
+            remote_addrs,
+            rkeys,
+            params,
+            wait_ns,
+        )
+        if status:
+            check(lib, status, "ucp_put_nbx" if write else "ucp_get_nbx")
+        return int(running)
 
     def flush(self) -> tuple[int, int | None]:
         """``ucp_ep_flush_nbx``: ``(token, status)``; status None while still running.

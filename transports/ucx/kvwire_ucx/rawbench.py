@@ -1,9 +1,17 @@
-"""The raw UCX figure that ``kvwire bench transport --transport ucx`` sets kvwire against.
+"""The raw UCX figures that ``kvwire bench transport --transport ucx`` sets kvwire against.
 
-It runs ``ucx_perftest`` from the libucx wheel (the same UCX build the adapter binds), two
-processes on loopback, test ``ucp_get``: a server, then a client connecting to 127.0.0.1 on
-a free port. The ``UCX_*`` environment (``UCX_TLS``, ``UCX_NET_DEVICES``) is passed through
-unchanged, so both figures of one run use the same transports.
+The bench's figure (:func:`same_memory_reader`): the very rows a kvwire READ posts, on the
+adapter's own worker and endpoint, posted and progressed to completion by the C helper's
+loop, with no kvwire code in between, sampled in turns with the adapter over the same 256
+scattered, cold blocks. That is the floor of any adapter over this UCP: ``ucx_perftest``
+(below, still runnable as ``python -m kvwire_ucx.rawbench``) re-reads one buffer that stays
+in cache, which is faster than any copy of scattered cold blocks and so not a fair target.
+
+:func:`raw_baseline` runs ``ucx_perftest`` from the libucx wheel (the same UCX build the
+adapter binds), two processes on loopback, test ``ucp_get``: a server, then a client
+connecting to 127.0.0.1 on a free port. The ``UCX_*`` environment (``UCX_TLS``,
+``UCX_NET_DEVICES``) is passed through unchanged, so both figures of one run use the same
+transports.
 
 Bandwidth runs use perftest's default window of outstanding gets; the 4 KiB latency run
 uses a window of one (``-O 1``), i.e. the time one get takes from post to completion, which
@@ -18,11 +26,17 @@ import socket
 import statistics
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from kvwire.bench.report import Result
 from kvwire.errors import TransportUnavailableError
+from kvwire.transport import Descs, Transport
+from kvwire_ucx._native_load import NATIVE
+from kvwire_ucx.transport import UcxTransport
 
 _ROW = re.compile(r"^\s*(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+")
 _MIB = 1 << 20
@@ -135,6 +149,33 @@ def raw_baseline(quick: bool) -> list[Result]:
             Result(name, statistics.median(values), unit, min=min(values), max=max(values))
         )
     return results
+
+
+RAW_WAIT_NS = 60 * 10**9
+
+
+def same_memory_reader(
+    transport: Transport, peer: str, local: Descs, remote: Descs
+) -> Callable[[], None] | None:
+    """A raw READ of ``remote`` into ``local`` for the bench to time beside kvwire's: the
+    rows the adapter would post, planned once here, posted and completed by one call of the
+    C helper on the adapter's worker (its lock held, as UCP's serialized mode requires).
+    None without the helper (then there is no raw loop free of Python to compare with)."""
+    if NATIVE is None or not isinstance(transport, UcxTransport):
+        return None
+    with transport._lock:
+        target = transport._peer(peer)
+        rows = transport._plan_many(target, local, remote)
+    columns = [np.array(column, dtype=np.uint64) for column in rows]
+    endpoint = target.endpoint
+
+    def read() -> None:
+        with transport._lock:
+            running = endpoint.post_rma_native(False, *columns, wait_ns=RAW_WAIT_NS)
+        if running:
+            raise TransportUnavailableError(f"raw UCX READ: {running} gets still running")
+
+    return read
 
 
 def main() -> None:
