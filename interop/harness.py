@@ -122,10 +122,14 @@ class Geometry:
 
 
 def factors(
-    geo: Geometry, mode: str, *, backend: str | None = None, hma: bool | None = None
+    geo: Geometry, mode: str, *, backend: str | None = None, hma: bool | None = True
 ) -> dict[str, Any]:
-    """The compatibility factors a vLLM 0.31.0 CPU engine hashes for this model, as a dict
-    a kvwire rank turns into ``CompatFactors`` (``hma=None``: kvwire's own default)."""
+    """The compatibility factors a vLLM 0.31.0 engine with the NIXL connector hashes for
+    this model, as a dict a kvwire rank turns into ``CompatFactors``.
+
+    ``is_hma_enabled`` is true there, on CPU too: ``CpuPlatform.support_hybrid_kv_cache()``
+    returns True (vllm/platforms/cpu.py:604) and NixlConnector supports HMA, so VllmConfig
+    resolves the hybrid manager on. ``hma=None`` leaves kvwire's own default."""
     m = preset(geo.model)
     kwargs: dict[str, Any] = dict(
         vllm_version=VLLM_VERSION,

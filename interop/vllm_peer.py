@@ -126,7 +126,8 @@ def build_configs(start: dict[str, Any]) -> tuple[Any, Any]:
         kv_connector_extra_config=extra,
     )
     # HMA resolution as vLLM's VllmConfig does it (vllm/config/vllm.py): off where the
-    # platform does not support the hybrid manager (CPU), else on for NixlConnector.
+    # platform does not support the hybrid manager, else on for NixlConnector (which
+    # supports HMA). CpuPlatform does support it, so a CPU engine resolves it on.
     hma = start.get("hma")
     if hma is None:
         hma = bool(current_platform.support_hybrid_kv_cache())
