@@ -333,12 +333,17 @@ def vllm_compatible_extra(geo: Geometry, mode: str, names: list[str]) -> dict[st
     vLLM's layout name, its layer names as region names, its backend and hash factors."""
     m = preset(geo.model)
     backend = "CPU_MLA" if m.mla else "CPU_ATTN"
-    return {
+    extra: dict[str, Any] = {
         "layout": "LBHNC",
         "region_names": names,
         "attn_backend": backend,
         "compat": factors(geo, mode, backend=backend),
     }
+    if mode == "push":
+        # vLLM's agents keep UCX's peer error handling; in push mode both sides open an
+        # endpoint to the other, which a kvwire agent in its default mode (none) cannot.
+        extra["transport_options"] = {"backend_options": {"ucx_error_handling_mode": "peer"}}
+    return extra
 
 
 def wait_until(

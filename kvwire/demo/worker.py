@@ -106,7 +106,9 @@ def _config(init: dict[str, Any], spec: CacheSpec) -> RuntimeConfig:
 def run_prefill(reader: Any, out: FrameWriter, init: dict[str, Any]) -> None:
     spec = _spec(init)
     buffer = allocate(init["transport"], spec.total_bytes)
-    producer = Producer(_config(init, spec), init["transport"])
+    producer = Producer(
+        _config(init, spec), init["transport"], transport_options=init.get("transport_options")
+    )
     try:
         producer.register_kv_caches(_geometry(init, spec, buffer))
         out.send({"ok": True, "payload": producer.handshake_payload(), "pid": os.getpid()})
@@ -135,7 +137,9 @@ def run_prefill(reader: Any, out: FrameWriter, init: dict[str, Any]) -> None:
 def run_decode(reader: Any, out: FrameWriter, init: dict[str, Any]) -> None:
     spec = _spec(init)
     buffer = allocate(init["transport"], spec.total_bytes)
-    consumer = Consumer(_config(init, spec), init["transport"])
+    consumer = Consumer(
+        _config(init, spec), init["transport"], transport_options=init.get("transport_options")
+    )
     pending: dict[str, tuple[int, list[int], float]] = {}
     lock = threading.Lock()
     stop = threading.Event()

@@ -307,11 +307,26 @@ class NixlTransport:
             try:
                 raw = agent.add_remote_agent(bytes(blob))
             except Exception as exc:
-                raise translate(exc, PeerMetadataError, "loading peer metadata") from exc
+                raise translate(exc, PeerMetadataError, self._load_context()) from exc
             peer = raw.decode() if isinstance(raw, bytes) else str(raw)
             self._drop_cached(peer)  # its regions may have changed
         self._peers.add(peer)
         return peer
+
+    def _load_context(self) -> str:
+        """What a failed peer load says; names the likeliest cause when it applies."""
+        mode = self._opts.effective_backend_options.get("ucx_error_handling_mode")
+        if mode != "none":
+            return "loading peer metadata"
+        # Measured against vLLM 0.31.0 (make interop): UCX cannot connect a 'none' agent
+        # and a 'peer' one both ways, which push mode needs; the failure is a bare
+        # "failed to create ep" from UCX.
+        return (
+            "loading peer metadata (this agent runs UCX with ucx_error_handling_mode=none; "
+            "a vLLM engine's agents use peer error handling, and the two cannot connect "
+            "both ways as push mode needs: create the transport with "
+            "backend_options={'ucx_error_handling_mode': 'peer'})"
+        )
 
     def remove_peer(self, peer: str) -> None:
         agent = self._open_agent()
