@@ -26,11 +26,11 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from kvwire.config import KVWireConfig
 from kvwire.demo.content import count_wrong_bytes, fill
 from kvwire.demo.framing import FrameWriter, commands, read_frame
 from kvwire.demo.models import CacheSpec, preset
-from kvwire.runtime import Consumer, Producer, RuntimeConfig
-from kvwire.sidechannel import RetryPolicy
+from kvwire.runtime import Consumer, Producer
 from kvwire.transport import load
 
 log = logging.getLogger("kvwire.demo.worker")
@@ -65,8 +65,8 @@ def _spec(init: dict[str, Any]) -> CacheSpec:
     )
 
 
-def _config(init: dict[str, Any], spec: CacheSpec) -> RuntimeConfig:
-    return RuntimeConfig(
+def _config(init: dict[str, Any], spec: CacheSpec) -> KVWireConfig:
+    return KVWireConfig(
         engine_id=init["engine_id"],
         tp_rank=spec.tp_rank,
         tp_size=spec.tp_size,
@@ -75,7 +75,8 @@ def _config(init: dict[str, Any], spec: CacheSpec) -> RuntimeConfig:
         side_channel_port=int(init["side_channel_port"]),
         compat=spec.compat(init["mode"]),
         lease_s=float(init.get("lease_s", 30.0)),
-        handshake=RetryPolicy(timeout=float(init.get("handshake_timeout", 5.0)), retries=1),
+        handshake_timeout_s=float(init.get("handshake_timeout", 5.0)),
+        handshake_retries=1,
         secret=bytes.fromhex(init["secret"]) if init.get("secret") else None,
     )
 

@@ -17,6 +17,7 @@ limiting is retried like a timeout.
 
 from __future__ import annotations
 
+import socket
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ from kvwire.errors import (
     HandshakeAuthError,
     HandshakeError,
     HandshakeTimeoutError,
+    PeerUnreachableError,
     WireDecodeError,
 )
 from kvwire.sidechannel.address import is_ipv6, tcp_endpoint
@@ -38,6 +40,16 @@ from kvwire.wire.handshake import decode_clock_reply, encode_handshake_request
 
 class _RateLimited(Exception):
     """The peer refused for rate limiting: worth another attempt after the backoff."""
+
+
+class _Refused(Exception):
+    """The peer's host refused the TCP connection: worth another attempt after the backoff."""
+
+
+def _failure(why: str) -> type[HandshakeError]:
+    if why.startswith("connection refused"):
+        return PeerUnreachableError
+    return HandshakeError if why.startswith("rate limited") else HandshakeTimeoutError
 
 
 @dataclass(frozen=True)
@@ -136,31 +148,64 @@ class HandshakeClient:
         sock = self._open(endpoint, ipv6)
         try:
             for pp_rank, tp_rank in wanted:
-                limited = False
+                why = "no handshake answer from"
                 for attempt in range(self.policy.retries + 1):
                     if attempt:
                         sock.close(linger=0)
                         self._sleep(self.policy.delay(attempt))
                         sock = self._open(endpoint, ipv6)
                     attempts += 1
+                    reply = None
                     try:
+                        if not replies:  # a peer that answered once is known to be there
+                            self._dial(host, port, endpoint)
                         reply = self._ask(sock, pp_rank, tp_rank)
                     except _RateLimited:
-                        limited, reply = True, None
+                        why = "rate limited by"
+                    except _Refused:
+                        why = "connection refused by"
                     if reply is not None:
                         replies[(pp_rank, tp_rank)] = self._check(endpoint, reply)
                         break
                 else:
-                    what = "rate limited by" if limited else "no handshake answer from"
-                    error = HandshakeError if limited else HandshakeTimeoutError
-                    raise error(
-                        f"{what} {endpoint} for rank (pp={pp_rank}, tp={tp_rank}) after "
-                        f"{self.policy.retries + 1} attempts of {self.policy.timeout:g} s"
+                    raise _failure(why)(
+                        f"{why} {endpoint} for rank (pp={pp_rank}, tp={tp_rank}) after "
+                        + (
+                            f"{self.policy.retries + 1} attempts (nothing listens there)"
+                            if why.startswith("connection refused")
+                            else f"{self.policy.retries + 1} attempts of {self.policy.timeout:g} s"
+                        )
                     )
         finally:
             sock.close(linger=0)
         best = min(replies.values(), key=lambda r: r.rtt)
         return PayloadReplies(replies, best.offset, best.rtt, attempts)
+
+    def _dial(self, host: str, port: int, endpoint: str) -> None:
+        """Connect over plain TCP first: ZMQ retries a refused or unresolvable peer silently
+        until the attempt times out, and the operator needs to know which of the three it
+        was at once. A refusal is retried (the peer may be starting) without the timeout."""
+        try:
+            family, kind, proto, _, address = socket.getaddrinfo(
+                host.strip("[]"), port, type=socket.SOCK_STREAM
+            )[0]
+        except (socket.gaierror, UnicodeError) as exc:
+            why = exc.strerror if isinstance(exc, socket.gaierror) else str(exc)
+            raise PeerUnreachableError(f"cannot resolve host {host!r} ({why})") from None
+        with socket.socket(family, kind, proto) as probe:
+            probe.settimeout(self.policy.timeout)
+            try:
+                probe.connect(address)
+            except ConnectionRefusedError:
+                raise _Refused() from None
+            except TimeoutError:
+                raise HandshakeTimeoutError(
+                    f"timed out connecting to {endpoint} after {self.policy.timeout:g} s"
+                ) from None
+            except OSError as exc:
+                raise PeerUnreachableError(
+                    f"cannot connect to {endpoint}: {exc.strerror or exc}"
+                ) from None
 
     def _open(self, endpoint: str, ipv6: bool) -> zmq.Socket[bytes]:
         if self._ctx is None:
