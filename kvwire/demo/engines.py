@@ -35,7 +35,6 @@ class EngineOptions:
     advertise_host: str | None = None
     """The host peers are told to dial (defaults to ``host``)."""
     lease_s: float = 30.0
-    handshake_timeout: float = 5.0
     secret: bytes | None = field(default=None, repr=False)
     """Shared secret of the authenticated handshake; None: vLLM's plain handshake."""
 
@@ -53,7 +52,6 @@ class EngineOptions:
             "side_channel_host": self.advertise_host or self.host,
             "side_channel_port": side_channel_port,
             "lease_s": self.lease_s,
-            "handshake_timeout": self.handshake_timeout,
             "secret": self.secret.hex() if self.secret is not None else None,
         }
 

@@ -18,6 +18,7 @@ import contextlib
 import importlib
 import logging
 import os
+import signal
 import sys
 import threading
 import time
@@ -30,6 +31,7 @@ from kvwire.config import KVWireConfig
 from kvwire.demo.content import count_wrong_bytes, fill
 from kvwire.demo.framing import FrameWriter, commands, read_frame
 from kvwire.demo.models import CacheSpec, preset
+from kvwire.errors import KVWireError
 from kvwire.runtime import Consumer, Producer
 from kvwire.transport import load
 
@@ -66,17 +68,18 @@ def _spec(init: dict[str, Any]) -> CacheSpec:
 
 
 def _config(init: dict[str, Any], spec: CacheSpec) -> KVWireConfig:
+    """This rank's configuration: what the scheduler decided, explicitly; everything else
+    (handshake timeouts, ...) from the ``KVWIRE_*`` variables the demo inherited."""
     return KVWireConfig(
         engine_id=init["engine_id"],
         tp_rank=spec.tp_rank,
         tp_size=spec.tp_size,
         mode=init["mode"],
+        transport=init["transport"],
         side_channel_host=init["side_channel_host"],
         side_channel_port=int(init["side_channel_port"]),
         compat=spec.compat(init["mode"]),
         lease_s=float(init.get("lease_s", 30.0)),
-        handshake_timeout_s=float(init.get("handshake_timeout", 5.0)),
-        handshake_retries=1,
         secret=bytes.fromhex(init["secret"]) if init.get("secret") else None,
     )
 
@@ -164,9 +167,10 @@ def run_decode(reader: Any, out: FrameWriter, init: dict[str, Any]) -> None:
 
 
 def main() -> int:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the scheduler ends us, in order
     logging.basicConfig(
         stream=sys.stderr,
-        level=os.environ.get("KVWIRE_DEMO_LOG", "WARNING"),
+        level=KVWireConfig().log_level,  # KVWIRE_LOG_LEVEL, as `kvwire -v` exports it
         format="%(asctime)s %(process)d %(name)s %(levelname)s %(message)s",
     )
     reader = sys.stdin.buffer
@@ -180,6 +184,12 @@ def main() -> int:
             run_prefill(reader, out, init)
         else:
             run_decode(reader, out, init)
+    except BrokenPipeError:
+        return 1  # the scheduler is gone: nobody to tell
+    except KVWireError as exc:  # a cause the scheduler prints in its one line
+        with contextlib.suppress(OSError):
+            out.send({"ok": False, "event": "error", "error": str(exc)})
+        return 1
     except Exception as exc:
         log.exception("demo rank failed")
         with contextlib.suppress(OSError):
