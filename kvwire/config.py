@@ -34,16 +34,18 @@ import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import tomllib
 
 from kvwire.compat import CompatFactors
 from kvwire.errors import ConfigError
-from kvwire.machine import MachineConfig, TransferMode
 from kvwire.sidechannel import RetryPolicy, load_secret
 from kvwire.sidechannel.auth import check_secret
 from kvwire.wire.versions import SUPPORTED_VERSIONS
+
+if TYPE_CHECKING:
+    from kvwire.machine import MachineConfig
 
 __all__ = [
     "CONFIG_FILE_VAR",
@@ -617,6 +619,8 @@ class KVWireConfig:
     def machine_config(self, *, mla: bool = False, host: str = "", port: int = 0) -> MachineConfig:
         """The sans-IO machine's sub-structure; ``host``/``port`` are what the runtime
         advertises (its listener's real address)."""
+        from kvwire.machine import MachineConfig, TransferMode
+
         if not self.engine_id:
             raise ConfigError("engine_id is not set (pass engine_id=... or set KVWIRE_ENGINE_ID)")
         return MachineConfig(

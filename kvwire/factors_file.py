@@ -48,7 +48,8 @@ def load_factors(path: str) -> CompatFactors:
     try:
         built = CompatFactors.build(**settings)
     except (TypeError, AttributeError) as exc:
-        raise ConfigError(f"{path}: invalid settings: {exc}".replace("build() ", "")) from None
+        why = str(exc).replace("CompatFactors.build() ", "").replace("build() ", "")
+        raise ConfigError(f"{path}: invalid settings: {why}") from None
     # build() trusts its keyword arguments: validate the types it was given.
     return _named(path, CompatFactors.from_dict, built.as_dict())
 

@@ -164,10 +164,20 @@ def write_summary(summary: Summary | SoakSummary, *, as_json: bool) -> None:
 
 
 def check_transport(name: str) -> None:
-    """Load the transport here, so a missing one is a usage error, not a crash in a child."""
-    from kvwire.transport import load
+    """Load the transport here, so a missing one is a usage error, not a crash in a child;
+    a ``module:factory`` also starts (and closes) one agent, since only that shows it is a
+    transport factory at all."""
+    import os
+
+    from kvwire.transport import create, load
 
     load(name)
+    if ":" in name:
+        try:
+            agent = create(name, f"kvwire-check-{os.getpid()}")
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"transport {name!r} cannot start an agent: {exc}") from None
+        agent.close()
 
 
 def _run_prefill(options: DemoOptions, listen: str, advertise_host: str | None) -> int:

@@ -14,8 +14,9 @@ import msgspec
 import zmq
 
 from kvwire.demo.engines import PrefillEngine
-from kvwire.errors import ConfigError, HandshakeTimeoutError, KVWireError
+from kvwire.errors import ConfigError, HandshakeTimeoutError, KVWireError, PeerUnreachableError
 from kvwire.sidechannel import tcp_endpoint
+from kvwire.sidechannel.client import dial
 
 log = logging.getLogger(__name__)
 _decoder = msgspec.msgpack.Decoder(dict[str, Any])
@@ -88,6 +89,12 @@ class PrefillClient:
     """The decode side's handle on a remote prefill engine (same calls as PrefillEngine)."""
 
     def __init__(self, host: str, port: int, *, timeout: float = 60.0) -> None:
+        try:
+            dial(host, port, min(timeout, 5.0))  # refused / unknown host: say so now
+        except ConnectionRefusedError:
+            raise PeerUnreachableError(
+                f"connection refused by {host}:{port} (no prefill side listens there)"
+            ) from None
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self._sock = self._ctx.socket(zmq.REQ)
         self._sock.setsockopt(zmq.LINGER, 0)

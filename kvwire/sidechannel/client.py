@@ -42,16 +42,6 @@ class _RateLimited(Exception):
     """The peer refused for rate limiting: worth another attempt after the backoff."""
 
 
-class _Refused(Exception):
-    """The peer's host refused the TCP connection: worth another attempt after the backoff."""
-
-
-def _failure(why: str) -> type[HandshakeError]:
-    if why.startswith("connection refused"):
-        return PeerUnreachableError
-    return HandshakeError if why.startswith("rate limited") else HandshakeTimeoutError
-
-
 @dataclass(frozen=True)
 class RankReply:
     """One rank's answer: its payload and the clock sample taken with it."""
@@ -162,19 +152,14 @@ class HandshakeClient:
                         reply = self._ask(sock, pp_rank, tp_rank)
                     except _RateLimited:
                         why = "rate limited by"
-                    except _Refused:
-                        why = "connection refused by"
                     if reply is not None:
                         replies[(pp_rank, tp_rank)] = self._check(endpoint, reply)
                         break
                 else:
-                    raise _failure(why)(
+                    error = HandshakeError if why.startswith("rate") else HandshakeTimeoutError
+                    raise error(
                         f"{why} {endpoint} for rank (pp={pp_rank}, tp={tp_rank}) after "
-                        + (
-                            f"{self.policy.retries + 1} attempts (nothing listens there)"
-                            if why.startswith("connection refused")
-                            else f"{self.policy.retries + 1} attempts of {self.policy.timeout:g} s"
-                        )
+                        f"{self.policy.retries + 1} attempts of {self.policy.timeout:g} s"
                     )
         finally:
             sock.close(linger=0)
@@ -182,30 +167,14 @@ class HandshakeClient:
         return PayloadReplies(replies, best.offset, best.rtt, attempts)
 
     def _dial(self, host: str, port: int, endpoint: str) -> None:
-        """Connect over plain TCP first: ZMQ retries a refused or unresolvable peer silently
-        until the attempt times out, and the operator needs to know which of the three it
-        was at once. A refusal is retried (the peer may be starting) without the timeout."""
+        """A refusal is final: the peer's kernel says nothing listens, and waiting for a
+        restarted engine is the engine's choice (the next request handshakes again)."""
         try:
-            family, kind, proto, _, address = socket.getaddrinfo(
-                host.strip("[]"), port, type=socket.SOCK_STREAM
-            )[0]
-        except (socket.gaierror, UnicodeError) as exc:
-            why = exc.strerror if isinstance(exc, socket.gaierror) else str(exc)
-            raise PeerUnreachableError(f"cannot resolve host {host!r} ({why})") from None
-        with socket.socket(family, kind, proto) as probe:
-            probe.settimeout(self.policy.timeout)
-            try:
-                probe.connect(address)
-            except ConnectionRefusedError:
-                raise _Refused() from None
-            except TimeoutError:
-                raise HandshakeTimeoutError(
-                    f"timed out connecting to {endpoint} after {self.policy.timeout:g} s"
-                ) from None
-            except OSError as exc:
-                raise PeerUnreachableError(
-                    f"cannot connect to {endpoint}: {exc.strerror or exc}"
-                ) from None
+            dial(host, port, self.policy.timeout)
+        except ConnectionRefusedError:
+            raise PeerUnreachableError(
+                f"connection refused by {endpoint} (nothing listens there)"
+            ) from None
 
     def _open(self, endpoint: str, ipv6: bool) -> zmq.Socket[bytes]:
         if self._ctx is None:
@@ -307,3 +276,35 @@ def _raise_refusal(frame: bytes, pp_rank: int, tp_rank: int) -> None:
         raise _RateLimited(reason)
     error = HandshakeAuthError if reason.startswith(AUTH_REASON) else HandshakeError
     raise error(f"peer refused handshake for rank ({pp_rank}, {tp_rank}): {reason}")
+
+
+def dial(host: str, port: int, timeout: float) -> None:
+    """Open and close one plain TCP connection to ``host:port``.
+
+    ZMQ retries a refused or unresolvable peer silently until a receive times out; this
+    tells the three apart at once. Raises ``PeerUnreachableError`` for a name that does not
+    resolve or a connection that fails, ``HandshakeTimeoutError`` when connecting takes
+    longer than ``timeout``, and lets ``ConnectionRefusedError`` through for the caller to
+    retry or report (a peer that is starting refuses for a moment)."""
+    endpoint = tcp_endpoint(host, port)
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host.strip("[]"), port, type=socket.SOCK_STREAM
+        )[0]
+    except (socket.gaierror, UnicodeError) as exc:
+        why = exc.strerror if isinstance(exc, socket.gaierror) else str(exc)
+        raise PeerUnreachableError(f"cannot resolve host {host!r} ({why})") from None
+    with socket.socket(family, kind, proto) as probe:
+        probe.settimeout(timeout)
+        try:
+            probe.connect(address)
+        except ConnectionRefusedError:
+            raise
+        except TimeoutError:
+            raise HandshakeTimeoutError(
+                f"timed out connecting to {endpoint} after {timeout:g} s"
+            ) from None
+        except OSError as exc:
+            raise PeerUnreachableError(
+                f"cannot connect to {endpoint}: {exc.strerror or exc}"
+            ) from None
