@@ -168,7 +168,14 @@ def version_mismatch(caplog: Any, capsys: Any) -> list[str]:
 def unreachable(caplog: Any, capsys: Any) -> list[str]:
     lines = run_pair(caplog, close_p_listener=True)
     port = _free_port()
-    return lines + _cli(capsys, "probe", f"127.0.0.1:{port}", "--timeout", "0.3", "--retries", "0")
+    lines += _cli(capsys, "probe", f"127.0.0.1:{port}")
+    lines += _cli(capsys, "probe", "no-such-host.invalid:5600")
+    with socket.socket() as silent:  # accepts connections (the backlog), never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        address = f"127.0.0.1:{silent.getsockname()[1]}"
+        lines += _cli(capsys, "probe", address, "--timeout", "0.3", "--retries", "0")
+    return lines
 
 
 def missing_rank(caplog: Any, capsys: Any) -> list[str]:
