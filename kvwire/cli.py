@@ -46,8 +46,23 @@ class _Parser(argparse.ArgumentParser):
         raise SystemExit(EXIT_USAGE)
 
 
-class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """Defaults shown in --help (where a flag has a fixed one), descriptions as written."""
+class _Formatter(argparse.RawDescriptionHelpFormatter):
+    """Defaults shown in --help where a flag has a fixed one (a flag that defers to the
+    configuration says so in its own help), descriptions as written."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        default = action.default
+        if (
+            "default" in text
+            or default is None
+            or default is False
+            or default == []
+            or default == argparse.SUPPRESS
+            or isinstance(action, argparse._CountAction)
+        ):
+            return text
+        return f"{text} (default: %(default)s)"
 
 
 class _Terminated(KeyboardInterrupt):

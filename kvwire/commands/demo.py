@@ -265,6 +265,19 @@ def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _run_engine_demo(args: argparse.Namespace) -> int:
     """The engine needs torch, so it is imported only here."""
+    config = workload_config(args)  # --mode / --transport, else KVWIRE_MODE / _TRANSPORT
+    args.mode, args.transport = config.mode, config.transport
+    for flag, value, low, high in (
+        ("--prompts", args.prompts, 1, 10_000),
+        ("--max-tokens", args.max_tokens, 1, 4096),
+        ("--block-size", args.block_size, 1, 1024),
+        ("--seed", args.seed, 0, 2**32 - 1),
+        ("--p-tp", args.p_tp if args.p_tp is not None else 1, 1, 64),
+        ("--d-tp", args.d_tp if args.d_tp is not None else 1, 1, 64),
+    ):
+        if not low <= value <= high:
+            raise ConfigError(f"{flag} must be an integer from {low} to {high}, got {value}")
+    check_transport(str(config.transport))
     try:
         from kvwire.examples.engine import demo
     except ImportError as exc:

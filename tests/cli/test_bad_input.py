@@ -96,6 +96,11 @@ TABLE: list[tuple[str, dict[str, str], str]] = [
     ("demo --role decode --connect no-such-host.invalid:7600", {}, "cannot resolve host"),
     ("demo --secret-file {missing}", {}, "missing.json"),
     ("demo --engine --secret-file {missing}", {}, "--secret-file is not supported"),
+    ("demo --engine --prompts 0", {}, "--prompts must be an integer from 1"),
+    ("demo --engine --max-tokens -1", {}, "--max-tokens must be an integer from 1"),
+    ("demo --engine --block-size 0", {}, "--block-size must be an integer from 1"),
+    ("demo --engine --transport os:path", {}, "not a transport factory"),
+    ("demo --engine", {"KVWIRE_TRANSPORT": "nope"}, "no transport named 'nope'"),
     # soak
     ("soak --seconds nan", {}, "--seconds must be a number of seconds"),
     ("soak --seconds -1", {}, "--seconds must be a number of seconds"),
@@ -220,7 +225,7 @@ def test_version_and_help_show_defaults(capfd: pytest.CaptureFixture[str]) -> No
     with pytest.raises(SystemExit):
         cli_main(["sim", "--help"])
     text = " ".join(capfd.readouterr().out.split())
-    assert "(default: 2000)" in text and "(default: all)" in text
+    assert "(default 2000)" in text and "(default all)" in text
     with pytest.raises(SystemExit):
         cli_main(["demo", "--help"])
     text = " ".join(capfd.readouterr().out.split())
