@@ -1,14 +1,26 @@
-"""Deployment configuration: one typed object, environment overrides, vLLM's extra config.
+"""kvwire's one configuration: a typed, frozen object filled in documented layers.
 
-A serving engine already has its own configuration system, and an operator already has a
-habit: ``KVWIRE_*`` environment variables. :class:`KVWireConfig` is the meeting point. It is
-flat (one field per knob, so every knob has exactly one environment variable), it is built
-in layers — defaults, then the engine's values, then vLLM's ``kv_connector_extra_config``,
-then the environment — and it turns into the per-rank
-:class:`~kvwire.runtime.RuntimeConfig` plus the transport name and options the runtime
-takes. Every bad value is a :class:`~kvwire.errors.ConfigError` naming where it came from
-(``KVWIRE_LEASE_S='soon': ...``), because "invalid float" without the variable's name costs
-an operator an hour.
+A serving engine has its own configuration system, an operator has ``KVWIRE_*`` variables
+and maybe a file, and a deployment moving from vLLM has its ``kv_transfer_config``.
+:class:`KVWireConfig` is where they meet, on every path: the runtime
+(:class:`~kvwire.runtime.Producer`, :class:`~kvwire.runtime.Consumer`), the demo and every
+``kvwire`` command build one the same way. Each knob is filled from the first of
+
+1. an explicit argument (a constructor keyword, a command-line flag);
+2. its ``KVWIRE_*`` environment variable;
+3. vLLM's ``kv_transfer_config`` (``kv_transfer_config=``; the connector name gives the
+   mode, ``kv_connector_extra_config`` the knobs it shares with kvwire);
+4. the configuration file (``config_file=`` or ``KVWIRE_CONFIG``: TOML or JSON);
+5. the default,
+
+so ``KVWireConfig(engine_id="p0", compat=factors)`` already honours
+``KVWIRE_HANDSHAKE_TIMEOUT_S``, while a value the code passes is never overridden behind its
+back. Every bad value is a :class:`~kvwire.errors.ConfigError` naming where it came from
+(``KVWIRE_LEASE_S='soon': ...``), and a misspelt key or variable is reported with the
+closest known name, because a knob that silently does nothing costs an operator an hour.
+
+The sans-IO machine gets the plain sub-structure it needs
+(:meth:`KVWireConfig.machine_config`, a :class:`~kvwire.machine.MachineConfig`).
 """
 
 from __future__ import annotations
@@ -21,208 +33,59 @@ import math
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
 
+import tomllib
+
+from kvwire.compat import CompatFactors
 from kvwire.errors import ConfigError
-from kvwire.runtime.config import RuntimeConfig
 from kvwire.sidechannel import RetryPolicy, load_secret
+from kvwire.sidechannel.auth import check_secret
 from kvwire.wire.versions import SUPPORTED_VERSIONS
 
+if TYPE_CHECKING:
+    from kvwire.machine import MachineConfig
+
 __all__ = [
+    "CONFIG_FILE_VAR",
     "ENV_PREFIX",
     "ENV_VARS",
+    "KNOBS",
+    "LOG_LEVELS",
+    "VLLM_CONNECTORS",
     "VLLM_EXTRA_CONFIG_KEYS",
     "KVWireConfig",
+    "Mode",
 ]
 
 ENV_PREFIX = "KVWIRE_"
+CONFIG_FILE_VAR = "KVWIRE_CONFIG"
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+MAX_SECONDS = 7 * 24 * 3600.0
+"""Longest duration any knob takes (a week): a bigger value is a typo, not a setting."""
+
+Mode = Literal["pull", "push"]
 
 _log = logging.getLogger("kvwire.config")
-
-
-@dataclass(frozen=True)
-class KVWireConfig:
-    """Every knob of one rank's transfer runtime, with the transport it runs on.
-
-    Rank facts (``tp_rank``, ``tp_size``, ``pp_rank``, ``pp_size``) and the compatibility
-    factors come from the engine, not from the environment; pass them as keyword arguments
-    to :meth:`from_env` / :meth:`load` or to :meth:`runtime_config`.
-    """
-
-    engine_id: str = ""
-    mode: Literal["pull", "push"] = "pull"
-    version: int = 13
-    """Protocol version: 13 (vLLM 0.31), 14 (0.32) or 15 (0.33)."""
-    transport: str = "nixl"
-    """``shm``, ``nixl``, ``ucx`` or ``module:factory``."""
-    transport_options: Mapping[str, Any] = field(default_factory=dict)
-    nixl_options: Mapping[str, Any] = field(default_factory=dict)
-    """Options for the ``nixl`` transport only (vLLM's ``backends``, ``num_threads``);
-    :meth:`transport_kwargs` merges them in when ``transport == "nixl"``."""
-    side_channel_host: str = "127.0.0.1"
-    side_channel_port: int = 0
-    enforce_compat: bool = True
-    compat_hash: str | None = None
-    secret_file: str | None = None
-    """A file holding the shared secret of the authenticated handshake; read (and checked:
-    not world-readable) by :meth:`runtime_config`. The secret itself never sits in the
-    environment or in this object."""
-    lease_s: float = 30.0
-    heartbeat_interval_s: float | None = None
-    registration_timeout_s: float = 30.0
-    engine_idle_ttl_s: float = 3600.0
-    handshake_timeout_s: float = 5.0
-    """Per attempt; the whole handshake may take ``(retries + 1)`` times this plus backoff."""
-    handshake_retries: int = 2
-    handshake_backoff_s: float = 0.1
-    poll_interval_s: float = 0.02
-    coalesce: bool = True
-    check_invariants: bool = True
-    tp_rank: int = 0
-    tp_size: int = 1
-    pp_rank: int = 0
-    pp_size: int = 1
-
-    # -- building ------------------------------------------------------------------
-
-    @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None, **fields: Any) -> KVWireConfig:
-        """``fields`` (the engine's values) overridden by ``KVWIRE_*`` variables."""
-        return cls._build(fields).with_env(os.environ if environ is None else environ)
-
-    @classmethod
-    def from_vllm_extra_config(cls, extra: Mapping[str, Any], **fields: Any) -> KVWireConfig:
-        """``fields`` overridden by the keys of vLLM's ``kv_connector_extra_config`` that
-        mean the same thing in kvwire (see :data:`VLLM_EXTRA_CONFIG_KEYS`)."""
-        return cls._build(fields).with_vllm_extra_config(extra)
-
-    @classmethod
-    def load(
-        cls,
-        *,
-        extra_config: Mapping[str, Any] | None = None,
-        environ: Mapping[str, str] | None = None,
-        **fields: Any,
-    ) -> KVWireConfig:
-        """All layers in order: ``fields``, then vLLM's extra config, then the environment
-        (``os.environ`` unless given), so an operator's variable always wins."""
-        config = cls._build(fields)
-        if extra_config is not None:
-            config = config.with_vllm_extra_config(extra_config)
-        return config.with_env(os.environ if environ is None else environ)
-
-    @classmethod
-    def _build(cls, fields: Mapping[str, Any]) -> KVWireConfig:
-        unknown = sorted(set(fields) - {f.name for f in dataclasses.fields(cls)})
-        if unknown:
-            raise ConfigError(f"unknown configuration field(s) {unknown}")
-        return cls(**fields)
-
-    def with_env(self, environ: Mapping[str, str]) -> KVWireConfig:
-        """A copy with every ``KVWIRE_*`` variable of :data:`ENV_VARS` applied."""
-        changes: dict[str, Any] = {}
-        for var, (name, parse) in ENV_VARS.items():
-            raw = environ.get(var)
-            if raw is None or raw.strip() == "":
-                continue
-            changes[name] = _parsed(var, raw.strip(), parse)
-        _warn_unknown(environ)
-        return dataclasses.replace(self, **changes)
-
-    def with_vllm_extra_config(self, extra: Mapping[str, Any]) -> KVWireConfig:
-        """A copy with the meaningful keys of vLLM's ``kv_connector_extra_config`` applied;
-        keys without a kvwire meaning are left for vLLM."""
-        if not isinstance(extra, Mapping):
-            raise ConfigError(f"kv_connector_extra_config must be a mapping, got {extra!r}")
-        changes: dict[str, Any] = {}
-        for key, (name, parse) in VLLM_EXTRA_CONFIG_KEYS.items():
-            if key in extra and extra[key] is not None:
-                value = _parsed(f"kv_connector_extra_config[{key!r}]", extra[key], parse)
-                if name == "nixl_options":
-                    options = dict(changes.get(name, self.nixl_options))
-                    options.update(value)
-                    value = options
-                if name in changes and key == "decoder_kv_blocks_ttl":
-                    continue  # push_registration_timeout wins, as in vLLM
-                changes[name] = value
-        return dataclasses.replace(self, **changes)
-
-    # -- using -----------------------------------------------------------------------
-
-    def runtime_config(self, **overrides: Any) -> RuntimeConfig:
-        """The :class:`~kvwire.runtime.RuntimeConfig` of this rank.
-
-        ``overrides`` are RuntimeConfig fields with no place here (``compat``,
-        ``agent_name``, ...) or values to force.
-        """
-        if not self.engine_id:
-            raise ConfigError("engine_id is not set (pass engine_id=... or set KVWIRE_ENGINE_ID)")
-        values: dict[str, Any] = {
-            "engine_id": self.engine_id,
-            "tp_rank": self.tp_rank,
-            "tp_size": self.tp_size,
-            "pp_rank": self.pp_rank,
-            "pp_size": self.pp_size,
-            "mode": self.mode,
-            "side_channel_host": self.side_channel_host,
-            "side_channel_port": self.side_channel_port,
-            "compat_hash": self.compat_hash,
-            "enforce_compat": self.enforce_compat,
-            "version": self.version,
-            "lease_s": self.lease_s,
-            "heartbeat_interval_s": self.heartbeat_interval_s,
-            "registration_timeout_s": self.registration_timeout_s,
-            "engine_idle_ttl_s": self.engine_idle_ttl_s,
-            "handshake": RetryPolicy(
-                timeout=self.handshake_timeout_s,
-                retries=self.handshake_retries,
-                backoff=self.handshake_backoff_s,
-            ),
-            "coalesce": self.coalesce,
-            "poll_interval_s": self.poll_interval_s,
-            "check_invariants": self.check_invariants,
-        }
-        if self.secret_file is not None:
-            values["secret"] = load_secret(self.secret_file)
-        values.update(overrides)
-        return RuntimeConfig(**values)
-
-    def transport_kwargs(self) -> dict[str, Any]:
-        """The options to create :attr:`transport` with (``Producer(..., transport_options=)``)."""
-        options = dict(self.nixl_options) if self.transport == "nixl" else {}
-        options.update(self.transport_options)
-        return options
-
-    def as_env(self) -> dict[str, str]:
-        """This configuration as ``KVWIRE_*`` variables (to hand to a worker process).
-
-        ``nixl_options`` travel merged into ``KVWIRE_TRANSPORT_OPTIONS`` (see
-        :meth:`transport_kwargs`); rank fields have no variable and are left out.
-        """
-        out: dict[str, str] = {}
-        for var, (name, _) in ENV_VARS.items():
-            value = self.transport_kwargs() if name == "transport_options" else getattr(self, name)
-            if value is None:
-                continue
-            if isinstance(value, bool):
-                out[var] = "1" if value else "0"
-            elif isinstance(value, Mapping):
-                out[var] = json.dumps(dict(value), sort_keys=True)
-            else:
-                out[var] = str(value)
-        return out
 
 
 # -- parsers: raw value -> typed value, ValueError with a short reason ----------------------
 
 
 def _text(raw: Any) -> str:
-    if not isinstance(raw, str) or not raw:
+    if not isinstance(raw, str) or not raw.strip():
         raise ValueError("expected a non-empty string")
-    return raw
+    return raw.strip()
+
+
+def _optional_text(raw: Any) -> str | None:
+    return None if raw is None else _text(raw)
 
 
 def _engine_id(raw: Any) -> str:
+    if raw == "":
+        return ""
     value = _text(raw)
     if "," in value:
         raise ValueError("expected an engine id without ','")
@@ -230,7 +93,7 @@ def _engine_id(raw: Any) -> str:
 
 
 def _mode(raw: Any) -> str:
-    value = str(raw).lower()
+    value = str(raw).strip().lower()
     if value not in ("pull", "push"):
         raise ValueError("expected 'pull' or 'push'")
     return value
@@ -245,7 +108,7 @@ def _int(raw: Any) -> int:
         return int(raw)
     if isinstance(raw, str):
         try:
-            return int(raw, 10)
+            return int(raw.strip(), 10)
         except ValueError:
             pass
     raise ValueError("expected an integer")
@@ -253,8 +116,22 @@ def _int(raw: Any) -> int:
 
 def _count(raw: Any) -> int:
     value = _int(raw)
-    if value < 0:
-        raise ValueError("expected an integer >= 0")
+    if not 0 <= value <= 1000:
+        raise ValueError("expected an integer from 0 to 1000")
+    return value
+
+
+def _size(raw: Any) -> int:
+    value = _int(raw)
+    if not 1 <= value <= 1024:
+        raise ValueError("expected an integer from 1 to 1024")
+    return value
+
+
+def _rank(raw: Any) -> int:
+    value = _int(raw)
+    if not 0 <= value < 1024:
+        raise ValueError("expected an integer from 0 to 1023")
     return value
 
 
@@ -272,30 +149,31 @@ def _version(raw: Any) -> int:
     return value
 
 
-def _number(raw: Any) -> float:
-    if isinstance(raw, bool):
-        raise ValueError("expected a number")
-    try:
-        value = float(raw)
-    except (TypeError, ValueError):
-        raise ValueError("expected a number of seconds") from None
-    if not math.isfinite(value):
-        raise ValueError("expected a finite number")
-    return value
-
-
 def _seconds(raw: Any) -> float:
-    value = _number(raw)
-    if value <= 0:
+    value = _seconds_or_zero(raw)
+    if value == 0:
         raise ValueError("expected a positive number of seconds")
     return value
 
 
 def _seconds_or_zero(raw: Any) -> float:
-    value = _number(raw)
+    if isinstance(raw, bool):
+        raise ValueError("expected a number of seconds")
+    try:
+        value = float(raw)
+    except (TypeError, ValueError):
+        raise ValueError("expected a number of seconds") from None
+    if not math.isfinite(value):
+        raise ValueError("expected a finite number of seconds")
     if value < 0:
         raise ValueError("expected a number of seconds >= 0")
+    if value > MAX_SECONDS:
+        raise ValueError(f"expected at most {MAX_SECONDS:g} s")
     return value
+
+
+def _optional_seconds(raw: Any) -> float | None:
+    return None if raw is None else _seconds(raw)
 
 
 _TRUE = ("1", "true", "yes", "on")
@@ -305,8 +183,8 @@ _FALSE = ("0", "false", "no", "off")
 def _bool(raw: Any) -> bool:
     if isinstance(raw, bool):
         return raw
-    if isinstance(raw, str) and raw.lower() in _TRUE + _FALSE:
-        return raw.lower() in _TRUE
+    if isinstance(raw, str) and raw.strip().lower() in _TRUE + _FALSE:
+        return raw.strip().lower() in _TRUE
     if isinstance(raw, int) and raw in (0, 1):
         return bool(raw)
     raise ValueError(f"expected a boolean ({'/'.join(_TRUE)} or {'/'.join(_FALSE)})")
@@ -322,6 +200,110 @@ def _json_object(raw: Any) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise ValueError("expected a JSON object")
     return value
+
+
+def _log_level(raw: Any) -> str:
+    value = str(raw).strip().upper()
+    if value not in LOG_LEVELS:
+        raise ValueError(f"expected one of {', '.join(LOG_LEVELS)}")
+    return value
+
+
+def _compat(raw: Any) -> CompatFactors | None:
+    if raw is None or isinstance(raw, CompatFactors):
+        return raw
+    if isinstance(raw, Mapping):
+        return CompatFactors.from_dict(raw)
+    raise ValueError("expected CompatFactors")
+
+
+def _secret(raw: Any) -> bytes | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, bytes):
+        raise ValueError("expected bytes")
+    check_secret(raw, "secret")
+    return raw
+
+
+def _transport(raw: Any) -> Any:
+    """A transport name, or an already created transport object (kept as given)."""
+    if isinstance(raw, str):
+        return _text(raw)
+    if raw is None:
+        raise ValueError("expected a transport name")
+    return raw
+
+
+Parser = Callable[[Any], Any]
+
+
+@dataclass(frozen=True)
+class Knob:
+    """One configuration field: how a raw value is parsed and which variable sets it."""
+
+    parse: Parser
+    env: str | None
+    help: str
+
+
+KNOBS: dict[str, Knob] = {
+    "engine_id": Knob(_engine_id, "KVWIRE_ENGINE_ID", "this engine's id (no ',')"),
+    "mode": Knob(_mode, "KVWIRE_MODE", "pull (D READs) or push (P WRITEs)"),
+    "version": Knob(_version, "KVWIRE_PROTOCOL_VERSION", "13 (vLLM 0.31), 14 (0.32), 15 (0.33)"),
+    "transport": Knob(_transport, "KVWIRE_TRANSPORT", "shm, nixl, ucx or module:factory"),
+    "transport_options": Knob(
+        _json_object, "KVWIRE_TRANSPORT_OPTIONS", "the transport factory's options"
+    ),
+    "side_channel_host": Knob(
+        _text, "KVWIRE_SIDE_CHANNEL_HOST", "where this engine's handshake listener binds"
+    ),
+    "side_channel_port": Knob(
+        _port, "KVWIRE_SIDE_CHANNEL_PORT", "its port (0: the runtime starts a listener)"
+    ),
+    "advertise_host": Knob(
+        _optional_text, "KVWIRE_ADVERTISE_HOST", "the address peers dial (default: derived)"
+    ),
+    "enforce_compat": Knob(_bool, "KVWIRE_ENFORCE_COMPAT", "refuse peers whose hash differs"),
+    "compat": Knob(_compat, None, "the compatibility factors"),
+    "compat_hash": Knob(_optional_text, "KVWIRE_COMPAT_HASH", "use this hash, not the factors'"),
+    "secret_file": Knob(_optional_text, "KVWIRE_SECRET_FILE", "file of the handshake secret"),
+    "secret": Knob(_secret, None, "the handshake secret itself"),
+    "lease_s": Knob(_seconds, "KVWIRE_LEASE_S", "how long P holds blocks D has not read"),
+    "heartbeat_interval_s": Knob(
+        _optional_seconds, "KVWIRE_HEARTBEAT_INTERVAL_S", "D's lease heartbeat (lease / 6)"
+    ),
+    "registration_timeout_s": Knob(
+        _seconds, "KVWIRE_REGISTRATION_TIMEOUT_S", "push: how long writes may take"
+    ),
+    "engine_idle_ttl_s": Knob(
+        _seconds, "KVWIRE_ENGINE_IDLE_TTL_S", "forget a peer engine unused this long"
+    ),
+    "handshake_timeout_s": Knob(_seconds, "KVWIRE_HANDSHAKE_TIMEOUT_S", "per handshake attempt"),
+    "handshake_retries": Knob(_count, "KVWIRE_HANDSHAKE_RETRIES", "retries of a silent peer"),
+    "handshake_backoff_s": Knob(
+        _seconds_or_zero, "KVWIRE_HANDSHAKE_BACKOFF_S", "first retry delay (doubles)"
+    ),
+    "poll_interval_s": Knob(_seconds, "KVWIRE_POLL_INTERVAL_S", "longest idle sleep"),
+    "coalesce": Knob(_bool, "KVWIRE_COALESCE", "merge adjacent blocks into one descriptor"),
+    "check_invariants": Knob(_bool, "KVWIRE_CHECK_INVARIANTS", "the machines' self-checks"),
+    "agent_name": Knob(_optional_text, None, "the transport agent's name"),
+    "log_level": Knob(_log_level, "KVWIRE_LOG_LEVEL", "DEBUG, INFO, WARNING or ERROR"),
+    "tp_rank": Knob(_rank, None, "this rank's tensor-parallel index"),
+    "tp_size": Knob(_size, None, "tensor-parallel size"),
+    "pp_rank": Knob(_rank, None, "this rank's pipeline stage"),
+    "pp_size": Knob(_size, None, "pipeline-parallel size"),
+}
+"""Every field of :class:`KVWireConfig`: parser, environment variable (None: the engine
+knows it, or it is an object), one-line meaning."""
+
+ENV_VARS: dict[str, str] = {k.env: name for name, k in KNOBS.items() if k.env is not None}
+"""``KVWIRE_*`` variable -> field."""
+
+_NOT_KNOBS = frozenset({CONFIG_FILE_VAR})
+
+VLLM_CONNECTORS: dict[str, str] = {"NixlConnector": "pull", "NixlPushConnector": "push"}
+"""vLLM's ``kv_connector`` names kvwire stands in for, and the mode each means."""
 
 
 def _nixl_backend(raw: Any) -> dict[str, Any]:
@@ -341,63 +323,340 @@ def _nixl_threads(raw: Any) -> dict[str, Any]:
     return {"num_threads": _count(raw)}
 
 
-def _parsed(source: str, raw: Any, parse: Callable[[Any], Any]) -> Any:
-    try:
-        return parse(raw)
-    except ValueError as exc:
-        raise ConfigError(f"{source}={raw!r}: {exc}") from None
-
-
-Parser = Callable[[Any], Any]
-
-ENV_VARS: dict[str, tuple[str, Parser]] = {
-    "KVWIRE_ENGINE_ID": ("engine_id", _engine_id),
-    "KVWIRE_MODE": ("mode", _mode),
-    "KVWIRE_PROTOCOL_VERSION": ("version", _version),
-    "KVWIRE_TRANSPORT": ("transport", _text),
-    "KVWIRE_TRANSPORT_OPTIONS": ("transport_options", _json_object),
-    "KVWIRE_SIDE_CHANNEL_HOST": ("side_channel_host", _text),
-    "KVWIRE_SIDE_CHANNEL_PORT": ("side_channel_port", _port),
-    "KVWIRE_ENFORCE_COMPAT": ("enforce_compat", _bool),
-    "KVWIRE_COMPAT_HASH": ("compat_hash", _text),
-    "KVWIRE_SECRET_FILE": ("secret_file", _text),
-    "KVWIRE_LEASE_S": ("lease_s", _seconds),
-    "KVWIRE_HEARTBEAT_INTERVAL_S": ("heartbeat_interval_s", _seconds),
-    "KVWIRE_REGISTRATION_TIMEOUT_S": ("registration_timeout_s", _seconds),
-    "KVWIRE_ENGINE_IDLE_TTL_S": ("engine_idle_ttl_s", _seconds),
-    "KVWIRE_HANDSHAKE_TIMEOUT_S": ("handshake_timeout_s", _seconds),
-    "KVWIRE_HANDSHAKE_RETRIES": ("handshake_retries", _count),
-    "KVWIRE_HANDSHAKE_BACKOFF_S": ("handshake_backoff_s", _seconds_or_zero),
-    "KVWIRE_POLL_INTERVAL_S": ("poll_interval_s", _seconds),
-    "KVWIRE_COALESCE": ("coalesce", _bool),
-    "KVWIRE_CHECK_INVARIANTS": ("check_invariants", _bool),
-}
-"""Environment variable -> (:class:`KVWireConfig` field, parser)."""
-
 VLLM_EXTRA_CONFIG_KEYS: dict[str, tuple[str, Parser]] = {
     "kv_lease_duration": ("lease_s", _seconds),
     "enforce_handshake_compat": ("enforce_compat", _bool),
     "engine_ttl": ("engine_idle_ttl_s", _seconds),
     "push_registration_timeout": ("registration_timeout_s", _seconds),
     "decoder_kv_blocks_ttl": ("registration_timeout_s", _seconds),
-    "backends": ("nixl_options", _nixl_backend),
-    "num_threads": ("nixl_options", _nixl_threads),
+    "backends": ("transport_options", _nixl_backend),
+    "num_threads": ("transport_options", _nixl_threads),
 }
-"""vLLM ``kv_connector_extra_config`` key -> (:class:`KVWireConfig` field, parser).
+"""vLLM ``kv_connector_extra_config`` key -> (field, parser).
 
 ``decoder_kv_blocks_ttl`` counts only as vLLM uses it for push: the registration timeout
 when ``push_registration_timeout`` is absent. ``backends`` and ``num_threads`` become
-options of the ``nixl`` transport. Keys with no kvwire meaning (``bidirectional_kv_xfer``,
-``kv_recompute_threshold``) are left to vLLM."""
+options of the ``nixl`` transport."""
 
-_NOT_CONFIG = frozenset({"KVWIRE_DEMO_LOG"})
-"""``KVWIRE_*`` variables read elsewhere (not knobs of this object)."""
+VLLM_EXTRA_CONFIG_IGNORED = frozenset({"bidirectional_kv_xfer", "kv_recompute_threshold"})
+"""Extra-config keys vLLM knows that mean nothing to kvwire (left to vLLM, not warned)."""
+
+VLLM_TRANSFER_CONFIG_IGNORED = frozenset(
+    {
+        "kv_role",
+        "kv_rank",
+        "kv_parallel_size",
+        "kv_ip",
+        "kv_port",
+        "kv_buffer_device",
+        "kv_buffer_size",
+        "kv_connector_module_path",
+        "kv_load_failure_policy",
+        "enable_permute_local_kv",
+    }
+)
+"""``kv_transfer_config`` fields vLLM knows that mean nothing to kvwire."""
 
 
-def _warn_unknown(environ: Mapping[str, str]) -> None:
-    """A mistyped variable does nothing silently otherwise: say so, with a suggestion."""
-    for var in environ:
-        if var.startswith(ENV_PREFIX) and var not in ENV_VARS and var not in _NOT_CONFIG:
-            close = difflib.get_close_matches(var, list(ENV_VARS), n=1)
-            hint = f" (did you mean {close[0]}?)" if close else ""
-            _log.warning("ignoring unknown environment variable %s%s", var, hint)
+def _suggest(name: str, known: list[str]) -> str:
+    close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+    return f" (did you mean {close[0]}?)" if close else ""
+
+
+def _parsed(source: str, raw: Any, parse: Parser) -> Any:
+    try:
+        return parse(raw)
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(f"{source}={raw!r}: {exc}") from None
+
+
+# -- the layers -------------------------------------------------------------------------------
+
+
+def env_layer(environ: Mapping[str, str]) -> dict[str, Any]:
+    """The fields ``KVWIRE_*`` variables set (empty means unset); unknown names warned."""
+    values: dict[str, Any] = {}
+    for var, raw in environ.items():
+        if not var.startswith(ENV_PREFIX):
+            continue
+        name = ENV_VARS.get(var)
+        if name is None:
+            if var not in _NOT_KNOBS:
+                _log.warning(
+                    "ignoring unknown environment variable %s%s", var, _suggest(var, list(ENV_VARS))
+                )
+            continue
+        if raw.strip():
+            values[name] = _parsed(var, raw, KNOBS[name].parse)
+    return values
+
+
+def file_layer(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The fields a TOML (``.toml``) or JSON file sets; keys are field names."""
+    text_path = str(path)
+    try:
+        data = Path(path).read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {text_path}: {exc.strerror or exc}") from None
+    try:
+        if text_path.endswith(".toml"):
+            doc: Any = tomllib.loads(data.decode())
+        else:
+            doc = json.loads(data)
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise ConfigError(f"config file {text_path}: {exc}") from None
+    if not isinstance(doc, dict):
+        raise ConfigError(f"config file {text_path}: expected a table/object of settings")
+    values: dict[str, Any] = {}
+    for key, raw in doc.items():
+        if key == "kv_transfer_config":
+            continue
+        knob = KNOBS.get(key)
+        if knob is None or knob.env is None:  # ranks and objects come from the engine
+            hint = _suggest(key, [k for k, v in KNOBS.items() if v.env is not None])
+            raise ConfigError(f"config file {text_path}: unknown setting {key!r}{hint}")
+        values[key] = _parsed(f"{text_path}: {key}", raw, knob.parse)
+    if "kv_transfer_config" in doc:
+        values.update(vllm_layer(doc["kv_transfer_config"]))
+    return values
+
+
+def vllm_layer(config: Mapping[str, Any] | str) -> dict[str, Any]:
+    """The fields vLLM's whole ``kv_transfer_config`` sets (a dict, or its JSON text).
+
+    ``kv_connector`` gives the mode (``NixlPushConnector``: push) and the ``nixl``
+    transport; ``engine_id`` the engine id; ``kv_connector_extra_config`` the knobs of
+    :data:`VLLM_EXTRA_CONFIG_KEYS`. Unknown keys are warned about with a suggestion.
+    """
+    if isinstance(config, str):
+        try:
+            config = json.loads(config)
+        except ValueError as exc:
+            raise ConfigError(f"kv_transfer_config is not JSON: {exc}") from None
+    if not isinstance(config, Mapping):
+        raise ConfigError(f"kv_transfer_config must be a mapping, got {config!r}")
+    values: dict[str, Any] = {}
+    known = ["kv_connector", "engine_id", "kv_connector_extra_config"]
+    for key in config:
+        if key not in known and key not in VLLM_TRANSFER_CONFIG_IGNORED:
+            hint = _suggest(key, known + sorted(VLLM_TRANSFER_CONFIG_IGNORED))
+            _log.warning("ignoring unknown kv_transfer_config key %r%s", key, hint)
+    connector = config.get("kv_connector")
+    if connector is not None:
+        if connector not in VLLM_CONNECTORS:
+            raise ConfigError(
+                f"kv_transfer_config['kv_connector']={connector!r}: kvwire stands in for "
+                f"{' or '.join(VLLM_CONNECTORS)}"
+            )
+        values["mode"] = VLLM_CONNECTORS[connector]
+        values["transport"] = "nixl"
+    if config.get("engine_id") is not None:
+        values["engine_id"] = _parsed(
+            "kv_transfer_config['engine_id']", config["engine_id"], _engine_id
+        )
+    extra = config.get("kv_connector_extra_config") or {}
+    if not isinstance(extra, Mapping):
+        raise ConfigError(f"kv_connector_extra_config must be a mapping, got {extra!r}")
+    options: dict[str, Any] = {}
+    for key, raw in extra.items():
+        entry = VLLM_EXTRA_CONFIG_KEYS.get(key)
+        if entry is None:
+            if key not in VLLM_EXTRA_CONFIG_IGNORED:
+                hint = _suggest(
+                    key, sorted(VLLM_EXTRA_CONFIG_KEYS) + sorted(VLLM_EXTRA_CONFIG_IGNORED)
+                )
+                _log.warning("ignoring unknown kv_connector_extra_config key %r%s", key, hint)
+            continue
+        if raw is None:
+            continue
+        name, parse = entry
+        value = _parsed(f"kv_connector_extra_config[{key!r}]", raw, parse)
+        if name == "transport_options":
+            options.update(value)
+        elif key == "decoder_kv_blocks_ttl" and "push_registration_timeout" in extra:
+            continue  # push_registration_timeout wins, as in vLLM
+        else:
+            values[name] = value
+    if options:
+        values["transport_options"] = options
+    return values
+
+
+# -- the object -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, init=False)
+class KVWireConfig:
+    """Every knob of one rank's transfer runtime and of the ``kvwire`` commands.
+
+    Build it with keywords (the explicit layer); ``environ`` (default ``os.environ``),
+    ``config_file`` (default ``$KVWIRE_CONFIG``) and ``kv_transfer_config`` supply the other
+    layers. Rank facts and the compatibility factors come from the engine.
+    ``dataclasses.replace`` works and keeps every value as it is.
+    """
+
+    engine_id: str = ""
+    tp_rank: int = 0
+    tp_size: int = 1
+    pp_rank: int = 0
+    pp_size: int = 1
+    mode: Mode = "pull"
+    version: int = 13
+    """Protocol version: 13 (vLLM 0.31), 14 (0.32) or 15 (0.33)."""
+    transport: Any = "shm"
+    """``shm``, ``nixl``, ``ucx``, ``module:factory``, or a created transport object."""
+    transport_options: Mapping[str, Any] = field(default_factory=dict)
+    side_channel_host: str = "127.0.0.1"
+    """Where this engine's handshake listener binds (``0.0.0.0``: every interface)."""
+    side_channel_port: int = 0
+    """The engine's listener port; 0: the runtime starts a listener of its own."""
+    advertise_host: str | None = None
+    """The address put in ``kv_transfer_params`` and registrations; None: the bind host,
+    or for a wildcard bind the host's one routable address (else a ConfigError)."""
+    enforce_compat: bool = True
+    compat: CompatFactors | None = None
+    compat_hash: str | None = None
+    secret_file: str | None = None
+    """A file holding the handshake secret (read and checked when the config is built)."""
+    secret: bytes | None = field(default=None, repr=False)
+    """Shared secret of the authenticated handshake (``kvwire.sidechannel.auth``); never in
+    a repr or a log. None: vLLM's plain handshake."""
+    lease_s: float = 30.0
+    heartbeat_interval_s: float | None = None
+    registration_timeout_s: float = 30.0
+    engine_idle_ttl_s: float = 3600.0
+    handshake_timeout_s: float = 5.0
+    """Per attempt; a handshake may take ``(retries + 1)`` times this plus backoff."""
+    handshake_retries: int = 2
+    handshake_backoff_s: float = 0.1
+    poll_interval_s: float = 0.02
+    """Longest the background thread sleeps when nothing wakes it (timers, handshakes)."""
+    coalesce: bool = True
+    check_invariants: bool = True
+    agent_name: str | None = None
+    """The transport agent's name; default ``{engine_id}-{role}-pp{p}-tp{t}-{pid}``."""
+    log_level: str = "WARNING"
+
+    def __init__(
+        self,
+        *,
+        environ: Mapping[str, str] | None = None,
+        config_file: str | os.PathLike[str] | None = None,
+        kv_transfer_config: Mapping[str, Any] | str | None = None,
+        **given: Any,
+    ) -> None:
+        env = os.environ if environ is None else environ
+        unknown = sorted(set(given) - set(KNOBS))
+        if unknown:
+            hint = _suggest(unknown[0], list(KNOBS))
+            raise ConfigError(f"unknown configuration field {unknown[0]!r}{hint}")
+        values: dict[str, Any] = {
+            f.name: f.default_factory() if f.default_factory is not dataclasses.MISSING
+            else f.default
+            for f in dataclasses.fields(self)
+        }  # fmt: skip
+        path = config_file if config_file is not None else env.get(CONFIG_FILE_VAR) or None
+        if path is not None:
+            values.update(file_layer(path))
+        if kv_transfer_config is not None:
+            values.update(vllm_layer(kv_transfer_config))
+        values.update(env_layer(env))
+        for name, raw in given.items():
+            values[name] = _parsed(name, raw, KNOBS[name].parse)
+        if values["secret"] is None and values["secret_file"] is not None:
+            values["secret"] = load_secret(values["secret_file"])
+        for name, value in values.items():
+            object.__setattr__(self, name, value)
+        self._validate()
+
+    def _validate(self) -> None:
+        if not 0 <= self.tp_rank < self.tp_size:
+            raise ConfigError(f"tp_rank {self.tp_rank} outside [0, {self.tp_size})")
+        if not 0 <= self.pp_rank < self.pp_size:
+            raise ConfigError(f"pp_rank {self.pp_rank} outside [0, {self.pp_size})")
+        if self.compat is not None and self.compat.transfer_mode != self.mode:
+            raise ConfigError(
+                f"compat factors say transfer_mode {self.compat.transfer_mode!r}, "
+                f"the runtime runs {self.mode!r} (set both, or build the factors "
+                "with transfer_mode=config.mode)"
+            )
+
+    # -- views for the parts ---------------------------------------------------------
+
+    @property
+    def handshake(self) -> RetryPolicy:
+        """The handshake client's retry policy."""
+        return RetryPolicy(
+            timeout=self.handshake_timeout_s,
+            retries=self.handshake_retries,
+            backoff=self.handshake_backoff_s,
+        )
+
+    @property
+    def local_hash(self) -> str | None:
+        """The hash peers must present (None: unchecked)."""
+        if not self.enforce_compat:
+            return None
+        if self.compat_hash is not None:
+            return self.compat_hash
+        return self.compat.hash() if self.compat is not None else None
+
+    @property
+    def advertised_hash(self) -> str:
+        """The hash this rank puts in its own handshake payload."""
+        if self.compat_hash is not None:
+            return self.compat_hash
+        if self.compat is not None:
+            return self.compat.hash()
+        raise ConfigError("a rank that serves handshakes needs compat factors or compat_hash")
+
+    def handshake_budget_s(self) -> float:
+        """Longest a handshake may take with every retry: the machine's own timeout."""
+        policy = self.handshake
+        waits = sum(policy.delay(i) for i in range(1, policy.retries + 1))
+        return policy.timeout * (policy.retries + 1) + waits + 1.0
+
+    def machine_config(self, *, mla: bool = False, host: str = "", port: int = 0) -> MachineConfig:
+        """The sans-IO machine's sub-structure; ``host``/``port`` are what the runtime
+        advertises (its listener's real address)."""
+        from kvwire.machine import MachineConfig, TransferMode
+
+        if not self.engine_id:
+            raise ConfigError("engine_id is not set (pass engine_id=... or set KVWIRE_ENGINE_ID)")
+        return MachineConfig(
+            engine_id=self.engine_id,
+            tp_rank=self.tp_rank,
+            tp_size=self.tp_size,
+            pp_rank=self.pp_rank,
+            pp_size=self.pp_size,
+            mode=TransferMode(self.mode),
+            host=host,
+            port=port,
+            mla=mla,
+            lease_s=self.lease_s,
+            heartbeat_interval_s=self.heartbeat_interval_s,
+            handshake_timeout_s=self.handshake_budget_s(),
+            engine_idle_ttl_s=self.engine_idle_ttl_s,
+            registration_timeout_s=self.registration_timeout_s,
+            check_invariants=self.check_invariants,
+        )
+
+    def transport_kwargs(self) -> dict[str, Any]:
+        """The options to create :attr:`transport` with."""
+        return dict(self.transport_options)
+
+    def as_env(self) -> dict[str, str]:
+        """This configuration as ``KVWIRE_*`` variables (to hand to a worker process);
+        fields without a variable (ranks, factors, the secret's bytes) are left out."""
+        out: dict[str, str] = {}
+        for var, name in ENV_VARS.items():
+            value = getattr(self, name)
+            if value is None or (name == "transport" and not isinstance(value, str)):
+                continue
+            if isinstance(value, bool):
+                out[var] = "1" if value else "0"
+            elif isinstance(value, Mapping):
+                out[var] = json.dumps(dict(value), sort_keys=True)
+            else:
+                out[var] = str(value)
+        return out

@@ -77,6 +77,12 @@ class HandshakeTimeoutError(HandshakeError, TimeoutError):
     """The peer did not answer the handshake in time."""
 
 
+class PeerUnreachableError(HandshakeError):
+    """No connection to the peer's side channel: its name does not resolve, or its host
+    refused the connection (nothing listens on that port). Reported at once, not after
+    the handshake timeout."""
+
+
 class HandshakeAuthError(HandshakeError):
     """The authenticated handshake failed: no secret, a different secret, a peer that does
     not authenticate, or an answer that is forged or replayed. No metadata was used."""

@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import enum
 import time
+import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from importlib import metadata as importlib_metadata
@@ -198,8 +199,9 @@ def load(name: str) -> TransportFactory:
         try:
             module = __import__(module_name, fromlist=[attr])
             factory: TransportFactory = getattr(module, attr)
-        except (ImportError, AttributeError) as exc:
+        except (ImportError, AttributeError, ValueError) as exc:
             raise TransportUnavailableError(f"cannot load transport {name!r}: {exc}") from exc
+        _check_factory(name, factory)
         return factory
     for ep in importlib_metadata.entry_points(group=ENTRY_POINT_GROUP):
         if ep.name == name:
@@ -215,9 +217,34 @@ def load(name: str) -> TransportFactory:
     raise TransportUnavailableError(f"no transport named {name!r} (installed: {known})")
 
 
+_TRANSPORT_METHODS = ("register", "local_metadata", "add_peer", "read", "poll", "close")
+
+
+def _check_factory(name: str, factory: object) -> None:
+    """A ``module:attr`` that names something else (a module, a constant, a class without
+    the transport's methods) is refused here, not found out in a worker process."""
+    if isinstance(factory, types.ModuleType) or not callable(factory):
+        raise TransportUnavailableError(
+            f"{name!r} is a {type(factory).__name__}, not a transport factory"
+        )
+    if isinstance(factory, type):
+        missing = [m for m in _TRANSPORT_METHODS if not callable(getattr(factory, m, None))]
+        if missing:
+            raise TransportUnavailableError(
+                f"{name!r} is not a transport class (it lacks {', '.join(missing)})"
+            )
+
+
 def create(transport: str, name: str, **options: Any) -> Transport:
     """Load a transport by name and start one agent of it."""
-    return load(transport)(name, **options)
+    agent = load(transport)(name, **options)
+    missing = [m for m in _TRANSPORT_METHODS if not callable(getattr(agent, m, None))]
+    if missing:
+        raise TransportUnavailableError(
+            f"{transport!r} made a {type(agent).__name__}, not a transport "
+            f"(it lacks {', '.join(missing)})"
+        )
+    return agent
 
 
 def as_descs(descs: npt.ArrayLike) -> Descs:

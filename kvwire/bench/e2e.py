@@ -49,12 +49,13 @@ import numpy.typing as npt
 
 from kvwire.bench.e2e_peer import marker
 from kvwire.bench.report import Report, Result
+from kvwire.config import KVWireConfig
 from kvwire.demo.engines import blocks_for
 from kvwire.demo.framing import FrameWriter, close_pipes, read_frame, spawn, wait_or_kill
 from kvwire.demo.models import BLOCK_TOKENS, CacheSpec, preset
 from kvwire.demo.worker import allocate
 from kvwire.errors import KVWireError, TransportError
-from kvwire.runtime import Consumer, RuntimeConfig
+from kvwire.runtime import Consumer
 
 MODEL = "llama-3-8b"
 TRANSPORT = "shm"
@@ -237,7 +238,7 @@ def _bench(max_tokens: int, memory: str) -> Iterator[_Bench]:
     consumer: Consumer | None = None
     try:
         consumer = Consumer(
-            RuntimeConfig(engine_id="bench-decode", compat=spec.compat("pull")), TRANSPORT
+            KVWireConfig(engine_id="bench-decode", compat=spec.compat("pull")), TRANSPORT
         )
         consumer.register_kv_caches(spec.geometry(int(buffer.ctypes.data)))
         bench = _Bench(spec, buffer, consumer, prefill, scratch)

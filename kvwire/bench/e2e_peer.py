@@ -22,10 +22,11 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from kvwire.config import KVWireConfig
 from kvwire.demo.framing import FrameWriter, commands, read_frame
 from kvwire.demo.models import CacheSpec, preset
 from kvwire.demo.worker import allocate
-from kvwire.runtime import Producer, RuntimeConfig
+from kvwire.runtime import Producer
 from kvwire.sidechannel import HandshakeListener
 
 
@@ -50,7 +51,7 @@ def main() -> int:
     view = buffer.reshape(spec.layers, spec.num_blocks, spec.block_len)
     view[:] = marker(spec.layers, np.arange(spec.num_blocks, dtype=np.int64))[:, :, None]
     listener = HandshakeListener({}).start()
-    config = RuntimeConfig(
+    config = KVWireConfig(
         engine_id=str(init["engine_id"]),
         side_channel_port=listener.port,
         compat=spec.compat("pull"),

@@ -11,10 +11,11 @@ import importlib
 import json
 import sys
 
-from kvwire.bench import plot
 from kvwire.errors import ConfigError
 
 SUITES = ("layout", "wire", "machine", "transport", "e2e")
+NO_CHARTS = frozenset({"layout"})
+"""Suites whose figures are single points, with no sweep for ``--plot`` to draw."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -26,13 +27,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from kvwire.bench import plot
+
     every = not args.suites
     names = list(args.suites) or list(SUITES)
     for name in names:
         if name not in SUITES:
             raise ConfigError(f"unknown bench suite {name!r} (choose from {', '.join(SUITES)})")
     if args.plot:
+        charted = [n for n in names if n not in NO_CHARTS]
+        if not charted:
+            raise ConfigError(
+                f"--plot: the {', '.join(names)} suite has no sweeps to chart "
+                f"(charts come from {', '.join(s for s in SUITES if s not in NO_CHARTS)})"
+            )
         plot.require_matplotlib()  # fail before spending minutes on the suites
+    if args.transport:
+        from kvwire.commands.demo import check_transport
+
+        for transport in args.transport:
+            check_transport(transport)
     reports = []
     for name in names:
         try:

@@ -9,9 +9,11 @@ agents in separate processes; the exit status is nonzero when any test failed.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -118,10 +120,53 @@ def _table(tests: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def _check_agent(transport: str, options: list[str]) -> None:
+    """Start and close one agent with the options, so an unknown transport, a ``module:attr``
+    that is no factory or an option it does not take is a usage error."""
+    from kvwire.errors import KVWireError
+    from kvwire.transport import create
+
+    kwargs: dict[str, Any] = {}
+    for option in options:
+        key, sep, raw = option.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"-o wants KEY=VALUE, got {option!r}")
+        try:
+            kwargs[key] = json.loads(raw)
+        except ValueError:
+            kwargs[key] = raw
+    try:
+        agent = create(transport, f"kvwire-conformance-check-{os.getpid()}", **kwargs)
+    except KVWireError:
+        raise
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"cannot start transport {transport!r} with {kwargs}: {exc}") from None
+    agent.close()
+
+
+def _call(cmd: list[str], stdout: int | None) -> int:
+    """Run pytest in its own process group: Ctrl-C reaches only us, and we end the whole
+    group (pytest and the agents it started) before reporting the interruption."""
+    proc = subprocess.Popen(cmd, stdout=stdout, process_group=0)
+    try:
+        return proc.wait()
+    except BaseException:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        raise
+
+
 def run(args: argparse.Namespace) -> int:
     for module in ("pytest", "kvwire_conformance"):
         if importlib.util.find_spec(module) is None:
             raise ConfigError(f"kvwire conformance needs {module!r}: pip install 'kvwire[dev]'")
+    _check_agent(args.transport, args.option)  # one line here, not pytest's page
     with tempfile.TemporaryDirectory(prefix="kvwire-conformance-") as tmp:
         report = os.path.join(tmp, "report.json")
         ini = os.path.join(tmp, "pytest.ini")
@@ -129,7 +174,7 @@ def run(args: argparse.Namespace) -> int:
             out.write("[pytest]\n")
         cmd = _pytest_command(args, report, ini, tmp)
         stdout = subprocess.DEVNULL if args.json else None
-        code = subprocess.call(cmd, stdout=stdout)
+        code = _call(cmd, stdout)
         if code == PYTEST_USAGE_ERROR or not os.path.exists(report):
             raise ConfigError(
                 f"the conformance run for {args.transport!r} could not start "

@@ -54,6 +54,8 @@ def run(args: argparse.Namespace) -> int:
     if args.version is not None:
         protocol(args.version)  # refuse unknown versions up front
     data = _read(args.file)
+    if not data.strip():
+        raise ConfigError(f"{args.file} is empty: no message to decode")
     if args.hex or (_HEX.fullmatch(data) and not data.lstrip().startswith(b"{")):
         try:
             data = bytes.fromhex(data.decode("ascii"))

@@ -1,9 +1,10 @@
 """Fetch a live engine's handshake (kvwire or vLLM), decode it and print its metadata.
 
-With --factors FILE (a JSON object of compatibility factors, as `kvwire compat-hash`
-takes) it also says whether this engine would be compatible and which factors differ:
-the tool for "hash mismatch" at 3 a.m. Exit status 1 when --factors shows a mismatch.
-With --secret-file it speaks the authenticated handshake of an engine that requires it.
+With --factors FILE (the factors or settings file `kvwire compat-hash` reads, through the
+same loader and comparison) it also says whether this engine would be compatible and which
+factors differ: the tool for "hash mismatch" at 3 a.m. Exit status 1 when --factors shows
+a mismatch. With --secret-file it speaks the authenticated handshake of an engine that
+requires it. A refused connection or an unknown host is reported at once.
 """
 
 from __future__ import annotations
@@ -11,14 +12,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 from typing import Any
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("address", metavar="HOST:PORT", help="the engine's side channel")
-    parser.add_argument("--pp-rank", type=int, default=0)
-    parser.add_argument("--tp-rank", type=int, default=0)
+    parser.add_argument("--pp-rank", type=int, default=0, help="pipeline stage to ask for")
+    parser.add_argument("--tp-rank", type=int, default=0, help="TP rank to ask for")
     parser.add_argument("--factors", metavar="FILE", help="local compatibility factors (JSON)")
     parser.add_argument(
         "--version",
@@ -26,38 +26,47 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="protocol version to decode with (default: the peer's, else 13)",
     )
-    parser.add_argument("--timeout", type=float, default=5.0, help="seconds per attempt")
-    parser.add_argument("--retries", type=int, default=1)
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        help="seconds per attempt (default: $KVWIRE_HANDSHAKE_TIMEOUT_S, else 5)",
+    )
+    parser.add_argument(
+        "--retries", type=int, help="retries (default: $KVWIRE_HANDSHAKE_RETRIES, else 2)"
+    )
     parser.add_argument(
         "--secret-file",
         metavar="PATH",
-        help="shared secret of an engine that runs authenticated handshakes",
+        help="shared secret of an engine that runs authenticated handshakes "
+        "(default: $KVWIRE_SECRET_FILE)",
     )
-    parser.add_argument("--json", action="store_true", help="print JSON")  # fmt: skip
+    parser.add_argument("--json", action="store_true", help="print JSON")
 
 
 def run(args: argparse.Namespace) -> int:
     import msgspec
 
-    from kvwire.compat import CompatFactors, compatibility_hash, explain, format_differences
+    from kvwire.commands import load_config
+    from kvwire.compat import CompatFactors, format_differences
     from kvwire.errors import ConfigError, HandshakeError, IncompatiblePeerError, WireDecodeError
-    from kvwire.sidechannel import HandshakeClient, RetryPolicy, load_secret, parse_host_port
+    from kvwire.factors_file import Comparison, compare, load_factors
+    from kvwire.sidechannel import HandshakeClient, parse_host_port
     from kvwire.wire.handshake import decode_handshake, decode_handshake_payload, peer_version
+    from kvwire.wire.versions import protocol
 
     host, port = parse_host_port(args.address)
-    if args.pp_rank < 0 or args.tp_rank < 0:
-        raise ConfigError("--pp-rank and --tp-rank must be >= 0")
-    local: dict[str, Any] | None = None
-    if args.factors:
-        try:
-            local = json.loads(Path(args.factors).read_text())
-        except (OSError, ValueError) as exc:
-            raise ConfigError(f"cannot read factors from {args.factors}: {exc}") from None
-        if not isinstance(local, dict):
-            raise ConfigError(f"{args.factors} does not hold a JSON object of factors")
-    secret = load_secret(args.secret_file) if args.secret_file else None
-    policy = RetryPolicy(timeout=args.timeout, retries=args.retries)
-    with HandshakeClient(policy, secret=secret) as client:
+    if not (0 <= args.pp_rank < 1024 and 0 <= args.tp_rank < 1024):
+        raise ConfigError("--pp-rank and --tp-rank must be from 0 to 1023")
+    if args.version is not None:
+        protocol(args.version)  # refuse unknown versions before dialling
+    local = load_factors(args.factors) if args.factors else None
+    config = load_config(
+        args,
+        handshake_timeout_s=args.timeout,
+        handshake_retries=args.retries,
+        secret_file=args.secret_file,
+    )
+    with HandshakeClient(config.handshake, secret=config.secret) as client:
         replies = client.fetch_payloads(host, port, [(args.pp_rank, args.tp_rank)])
     reply = replies.replies[(args.pp_rank, args.tp_rank)]
     try:
@@ -73,40 +82,32 @@ def run(args: argparse.Namespace) -> int:
         "clock_offset_s": reply.offset,
         "compatibility_hash": payload.compatibility_hash,
         "peer": "kvwire" if payload.kvwire is not None else "vLLM (or kvwire without factors)",
-        "authenticated": secret is not None,
+        "authenticated": config.secret is not None,
         "peer_version": peer_version(payload),
         "decoded_as_version": version,
         "metadata": _metadata_dict(msgspec.to_builtins(metadata), len(metadata.agent_metadata)),
     }
-    if payload.kvwire is not None and payload.kvwire.factors is not None:
-        report["peer_factors"] = payload.kvwire.factors
+    peer_factors = payload.kvwire.factors if payload.kvwire is not None else None
+    if peer_factors is not None:
+        report["peer_factors"] = peer_factors
     compatible = True
     if local is not None:
-        local_hash = compatibility_hash(local)
-        compatible = local_hash == payload.compatibility_hash
-        differing: dict[str, Any] = {}
-        how = "equal hashes" if compatible else "unknown (peer did not state its factors)"
-        if not compatible and payload.kvwire is not None and payload.kvwire.factors:
-            differing = explain(local, payload.kvwire.factors)
-            how = "from the factors the peer states"
-        elif not compatible:
-            try:
+        result = compare(local, payload.compatibility_hash, peer_factors or None)
+        if not result.compatible and not result.differing:
+            try:  # a vLLM peer states no factors: guess which one it changed
                 decode_handshake(
-                    reply.payload, local_hash=local_hash, version=version,
-                    local_factors=CompatFactors.from_dict(local),
+                    reply.payload, local_hash=result.local_hash, version=version,
+                    local_factors=CompatFactors.from_dict(local.as_dict()),
                 )  # fmt: skip
             except IncompatiblePeerError as exc:
-                differing = dict(getattr(exc, "differing", {}))
-                if differing:
+                guessed = dict(getattr(exc, "differing", {}))
+                if guessed:
                     how = "guessed: recomputed the peer's hash with these factors changed"
-            except ConfigError:
-                pass
+                    result = Comparison(result.local_hash, result.remote_hash, False, guessed, how)
+        compatible = result.compatible
         report["compatibility"] = {
-            "local_hash": local_hash,
-            "compatible": compatible,
-            "differing": {k: [a, b] for k, (a, b) in differing.items()},
-            "how": how,
-            "summary": format_differences(differing) if differing else "",
+            **result.as_dict(),
+            "summary": format_differences(result.differing) if result.differing else "",
         }
     if args.json:
         sys.stdout.write(json.dumps(report, indent=2, default=str) + "\n")

@@ -42,10 +42,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import math
+
     from kvwire.demo.soak import SoakOptions, soak
 
+    for flag, value in (
+        ("--seconds", args.seconds),
+        ("--kill-every", args.kill_every),
+        ("--report-every", args.report_every),
+        ("--downtime", args.downtime[0]),
+        ("--downtime", args.downtime[1]),
+    ):
+        if not math.isfinite(value) or value < 0 or value > 7 * 24 * 3600:
+            raise ConfigError(f"{flag} must be a number of seconds up to a week, got {value}")
     if args.report_every <= 0:
         raise ConfigError(f"--report-every must be positive, got {args.report_every}")
+    if args.seed < 0:
+        raise ConfigError(f"--seed must be >= 0, got {args.seed}")
     demo = workload_options(args, requests=1, progress=False)
     options = SoakOptions(
         seconds=args.seconds,
@@ -57,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
         report_every_s=args.report_every,
     )
     options.validate()
-    check_transport(args.transport)
+    check_transport(demo.transport)
     summary = soak(options)
     write_summary(summary, as_json=args.json)
     return 0 if summary.ok else 1

@@ -14,38 +14,57 @@ import msgspec
 import zmq
 
 from kvwire.demo.engines import PrefillEngine
-from kvwire.errors import HandshakeTimeoutError, KVWireError
+from kvwire.errors import ConfigError, HandshakeTimeoutError, KVWireError, PeerUnreachableError
 from kvwire.sidechannel import tcp_endpoint
+from kvwire.sidechannel.client import dial
 
 log = logging.getLogger(__name__)
 _decoder = msgspec.msgpack.Decoder(dict[str, Any])
 
 
-def serve(engine: PrefillEngine, host: str, port: int, *, poll_s: float = 0.5) -> None:
+class ControlServer:
+    """The bound REP socket of the prefill side; bound before the engine starts, so a
+    taken port is a one-line error and not a traceback after "listening on"."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        self.sock = self._ctx.socket(zmq.REP)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, 1 << 20)
+        if ":" in host.strip("[]"):
+            self.sock.setsockopt(zmq.IPV6, 1)
+        try:
+            self.sock.bind(tcp_endpoint(host, port))
+        except zmq.ZMQError as exc:
+            self.close()
+            raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+        self._ctx.term()
+
+
+def bind(host: str, port: int) -> ControlServer:
+    return ControlServer(host, port)
+
+
+def serve(engine: PrefillEngine, server: ControlServer, *, poll_s: float = 0.5) -> None:
     """Answer control requests until ``bye``; reclaims blocks while idle."""
-    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    sock = ctx.socket(zmq.REP)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.MAXMSGSIZE, 1 << 20)
-    try:
-        sock.bind(tcp_endpoint(host, port))
-        while True:
-            if not sock.poll(int(poll_s * 1000)):
-                engine.reclaim()
-                continue
-            try:
-                msg = _decoder.decode(sock.recv())
-                answer, stop = _handle(engine, msg)
-            except (msgspec.DecodeError, msgspec.ValidationError, KeyError, TypeError) as exc:
-                answer, stop = {"ok": False, "error": f"bad control message: {exc}"}, False
-            except KVWireError as exc:
-                answer, stop = {"ok": False, "error": str(exc)}, False
-            sock.send(msgspec.msgpack.encode(answer))
-            if stop:
-                return
-    finally:
-        sock.close(linger=0)
-        ctx.term()
+    sock = server.sock
+    while True:
+        if not sock.poll(int(poll_s * 1000)):
+            engine.reclaim()
+            continue
+        try:
+            msg = _decoder.decode(sock.recv())
+            answer, stop = _handle(engine, msg)
+        except (msgspec.DecodeError, msgspec.ValidationError, KeyError, TypeError) as exc:
+            answer, stop = {"ok": False, "error": f"bad control message: {exc}"}, False
+        except KVWireError as exc:
+            answer, stop = {"ok": False, "error": str(exc)}, False
+        sock.send(msgspec.msgpack.encode(answer))
+        if stop:
+            return
 
 
 def _handle(engine: PrefillEngine, msg: dict[str, Any]) -> tuple[dict[str, Any], bool]:
@@ -70,6 +89,12 @@ class PrefillClient:
     """The decode side's handle on a remote prefill engine (same calls as PrefillEngine)."""
 
     def __init__(self, host: str, port: int, *, timeout: float = 60.0) -> None:
+        try:
+            dial(host, port, min(timeout, 5.0))  # refused / unknown host: say so now
+        except ConnectionRefusedError:
+            raise PeerUnreachableError(
+                f"connection refused by {host}:{port} (no prefill side listens there)"
+            ) from None
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self._sock = self._ctx.socket(zmq.REQ)
         self._sock.setsockopt(zmq.LINGER, 0)

@@ -36,7 +36,6 @@ class EngineOptions:
     advertise_host: str | None = None
     """The host peers are told to dial (defaults to ``host``)."""
     lease_s: float = 30.0
-    handshake_timeout: float = 5.0
     secret: bytes | None = field(default=None, repr=False)
     """Shared secret of the authenticated handshake; None: vLLM's plain handshake."""
     block_tokens: int = BLOCK_TOKENS
@@ -58,7 +57,6 @@ class EngineOptions:
             "side_channel_host": self.advertise_host or self.host,
             "side_channel_port": side_channel_port,
             "lease_s": self.lease_s,
-            "handshake_timeout": self.handshake_timeout,
             "secret": self.secret.hex() if self.secret is not None else None,
             "block_tokens": self.block_tokens,
             **self.rank_extra,

@@ -71,7 +71,9 @@ def commands(stream: IO[bytes]) -> Iterator[dict[str, Any]]:
 
 def spawn(module: str, *args: str, env: Mapping[str, str] | None = None) -> subprocess.Popen[bytes]:
     """``python -m module args``: stdin and stdout piped for the protocol, stderr inherited
-    for its logs, environment this one's plus ``env``."""
+    for its logs, environment this one's plus ``env``. The child runs in its own process
+    group, so Ctrl-C interrupts the parent alone and the parent ends its children in order
+    (a child whose parent vanished sees its stdin close and exits)."""
     child_env = {**os.environ, **(env or {})}
     child_env.setdefault("PYTHONUNBUFFERED", "1")
     proc = subprocess.Popen(
@@ -79,6 +81,7 @@ def spawn(module: str, *args: str, env: Mapping[str, str] | None = None) -> subp
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         env=child_env,
+        process_group=0,  # a terminal's Ctrl-C reaches only the parent, which stops us
     )
     assert proc.stdin is not None and proc.stdout is not None
     return proc

@@ -16,10 +16,14 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from kvwire.config import MAX_SECONDS
 from kvwire.demo.engines import DecodeEngine, EngineOptions, PrefillEngine, blocks_for
 from kvwire.demo.models import CacheSpec, preset
 from kvwire.demo.summary import GIB, Progress, Summary
 from kvwire.errors import ConfigError
+
+MAX_ENGINE_BYTES = 16 * GIB
+"""Most KV memory one demo engine allocates (summed over its ranks)."""
 
 
 @dataclass(frozen=True)
@@ -39,12 +43,29 @@ class DemoOptions:
     """Both engines' handshake secret (``--secret-file``); None: plain handshakes."""
 
     def validate(self) -> None:
-        if self.tokens < 1 or self.requests < 1 or self.concurrency < 1:
-            raise ConfigError("--tokens, --requests and --concurrency must be >= 1")
+        """Every value checked before any process starts (a bad one is a ConfigError)."""
+        for flag, value, low, high in (
+            ("--tokens", self.tokens, 1, 1 << 20),
+            ("--requests", self.requests, 1, 10_000_000),
+            ("--concurrency", self.concurrency, 1, 1024),
+            ("--layers", self.layers, 1, 1024),
+            ("--p-tp", self.p_tp, 1, 64),
+            ("--d-tp", self.d_tp, 1, 64),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+                raise ConfigError(f"{flag} must be an integer from {low} to {high}, got {value!r}")
         if self.mode not in ("pull", "push"):
             raise ConfigError(f"--mode must be pull or push, got {self.mode!r}")
+        if not (isinstance(self.lease_s, (int, float)) and 0 < self.lease_s <= MAX_SECONDS):
+            raise ConfigError(f"--lease must be a number of seconds in (0, {MAX_SECONDS:g}]")
         for tp in (self.p_tp, self.d_tp):
-            CacheSpec(preset(self.model), self.layers, 1, 0, tp)
+            spec = CacheSpec(preset(self.model), self.layers, self.num_blocks, 0, tp)
+            if spec.total_bytes * tp > MAX_ENGINE_BYTES:
+                raise ConfigError(
+                    f"the demo would allocate {spec.total_bytes * tp / GIB:.1f} GiB of KV cache "
+                    f"per engine (at most {MAX_ENGINE_BYTES / GIB:g}); lower --tokens, "
+                    "--concurrency or --layers"
+                )
 
     @property
     def num_blocks(self) -> int:
@@ -120,7 +141,8 @@ def drive(
                     summary.failures[reason] = summary.failures.get(reason, 0) + 1
             summary.bytes_checked += res.checked_bytes
             summary.bytes_wrong += res.wrong_bytes
-            summary.ttkv_s.append(res.time_to_kv)
+            if res.ok:  # time to KV is a success's figure; failures are counted above
+                summary.ttkv_s.append(res.time_to_kv)
             if on_result is not None:
                 on_result(res)
         progress.update(summary.done + summary.failed, summary.failed,

@@ -18,6 +18,7 @@ import contextlib
 import importlib
 import logging
 import os
+import signal
 import sys
 import threading
 import time
@@ -28,12 +29,13 @@ import numpy as np
 import numpy.typing as npt
 
 from kvwire.compat import CompatFactors
+from kvwire.config import KVWireConfig
 from kvwire.demo.content import count_wrong_bytes, fill, scribble
 from kvwire.demo.framing import FrameWriter, commands, read_frame
 from kvwire.demo.models import BLOCK_TOKENS, CacheSpec, preset
+from kvwire.errors import KVWireError
 from kvwire.geometry import KVGeometry
-from kvwire.runtime import Consumer, Producer, RuntimeConfig
-from kvwire.sidechannel import RetryPolicy
+from kvwire.runtime import Consumer, Producer
 from kvwire.transport import load
 
 log = logging.getLogger("kvwire.demo.worker")
@@ -88,17 +90,19 @@ def _compat(init: dict[str, Any], spec: CacheSpec) -> CompatFactors:
     return msgspec.convert(factors, CompatFactors)
 
 
-def _config(init: dict[str, Any], spec: CacheSpec) -> RuntimeConfig:
-    return RuntimeConfig(
+def _config(init: dict[str, Any], spec: CacheSpec) -> KVWireConfig:
+    """This rank's configuration: what the scheduler decided, explicitly; everything else
+    (handshake timeouts, ...) from the ``KVWIRE_*`` variables the demo inherited."""
+    return KVWireConfig(
         engine_id=init["engine_id"],
         tp_rank=spec.tp_rank,
         tp_size=spec.tp_size,
         mode=init["mode"],
+        transport=init["transport"],
         side_channel_host=init["side_channel_host"],
         side_channel_port=int(init["side_channel_port"]),
         compat=_compat(init, spec),
         lease_s=float(init.get("lease_s", 30.0)),
-        handshake=RetryPolicy(timeout=float(init.get("handshake_timeout", 5.0)), retries=1),
         secret=bytes.fromhex(init["secret"]) if init.get("secret") else None,
     )
 
@@ -204,9 +208,10 @@ def run_decode(reader: Any, out: FrameWriter, init: dict[str, Any]) -> None:
 
 
 def main() -> int:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the scheduler ends us, in order
     logging.basicConfig(
         stream=sys.stderr,
-        level=os.environ.get("KVWIRE_DEMO_LOG", "WARNING"),
+        level=KVWireConfig().log_level,  # KVWIRE_LOG_LEVEL, as `kvwire -v` exports it
         format="%(asctime)s %(process)d %(name)s %(levelname)s %(message)s",
     )
     reader = sys.stdin.buffer
@@ -220,6 +225,12 @@ def main() -> int:
             run_prefill(reader, out, init)
         else:
             run_decode(reader, out, init)
+    except BrokenPipeError:
+        return 1  # the scheduler is gone: nobody to tell
+    except KVWireError as exc:  # a cause the scheduler prints in its one line
+        with contextlib.suppress(OSError):
+            out.send({"ok": False, "event": "error", "error": str(exc)})
+        return 1
     except Exception as exc:
         log.exception("demo rank failed")
         with contextlib.suppress(OSError):

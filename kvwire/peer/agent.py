@@ -65,7 +65,11 @@ class PeerAgent:
         child_env.update(env or {})
         try:
             self.process = subprocess.Popen(
-                cmd, pass_fds=[theirs.fileno()], env=child_env, stdin=subprocess.DEVNULL
+                cmd,
+                pass_fds=[theirs.fileno()],
+                env=child_env,
+                stdin=subprocess.DEVNULL,
+                process_group=0,  # Ctrl-C reaches the parent, which ends us in order
             )
         finally:
             theirs.close()

@@ -7,7 +7,6 @@ threads while the engine makes the calls it already makes.
 
 from __future__ import annotations
 
-from kvwire.runtime.config import RuntimeConfig
 from kvwire.runtime.consumer import Consumer, Finished, RequestFailure
 from kvwire.runtime.driver import regions_of
 from kvwire.runtime.metrics import Metrics, RequestMetrics
@@ -21,6 +20,5 @@ __all__ = [
     "Producer",
     "RequestFailure",
     "RequestMetrics",
-    "RuntimeConfig",
     "regions_of",
 ]

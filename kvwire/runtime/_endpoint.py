@@ -5,6 +5,12 @@ threads) behind the engine's calls, plus a buffer of ended requests the driver's
 fill and the engine drains. The two sides differ only in what that buffer holds and how an
 outcome lands in it, which each names with :meth:`_Endpoint._empty_finished` and
 :meth:`_Endpoint._on_outcome`.
+
+A rank that peers dial (a producer; a push-mode consumer) must advertise a real address.
+With ``side_channel_port`` set, the engine runs the listener (one for all its ranks) and the
+rank advertises that port; with port 0 the rank starts a listener of its own, serving its
+own handshake, and advertises the port the kernel picked. A wildcard bind host is
+advertised as the host's routable address (:mod:`kvwire.sidechannel.advertise`).
 """
 
 from __future__ import annotations
@@ -13,10 +19,13 @@ import threading
 from collections.abc import Sequence
 from typing import Any, Generic, TypeVar
 
+from kvwire.config import KVWireConfig
+from kvwire.errors import ConfigError
 from kvwire.geometry import KVGeometry
-from kvwire.runtime.config import RuntimeConfig
 from kvwire.runtime.driver import Driver, Outcome
 from kvwire.runtime.metrics import Metrics
+from kvwire.sidechannel import HandshakeListener
+from kvwire.sidechannel.advertise import advertised_host, advertised_port
 from kvwire.transport import Region, Transport
 
 FinishedT = TypeVar("FinishedT")
@@ -30,19 +39,30 @@ class _Endpoint(Generic[FinishedT]):
 
     def __init__(
         self,
-        config: RuntimeConfig,
-        transport: Transport | str,
+        config: KVWireConfig,
+        transport: Transport | str | None = None,
         *,
         transport_options: dict[str, Any] | None = None,
     ) -> None:
+        """``transport`` and ``transport_options`` default to the config's."""
         self.config = config
         self._finished = self._empty_finished()
         self._cv = threading.Condition()
+        self._listener: HandshakeListener | None = None
+        self._dialled = self._role == "producer" or config.mode == "push"
+        if self._dialled and config.side_channel_port == 0 and config.tp_size * config.pp_size > 1:
+            raise ConfigError(
+                f"side_channel_port=0 starts a listener serving only this rank, but the engine "
+                f"has {config.tp_size * config.pp_size} ranks: run one HandshakeListener for "
+                "all of them and pass side_channel_port=listener.port"
+            )
         self._driver = Driver(
             self._role,
             config,
-            transport,
-            transport_options=transport_options,
+            config.transport if transport is None else transport,
+            transport_options=(
+                config.transport_kwargs() if transport_options is None else transport_options
+            ),
             on_outcome=self._on_outcome,
         )
 
@@ -51,8 +71,34 @@ class _Endpoint(Generic[FinishedT]):
     def register_kv_caches(
         self, geometry: KVGeometry, regions: Sequence[Region] | None = None
     ) -> None:
-        """Register the rank's KV cache; ``regions`` default to the spans the geometry covers."""
-        self._driver.attach(geometry, regions)
+        """Register the rank's KV cache; ``regions`` default to the spans the geometry covers.
+
+        A rank peers dial starts its own handshake listener here when the config names no
+        port, and serves its handshake from it."""
+        cfg = self.config
+        advertise = ("", 0)
+        if self._dialled:
+            host = advertised_host(cfg.side_channel_host, cfg.advertise_host)
+            port = cfg.side_channel_port
+            if port == 0:
+                self._listener = HandshakeListener(
+                    {}, host=cfg.side_channel_host, port=0, secret=cfg.secret
+                ).start()
+                port = advertised_port(self._listener.port)
+            advertise = (host, port)
+        try:
+            self._driver.attach(geometry, regions, advertise=advertise)
+            if self._listener is not None:
+                key = (cfg.pp_rank, cfg.tp_rank)
+                self._listener.set_payloads({key: self._driver.handshake_payload()})
+        except BaseException:
+            self._close_listener()
+            raise
+
+    @property
+    def side_channel(self) -> tuple[str, int]:
+        """The host and port this rank advertises (after :meth:`register_kv_caches`)."""
+        return self._driver.advertise
 
     # -- engine calls --------------------------------------------------------------
 
@@ -80,8 +126,15 @@ class _Endpoint(Generic[FinishedT]):
         return list(self._driver.errors)
 
     def close(self) -> None:
-        """Stop every thread, release transfers, deregister, close an owned transport."""
+        """Stop every thread, release transfers, deregister, close an owned transport and
+        an owned listener."""
+        self._close_listener()
         self._driver.close()
+
+    def _close_listener(self) -> None:
+        listener, self._listener = self._listener, None
+        if listener is not None:
+            listener.close()
 
     def __enter__(self: EndpointT) -> EndpointT:
         return self

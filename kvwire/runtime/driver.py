@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvwire import topology
+from kvwire.config import KVWireConfig
 from kvwire.errors import (
     ConfigError,
     DescriptorError,
@@ -33,6 +34,7 @@ from kvwire.errors import (
     IncompatiblePeerError,
     KVWireError,
     LocalProtocolError,
+    PeerUnreachableError,
     TransportError,
 )
 from kvwire.geometry import KVGeometry, RemoteGeometry
@@ -66,7 +68,6 @@ from kvwire.machine import (
     TransferFailed,
     TransferPosted,
 )
-from kvwire.runtime.config import RuntimeConfig
 from kvwire.runtime.metrics import Metrics
 from kvwire.sidechannel import HandshakeClient, fetch_agent_metadata
 from kvwire.transport import Descs, MemKind, Region, Transport, XferState, create
@@ -135,13 +136,15 @@ class Driver:
     def __init__(
         self,
         role: str,
-        config: RuntimeConfig,
+        config: KVWireConfig,
         transport: Transport | str,
         *,
         transport_options: dict[str, object] | None = None,
         on_outcome: Callable[[Outcome], None],
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
+        if not config.engine_id:
+            raise ConfigError("engine_id is not set (pass engine_id=... or set KVWIRE_ENGINE_ID)")
         self.role = role
         self.config = config
         self.metrics = Metrics(role)
@@ -171,6 +174,8 @@ class Driver:
         self._feeding = False
         self.machine: Machine | None = None
         self.geometry: KVGeometry | None = None
+        self.advertise: tuple[str, int] = ("", 0)
+        """Where peers reach this rank's side channel (set by :meth:`attach`)."""
         self._registration: object | None = None
         self._engines: dict[str, _PeerEngine] = {}
         self._xfers: dict[int, _Xfer] = {}
@@ -185,8 +190,17 @@ class Driver:
 
     # ------------------------------------------------------------------ lifecycle
 
-    def attach(self, geometry: KVGeometry, regions: Sequence[Region] | None = None) -> None:
-        """Register the KV cache with the transport, build the machine, start the threads."""
+    def attach(
+        self,
+        geometry: KVGeometry,
+        regions: Sequence[Region] | None = None,
+        *,
+        advertise: tuple[str, int] = ("", 0),
+    ) -> None:
+        """Register the KV cache with the transport, build the machine, start the threads.
+
+        ``advertise`` is where this rank's side channel is reached (the listener's real
+        address), for the push registrations the machine sends."""
         with self._lock:
             if self._closed:
                 raise LocalProtocolError(f"{self.role} is closed")
@@ -201,7 +215,10 @@ class Driver:
             spans = list(regions) if regions is not None else regions_of(geometry)
             self._registration = self.transport.register(spans)
             self.geometry = geometry
-            machine_cfg = cfg.machine_config(mla=geometry.is_mla)
+            self.advertise = advertise
+            machine_cfg = cfg.machine_config(
+                mla=geometry.is_mla, host=advertise[0], port=advertise[1]
+            )
             self.machine = (
                 ProducerMachine(machine_cfg)
                 if self.role == "producer"
@@ -482,7 +499,8 @@ class Driver:
                 layouts[(pp, tp)] = layout
         except KVWireError as exc:
             kind = (
-                "timeout" if isinstance(exc, HandshakeTimeoutError)
+                "unreachable" if isinstance(exc, PeerUnreachableError)
+                else "timeout" if isinstance(exc, HandshakeTimeoutError)
                 else "incompatible" if isinstance(exc, IncompatiblePeerError)
                 else "error"
             )  # fmt: skip

@@ -59,6 +59,12 @@ class RequestMetrics:
         return out
 
 
+HANDSHAKE_FAILURE_KINDS = ("unreachable", "timeout", "incompatible", "transport", "error")
+"""Why a handshake failed: the peer refused the connection or does not resolve, it did not
+answer in time, its factors or geometry differ, the transport refused its metadata, or
+anything else (a refusal, an undecodable answer)."""
+
+
 @dataclass
 class _Totals:
     bytes: int = 0
@@ -79,6 +85,9 @@ class _Totals:
     peer_misbehaved: int = 0
     peers_lost: int = 0
     failures: dict[str, int] = field(default_factory=dict)
+    """Failed requests by reason (``RequestFailure.reason``): each request counted once."""
+    handshake_failures: dict[str, int] = field(default_factory=dict)
+    """Failed handshakes by kind (``HANDSHAKE_FAILURE_KINDS``); not requests."""
     freed: dict[str, int] = field(default_factory=dict)
 
 
@@ -159,8 +168,8 @@ class Metrics:
                 t.handshake_s += seconds
             else:
                 t.handshakes_failed += 1
-                key = f"handshake:{kind or 'error'}"
-                t.failures[key] = t.failures.get(key, 0) + 1
+                key = kind if kind in HANDSHAKE_FAILURE_KINDS else "error"
+                t.handshake_failures[key] = t.handshake_failures.get(key, 0) + 1
 
     def count(self, name: str, n: int = 1) -> None:
         """Bump one of the plain counters (``notifications_sent``, ``peers_lost``...)."""
@@ -235,13 +244,16 @@ class Metrics:
             (f"{prefix}_requests", "counter", "Requests that ended, by outcome.",
              [("_total", {**role, "outcome": "done"}, snap["requests_done"]),
               ("_total", {**role, "outcome": "failed"}, snap["requests_failed"])]),
-            (f"{prefix}_failures", "counter", "Failures by kind.",
+            (f"{prefix}_failures", "counter", "Failed requests, by reason.",
              [("_total", {**role, "kind": k}, v) for k, v in sorted(snap["failures"].items())]),
             (f"{prefix}_leases_expired", "counter", "Producer leases that ran out.",
              [("_total", role, snap["leases_expired"])]),
             (f"{prefix}_handshakes", "counter", "Side-channel handshakes, by outcome.",
              [("_total", {**role, "outcome": "ok"}, snap["handshakes_ok"]),
               ("_total", {**role, "outcome": "failed"}, snap["handshakes_failed"])]),
+            (f"{prefix}_handshake_failures", "counter", "Failed handshakes, by kind.",
+             [("_total", {**role, "kind": k}, v)
+              for k, v in sorted(snap["handshake_failures"].items())]),
             (f"{prefix}_notifications", "counter", "Notifications, by direction.",
              [("_total", {**role, "direction": "sent"}, snap["notifications_sent"]),
               ("_total", {**role, "direction": "received"}, snap["notifications_received"])]),

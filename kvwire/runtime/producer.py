@@ -15,7 +15,8 @@ from typing import Any
 
 import numpy as np
 
-from kvwire.errors import ConfigError
+from kvwire.errors import ConfigError, LocalProtocolError
+from kvwire.geometry import KVGeometry
 from kvwire.machine import (
     Abort,
     Event,
@@ -49,6 +50,22 @@ def as_block_ids(block_ids: BlockIdsLike) -> tuple[tuple[int, ...], ...]:
     return tuple(
         tuple(np.asarray(group, dtype=np.int64).reshape(-1).tolist()) for group in block_ids
     )
+
+
+def check_block_ids(blocks: tuple[tuple[int, ...], ...], geometry: KVGeometry | None) -> None:
+    """Refuse ids outside the registered pool: a bad id would make a peer read or write
+    memory that is not KV cache."""
+    if geometry is None:
+        raise LocalProtocolError("register_kv_caches first")
+    pool = geometry.advertised_num_blocks()
+    for group in blocks:
+        if not group:
+            continue
+        ids = np.asarray(group, dtype=np.int64)
+        low, high = int(ids.min()), int(ids.max())
+        if low < 0 or high >= pool:
+            bad = high if high >= pool else low
+            raise LocalProtocolError(f"block id {bad} is outside the pool of {pool} blocks")
 
 
 class Producer(_Endpoint[list[FreedRequest]]):
@@ -89,6 +106,7 @@ class Producer(_Endpoint[list[FreedRequest]]):
         machine = self._driver.machine
         if machine is None:
             raise ConfigError("register_kv_caches before prefill_finished")
+        check_block_ids(blocks, self._driver.geometry)
         events: list[Event] = []
         assert isinstance(machine, ProducerMachine)
         if machine.request_state(request_id) is ProducerState.ABSENT:
@@ -113,14 +131,17 @@ class Producer(_Endpoint[list[FreedRequest]]):
     ) -> dict[str, Any]:
         cfg = self.config
         geometry = self._driver.geometry
+        host, port = self._driver.advertise
+        if not port:
+            raise LocalProtocolError("register_kv_caches before asking for kv_transfer_params")
         params: dict[str, Any] = {
             "do_remote_prefill": True,
             "do_remote_decode": False,
             "remote_block_ids": [list(g) for g in blocks],
             "remote_engine_id": cfg.engine_id,
             "remote_request_id": request_id,
-            "remote_host": cfg.side_channel_host,
-            "remote_port": cfg.side_channel_port,
+            "remote_host": host,
+            "remote_port": port,
             "tp_size": cfg.tp_size,
             "dcp_size": geometry.dcp_size if geometry is not None else 1,
             "pp_size": cfg.pp_size,

@@ -17,6 +17,7 @@ limiting is retried like a timeout.
 
 from __future__ import annotations
 
+import socket
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ from kvwire.errors import (
     HandshakeAuthError,
     HandshakeError,
     HandshakeTimeoutError,
+    PeerUnreachableError,
     WireDecodeError,
 )
 from kvwire.sidechannel.address import is_ipv6, tcp_endpoint
@@ -136,31 +138,43 @@ class HandshakeClient:
         sock = self._open(endpoint, ipv6)
         try:
             for pp_rank, tp_rank in wanted:
-                limited = False
+                why = "no handshake answer from"
                 for attempt in range(self.policy.retries + 1):
                     if attempt:
                         sock.close(linger=0)
                         self._sleep(self.policy.delay(attempt))
                         sock = self._open(endpoint, ipv6)
                     attempts += 1
+                    reply = None
                     try:
+                        if not replies:  # a peer that answered once is known to be there
+                            self._dial(host, port, endpoint)
                         reply = self._ask(sock, pp_rank, tp_rank)
                     except _RateLimited:
-                        limited, reply = True, None
+                        why = "rate limited by"
                     if reply is not None:
                         replies[(pp_rank, tp_rank)] = self._check(endpoint, reply)
                         break
                 else:
-                    what = "rate limited by" if limited else "no handshake answer from"
-                    error = HandshakeError if limited else HandshakeTimeoutError
+                    error = HandshakeError if why.startswith("rate") else HandshakeTimeoutError
                     raise error(
-                        f"{what} {endpoint} for rank (pp={pp_rank}, tp={tp_rank}) after "
+                        f"{why} {endpoint} for rank (pp={pp_rank}, tp={tp_rank}) after "
                         f"{self.policy.retries + 1} attempts of {self.policy.timeout:g} s"
                     )
         finally:
             sock.close(linger=0)
         best = min(replies.values(), key=lambda r: r.rtt)
         return PayloadReplies(replies, best.offset, best.rtt, attempts)
+
+    def _dial(self, host: str, port: int, endpoint: str) -> None:
+        """A refusal is final: the peer's kernel says nothing listens, and waiting for a
+        restarted engine is the engine's choice (the next request handshakes again)."""
+        try:
+            dial(host, port, self.policy.timeout)
+        except ConnectionRefusedError:
+            raise PeerUnreachableError(
+                f"connection refused by {endpoint} (nothing listens there)"
+            ) from None
 
     def _open(self, endpoint: str, ipv6: bool) -> zmq.Socket[bytes]:
         if self._ctx is None:
@@ -262,3 +276,35 @@ def _raise_refusal(frame: bytes, pp_rank: int, tp_rank: int) -> None:
         raise _RateLimited(reason)
     error = HandshakeAuthError if reason.startswith(AUTH_REASON) else HandshakeError
     raise error(f"peer refused handshake for rank ({pp_rank}, {tp_rank}): {reason}")
+
+
+def dial(host: str, port: int, timeout: float) -> None:
+    """Open and close one plain TCP connection to ``host:port``.
+
+    ZMQ retries a refused or unresolvable peer silently until a receive times out; this
+    tells the three apart at once. Raises ``PeerUnreachableError`` for a name that does not
+    resolve or a connection that fails, ``HandshakeTimeoutError`` when connecting takes
+    longer than ``timeout``, and lets ``ConnectionRefusedError`` through for the caller to
+    retry or report (a peer that is starting refuses for a moment)."""
+    endpoint = tcp_endpoint(host, port)
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host.strip("[]"), port, type=socket.SOCK_STREAM
+        )[0]
+    except (socket.gaierror, UnicodeError) as exc:
+        why = exc.strerror if isinstance(exc, socket.gaierror) else str(exc)
+        raise PeerUnreachableError(f"cannot resolve host {host!r} ({why})") from None
+    with socket.socket(family, kind, proto) as probe:
+        probe.settimeout(timeout)
+        try:
+            probe.connect(address)
+        except ConnectionRefusedError:
+            raise
+        except TimeoutError:
+            raise HandshakeTimeoutError(
+                f"timed out connecting to {endpoint} after {timeout:g} s"
+            ) from None
+        except OSError as exc:
+            raise PeerUnreachableError(
+                f"cannot connect to {endpoint}: {exc.strerror or exc}"
+            ) from None

@@ -1,18 +1,18 @@
-"""KVWireConfig: defaults, KVWIRE_* overrides, vLLM's extra config, and errors that name
-their source."""
+"""KVWireConfig: the one configuration. Defaults, KVWIRE_* variables, a config file, vLLM's
+kv_transfer_config, the documented precedence on every path, and errors naming their source."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from kvwire.config import ENV_VARS, VLLM_EXTRA_CONFIG_KEYS, KVWireConfig
+from kvwire.config import ENV_VARS, KNOBS, VLLM_EXTRA_CONFIG_KEYS, KVWireConfig
 from kvwire.errors import ConfigError
-from kvwire.runtime import RuntimeConfig
 from kvwire.sidechannel import RetryPolicy
 
 # A valid, non-default raw value for every variable, and the typed value it must become.
@@ -20,13 +20,14 @@ SAMPLES: dict[str, tuple[str, Any]] = {
     "KVWIRE_ENGINE_ID": ("prefill-7", "prefill-7"),
     "KVWIRE_MODE": ("PUSH", "push"),
     "KVWIRE_PROTOCOL_VERSION": ("15", 15),
-    "KVWIRE_TRANSPORT": ("shm", "shm"),
+    "KVWIRE_TRANSPORT": ("nixl", "nixl"),
     "KVWIRE_TRANSPORT_OPTIONS": ('{"progress": "inline"}', {"progress": "inline"}),
     "KVWIRE_SIDE_CHANNEL_HOST": ("10.1.2.3", "10.1.2.3"),
     "KVWIRE_SIDE_CHANNEL_PORT": ("5601", 5601),
+    "KVWIRE_ADVERTISE_HOST": ("p.example", "p.example"),
     "KVWIRE_ENFORCE_COMPAT": ("off", False),
     "KVWIRE_COMPAT_HASH": ("abc123", "abc123"),
-    "KVWIRE_SECRET_FILE": ("/run/kvwire/secret", "/run/kvwire/secret"),
+    "KVWIRE_SECRET_FILE": (None, None),  # read at once: tested with a real file below
     "KVWIRE_LEASE_S": ("90", 90.0),
     "KVWIRE_HEARTBEAT_INTERVAL_S": ("2.5", 2.5),
     "KVWIRE_REGISTRATION_TIMEOUT_S": ("12", 12.0),
@@ -37,6 +38,7 @@ SAMPLES: dict[str, tuple[str, Any]] = {
     "KVWIRE_POLL_INTERVAL_S": ("0.005", 0.005),
     "KVWIRE_COALESCE": ("false", False),
     "KVWIRE_CHECK_INVARIANTS": ("0", False),
+    "KVWIRE_LOG_LEVEL": ("debug", "DEBUG"),
 }
 
 BAD: dict[str, str] = {
@@ -53,92 +55,164 @@ BAD: dict[str, str] = {
     "KVWIRE_HANDSHAKE_TIMEOUT_S": "nan",
     "KVWIRE_HANDSHAKE_RETRIES": "1.5",
     "KVWIRE_HANDSHAKE_BACKOFF_S": "-0.1",
-    "KVWIRE_POLL_INTERVAL_S": "0",
+    "KVWIRE_POLL_INTERVAL_S": "1e12",
     "KVWIRE_COALESCE": "2",
-    "KVWIRE_CHECK_INVARIANTS": "",  # empty means unset, checked separately
+    "KVWIRE_LOG_LEVEL": "loud",
 }
+
+
+def cfg(environ: dict[str, str] | None = None, **given: Any) -> KVWireConfig:
+    return KVWireConfig(environ=environ or {}, **given)
 
 
 def test_every_variable_has_a_sample() -> None:
     assert set(SAMPLES) == set(ENV_VARS)
 
 
-@pytest.mark.parametrize("var", sorted(ENV_VARS))
-def test_each_variable_overrides_its_field(var: str) -> None:
+@pytest.mark.parametrize("var", sorted(v for v, (raw, _) in SAMPLES.items() if raw))
+def test_each_variable_sets_its_field(var: str) -> None:
     raw, expected = SAMPLES[var]
-    field_name = ENV_VARS[var][0]
-    cfg = KVWireConfig.from_env({var: raw})
-    assert getattr(cfg, field_name) == expected
-    assert getattr(KVWireConfig(), field_name) != expected  # the sample is not the default
+    name = ENV_VARS[var]
+    assert getattr(cfg({var: raw}), name) == expected
+    assert getattr(cfg(), name) != expected  # the sample is not the default
 
 
-@pytest.mark.parametrize("var", sorted(v for v, raw in BAD.items() if raw))
+@pytest.mark.parametrize("var", sorted(BAD))
 def test_a_bad_value_is_a_config_error_naming_the_variable(var: str) -> None:
     with pytest.raises(ConfigError) as info:
-        KVWireConfig.from_env({var: BAD[var]})
+        cfg({var: BAD[var]})
     message = str(info.value)
     assert message.startswith(f"{var}={BAD[var]!r}: expected")
     assert "\n" not in message
 
 
 def test_empty_variables_count_as_unset() -> None:
-    assert KVWireConfig.from_env({"KVWIRE_LEASE_S": "  ", "KVWIRE_MODE": ""}) == KVWireConfig()
+    assert cfg({"KVWIRE_LEASE_S": "  ", "KVWIRE_MODE": ""}) == cfg()
 
 
-def test_the_runtime_config_carries_every_value() -> None:
-    env = {var: raw for var, (raw, _) in SAMPLES.items()}
-    env["KVWIRE_MODE"] = "pull"  # push would need push factors; the mode itself is tested above
-    del env["KVWIRE_SECRET_FILE"]  # loading it is tested below
-    rc = KVWireConfig.from_env(env, tp_rank=1, tp_size=2).runtime_config()
-    assert isinstance(rc, RuntimeConfig)
-    assert (rc.engine_id, rc.version, rc.tp_rank, rc.tp_size) == ("prefill-7", 15, 1, 2)
-    assert (rc.side_channel_host, rc.side_channel_port) == ("10.1.2.3", 5601)
-    assert (rc.lease_s, rc.heartbeat_interval_s, rc.registration_timeout_s) == (90, 2.5, 12)
-    assert rc.engine_idle_ttl_s == 600 and rc.poll_interval_s == 0.005
-    assert rc.handshake == RetryPolicy(timeout=1.5, retries=0, backoff=0.0)
-    assert not rc.enforce_compat and not rc.coalesce and not rc.check_invariants
-    assert rc.compat_hash == "abc123"
+def test_the_handshake_policy_follows_the_variables() -> None:
+    env = {"KVWIRE_HANDSHAKE_TIMEOUT_S": "1", "KVWIRE_HANDSHAKE_RETRIES": "0"}
+    assert cfg(env, engine_id="e").handshake == RetryPolicy(timeout=1.0, retries=0)
+    assert cfg(engine_id="e").handshake == RetryPolicy(timeout=5.0, retries=2)
 
 
-def test_defaults_match_the_runtime_defaults() -> None:
-    ours = KVWireConfig(engine_id="e").runtime_config()
-    assert ours == RuntimeConfig(engine_id="e")
+def test_os_environ_is_read_when_built_directly(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The path the README teaches: no environ passed, the process's variables apply."""
+    monkeypatch.setenv("KVWIRE_HANDSHAKE_TIMEOUT_S", "1")
+    monkeypatch.setenv("KVWIRE_HANDSHAKE_RETRIES", "0")
+    config = KVWireConfig(engine_id="prefill-0")
+    assert (config.handshake_timeout_s, config.handshake_retries) == (1.0, 0)
+    assert config.handshake_budget_s() < 3
+
+
+def test_the_machine_gets_its_sub_structure() -> None:
+    env = {var: raw for var, (raw, _) in SAMPLES.items() if raw}
+    env["KVWIRE_MODE"] = "pull"
+    machine = cfg(env, tp_rank=1, tp_size=2).machine_config(host="10.1.2.3", port=5601)
+    assert (machine.engine_id, machine.tp_rank, machine.tp_size) == ("prefill-7", 1, 2)
+    assert (machine.host, machine.port) == ("10.1.2.3", 5601)
+    assert (machine.lease_s, machine.heartbeat_interval_s, machine.registration_timeout_s) == (
+        90,
+        2.5,
+        12,
+    )
+    assert machine.engine_idle_ttl_s == 600 and not machine.check_invariants
 
 
 def test_the_secret_is_read_from_the_file_the_variable_names(tmp_path: Path) -> None:
     secret = tmp_path / "secret"
     secret.write_bytes(b"0123456789abcdef0123456789abcdef\n")
     secret.chmod(0o600)
-    cfg = KVWireConfig.from_env({"KVWIRE_SECRET_FILE": str(secret), "KVWIRE_ENGINE_ID": "e"})
-    assert cfg.runtime_config().secret == b"0123456789abcdef0123456789abcdef"
-    assert "0123456789abcdef" not in repr(cfg) + str(cfg.as_env())
+    config = cfg({"KVWIRE_SECRET_FILE": str(secret)})
+    assert config.secret == b"0123456789abcdef0123456789abcdef"
+    assert "0123456789abcdef" not in repr(config) + str(config.as_env())
     secret.chmod(0o644)
     with pytest.raises(ConfigError, match="readable by every user"):
-        cfg.runtime_config()
+        cfg({"KVWIRE_SECRET_FILE": str(secret)})
 
 
-def test_runtime_config_needs_an_engine_id() -> None:
+def test_a_runtime_needs_an_engine_id() -> None:
+    from kvwire.runtime import Producer
+
     with pytest.raises(ConfigError, match="KVWIRE_ENGINE_ID"):
-        KVWireConfig().runtime_config()
+        Producer(cfg())
 
 
-def test_unknown_fields_are_config_errors() -> None:
-    with pytest.raises(ConfigError, match="lease_seconds"):
-        KVWireConfig.from_env({}, lease_seconds=3)
+def test_unknown_fields_are_config_errors_with_a_suggestion() -> None:
+    with pytest.raises(ConfigError, match=r"'lease_seconds' \(did you mean lease_s"):
+        cfg(lease_seconds=3)
 
 
 def test_unknown_kvwire_variables_are_warned_about_with_a_suggestion(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     caplog.set_level(logging.WARNING, logger="kvwire.config")
-    KVWireConfig.from_env({"KVWIRE_LEASE": "5", "KVWIRE_DEMO_LOG": "INFO", "OTHER": "x"})
+    cfg({"KVWIRE_LEASE": "5", "KVWIRE_CONFIG": "", "OTHER": "x"})
     messages = [r.getMessage() for r in caplog.records]
     assert messages == [
         "ignoring unknown environment variable KVWIRE_LEASE (did you mean KVWIRE_LEASE_S?)"
     ]
 
 
-# -- vLLM's kv_connector_extra_config ------------------------------------------------------
+def test_replace_keeps_every_value_and_ignores_the_environment() -> None:
+    base = cfg(engine_id="e", lease_s=7)
+    again = dataclasses.replace(base, handshake_retries=0)
+    assert (again.engine_id, again.lease_s, again.handshake_retries) == ("e", 7, 0)
+
+
+# -- the precedence: explicit > environment > vLLM > file > default --------------------------
+
+
+def test_layers_apply_in_the_documented_order(tmp_path: Path) -> None:
+    path = tmp_path / "kvwire.toml"
+    path.write_text(
+        "lease_s = 10\nengine_idle_ttl_s = 11\nregistration_timeout_s = 12\npoll_interval_s = 0.5\n"
+    )
+    vllm = {
+        "kv_connector_extra_config": {
+            "kv_lease_duration": 20,
+            "engine_ttl": 21,
+            "push_registration_timeout": 22,
+        }
+    }
+    env = {"KVWIRE_LEASE_S": "30", "KVWIRE_ENGINE_IDLE_TTL_S": "31", "KVWIRE_CONFIG": str(path)}
+    config = KVWireConfig(environ=env, kv_transfer_config=vllm, lease_s=40)
+    assert config.lease_s == 40  # explicit over everything
+    assert config.engine_idle_ttl_s == 31  # environment over vLLM and the file
+    assert config.registration_timeout_s == 22  # vLLM over the file
+    assert config.poll_interval_s == 0.5  # the file over the default
+    assert config.handshake_timeout_s == 5.0  # the default
+
+
+def test_a_json_config_file_and_its_errors(tmp_path: Path) -> None:
+    path = tmp_path / "kvwire.json"
+    path.write_text(json.dumps({"mode": "push", "transport": "ucx"}))
+    config = KVWireConfig(environ={}, config_file=path)
+    assert (config.mode, config.transport) == ("push", "ucx")
+    path.write_text(json.dumps({"leas_s": 3}))
+    with pytest.raises(ConfigError, match=r"unknown setting 'leas_s' \(did you mean lease_s"):
+        KVWireConfig(environ={"KVWIRE_CONFIG": str(path)})
+    path.write_text(json.dumps({"lease_s": -3}))
+    with pytest.raises(ConfigError, match="lease_s=-3: expected"):
+        KVWireConfig(environ={}, config_file=path)
+    with pytest.raises(ConfigError, match="cannot read config file"):
+        KVWireConfig(environ={}, config_file=tmp_path / "missing.toml")
+
+
+# -- vLLM's kv_transfer_config ------------------------------------------------------------------
+
+
+def test_the_connector_name_gives_the_mode() -> None:
+    push = cfg(kv_transfer_config={"kv_connector": "NixlPushConnector", "kv_role": "kv_both"})
+    assert (push.mode, push.transport) == ("push", "nixl")
+    assert cfg(kv_transfer_config={"kv_connector": "NixlConnector"}).mode == "pull"
+    text = json.dumps({"kv_connector": "NixlPushConnector", "engine_id": "p9"})
+    assert (cfg(kv_transfer_config=text).mode, cfg(kv_transfer_config=text).engine_id) == (
+        "push",
+        "p9",
+    )
+    with pytest.raises(ConfigError, match="LMCacheConnector"):
+        cfg(kv_transfer_config={"kv_connector": "LMCacheConnectorV1"})
 
 
 def test_vllm_keys_map_onto_kvwire_fields() -> None:
@@ -153,17 +227,16 @@ def test_vllm_keys_map_onto_kvwire_fields() -> None:
         "bidirectional_kv_xfer": True,  # no kvwire meaning: ignored
         "kv_recompute_threshold": 64,  # no kvwire meaning: ignored
     }
-    cfg = KVWireConfig.from_vllm_extra_config(extra, engine_id="p")
-    assert cfg.lease_s == 45 and cfg.enforce_compat is False and cfg.engine_idle_ttl_s == 120
-    assert cfg.registration_timeout_s == 20  # push_registration_timeout wins, as in vLLM
-    assert cfg.nixl_options == {"backend": "UCX", "num_threads": 8}
-    assert cfg.transport_kwargs() == {"backend": "UCX", "num_threads": 8}
-    assert dataclasses.replace(cfg, transport="shm").transport_kwargs() == {}
+    config = cfg(kv_transfer_config={"kv_connector_extra_config": extra}, engine_id="p")
+    assert config.lease_s == 45 and config.enforce_compat is False
+    assert config.engine_idle_ttl_s == 120
+    assert config.registration_timeout_s == 20  # push_registration_timeout wins, as in vLLM
+    assert config.transport_kwargs() == {"backend": "UCX", "num_threads": 8}
 
 
 def test_decoder_kv_blocks_ttl_is_the_registration_timeout_when_alone() -> None:
-    cfg = KVWireConfig.from_vllm_extra_config({"decoder_kv_blocks_ttl": 300})
-    assert cfg.registration_timeout_s == 300
+    config = cfg(kv_transfer_config={"kv_connector_extra_config": {"decoder_kv_blocks_ttl": 300}})
+    assert config.registration_timeout_s == 300
 
 
 def test_every_vllm_key_changes_something() -> None:
@@ -178,7 +251,28 @@ def test_every_vllm_key_changes_something() -> None:
     }
     assert set(samples) == set(VLLM_EXTRA_CONFIG_KEYS)
     for key, value in samples.items():
-        assert KVWireConfig.from_vllm_extra_config({key: value}) != KVWireConfig(), key
+        changed = cfg(kv_transfer_config={"kv_connector_extra_config": {key: value}})
+        assert changed != cfg(), key
+
+
+def test_unknown_vllm_keys_are_warned_about_with_a_suggestion(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.WARNING, logger="kvwire.config")
+    whole = {
+        "kv_connector": "NixlConnector",
+        "kv_role": "kv_both",
+        "kv_conector_extra_config": {},
+        "kv_connector_extra_config": {"kv_lease_durration": 60, "bidirectional_kv_xfer": True},
+    }
+    config = cfg(kv_transfer_config=whole)
+    assert config.lease_s == 30.0  # the misspelt key did nothing ...
+    assert [r.getMessage() for r in caplog.records] == [  # ... and said so
+        "ignoring unknown kv_transfer_config key 'kv_conector_extra_config' "
+        "(did you mean kv_connector_extra_config?)",
+        "ignoring unknown kv_connector_extra_config key 'kv_lease_durration' "
+        "(did you mean kv_lease_duration?)",
+    ]
 
 
 @pytest.mark.parametrize(
@@ -193,39 +287,21 @@ def test_every_vllm_key_changes_something() -> None:
 )
 def test_bad_vllm_values_name_the_key(key: str, value: Any) -> None:
     with pytest.raises(ConfigError) as info:
-        KVWireConfig.from_vllm_extra_config({key: value})
+        cfg(kv_transfer_config={"kv_connector_extra_config": {key: value}})
     assert str(info.value).startswith(f"kv_connector_extra_config[{key!r}]={value!r}: ")
 
 
-def test_layers_apply_in_order_fields_then_vllm_then_environment() -> None:
-    cfg = KVWireConfig.load(
-        engine_id="from-engine",
-        lease_s=10,
-        handshake_timeout_s=3,
-        extra_config={"kv_lease_duration": 20, "engine_ttl": 50},
-        environ={"KVWIRE_LEASE_S": "40", "KVWIRE_ENGINE_ID": "from-env"},
-    )
-    assert cfg.engine_id == "from-env"
-    assert cfg.lease_s == 40  # environment over vLLM over fields
-    assert cfg.engine_idle_ttl_s == 50  # vLLM over the default
-    assert cfg.handshake_timeout_s == 3  # fields over the default
-
-
 def test_as_env_reproduces_the_configuration() -> None:
-    cfg = KVWireConfig.load(
+    config = cfg(
         engine_id="p-1",
         mode="push",
         lease_s=12.5,
         compat_hash="ff",
-        transport="nixl",
-        extra_config={"backends": ["UCX"]},
-        environ={},
+        kv_transfer_config={"kv_connector_extra_config": {"backends": ["UCX"]}},
     )
-    again = KVWireConfig.from_env(cfg.as_env())
-    assert again.transport_kwargs() == cfg.transport_kwargs() == {"backend": "UCX"}
-    assert dataclasses.replace(again, transport_options={}) == dataclasses.replace(
-        cfg, transport_options={}, nixl_options={}
-    )
+    again = cfg(config.as_env())
+    assert again == config
+    assert set(KNOBS) >= set(ENV_VARS.values())
 
 
 def test_a_runtime_configured_from_the_environment_serves_requests() -> None:
@@ -238,21 +314,17 @@ def test_a_runtime_configured_from_the_environment_serves_requests() -> None:
 
     spec = CacheSpec(preset("llama-3-8b"), 1, 8, 0, 1)
     buffer = allocate(spec.total_bytes)
-    cfg = KVWireConfig.from_env(
+    config = cfg(
         {
             "KVWIRE_ENGINE_ID": "prefill-env",
             "KVWIRE_TRANSPORT": "shm",
-            "KVWIRE_SIDE_CHANNEL_HOST": "10.9.8.7",
+            "KVWIRE_ADVERTISE_HOST": "10.9.8.7",
             "KVWIRE_SIDE_CHANNEL_PORT": "5611",
             "KVWIRE_LEASE_S": "0.2",
-        }
+        },
+        compat=spec.compat("pull"),
     )
-    producer = Producer(
-        cfg.runtime_config(compat=spec.compat("pull")),
-        cfg.transport,
-        transport_options=cfg.transport_kwargs(),
-    )
-    with producer:
+    with Producer(config) as producer:
         producer.register_kv_caches(spec.geometry(int(buffer.ctypes.data)))
         params = producer.prefill_finished("r", [[0]])
         assert (params["remote_host"], params["remote_port"]) == ("10.9.8.7", 5611)

@@ -25,10 +25,11 @@ from kvwire_shm import allocate
 
 from kvwire.cli import main as cli_main
 from kvwire.compat import CompatFactors
+from kvwire.config import KVWireConfig
 from kvwire.demo.models import CacheSpec, preset
 from kvwire.errors import HandshakeError, TransportUnavailableError, WireDecodeError
-from kvwire.runtime import Consumer, Producer, RuntimeConfig
-from kvwire.sidechannel import HandshakeListener, RetryPolicy
+from kvwire.runtime import Consumer, Producer
+from kvwire.sidechannel import HandshakeListener
 from kvwire.transport import create
 
 PAGE = Path(__file__).resolve().parents[2] / "docs" / "troubleshooting.md"
@@ -87,29 +88,29 @@ def run_pair(
     caplog.set_level(logging.INFO, logger="kvwire.runtime")
     p_spec, p_buf = _side(tp_size=p_tp_size)
     d_spec, d_buf = _side(layers=d_layers)
-    policy = RetryPolicy(timeout=0.5, retries=0, backoff=0.01)
+    policy = {"handshake_timeout_s": 0.5, "handshake_retries": 0, "handshake_backoff_s": 0.01}
     made: list[Any] = []
     try:
         p_listener = HandshakeListener({}).start()
         made.append(p_listener)
         producer = Producer(
-            RuntimeConfig(
+            KVWireConfig(
                 engine_id="prefill-t",
                 tp_size=p_tp_size,
                 version=p_version,
                 side_channel_port=p_listener.port,
                 compat=p_compat or _compat(),
-                handshake=policy,
+                **policy,
             ),
             "shm",
         )
         made.append(producer)
         consumer = Consumer(
-            RuntimeConfig(
+            KVWireConfig(
                 engine_id="decode-t",
                 mode=d_mode,  # type: ignore[arg-type]
                 compat=d_compat or _compat(mode=d_mode),
-                handshake=policy,
+                **policy,
             ),
             "shm",
         )
@@ -167,7 +168,14 @@ def version_mismatch(caplog: Any, capsys: Any) -> list[str]:
 def unreachable(caplog: Any, capsys: Any) -> list[str]:
     lines = run_pair(caplog, close_p_listener=True)
     port = _free_port()
-    return lines + _cli(capsys, "probe", f"127.0.0.1:{port}", "--timeout", "0.3", "--retries", "0")
+    lines += _cli(capsys, "probe", f"127.0.0.1:{port}")
+    lines += _cli(capsys, "probe", "no-such-host.invalid:5600")
+    with socket.socket() as silent:  # accepts connections (the backlog), never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        address = f"127.0.0.1:{silent.getsockname()[1]}"
+        lines += _cli(capsys, "probe", address, "--timeout", "0.3", "--retries", "0")
+    return lines
 
 
 def missing_rank(caplog: Any, capsys: Any) -> list[str]:
@@ -187,7 +195,7 @@ def expired(caplog: Any, capsys: Any) -> list[str]:
 
 def malformed_params(caplog: Any, capsys: Any) -> list[str]:
     spec, buf = _side()
-    with Consumer(RuntimeConfig(engine_id="decode-m", compat=_compat()), "shm") as consumer:
+    with Consumer(KVWireConfig(engine_id="decode-m", compat=_compat()), "shm") as consumer:
         consumer.register_kv_caches(spec.geometry(int(buf.ctypes.data)))
         params = {
             "do_remote_prefill": True,

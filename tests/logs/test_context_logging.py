@@ -80,17 +80,18 @@ def test_runtime_records_carry_engine_role_rank_and_transport(
     """A Producer logs a failed handshake with its own context and the peer's address."""
     from kvwire_shm import allocate
 
+    from kvwire.config import KVWireConfig
     from kvwire.demo.models import CacheSpec, preset
-    from kvwire.runtime import Consumer, RuntimeConfig
-    from kvwire.sidechannel import RetryPolicy
+    from kvwire.runtime import Consumer
 
     caplog.set_level(logging.INFO, logger="kvwire.runtime")
     spec = CacheSpec(preset("llama-3-8b"), 1, 8, 0, 1)
     buffer = allocate(spec.total_bytes)
-    config = RuntimeConfig(
+    config = KVWireConfig(
         engine_id="decode-ctx",
         compat=spec.compat("pull"),
-        handshake=RetryPolicy(timeout=0.2, retries=0),
+        handshake_timeout_s=0.2,
+        handshake_retries=0,
     )
     with Consumer(config, "shm") as consumer:
         consumer.register_kv_caches(spec.geometry(int(buffer.ctypes.data)))

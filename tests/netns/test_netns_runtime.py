@@ -55,16 +55,16 @@ def _spec() -> Any:
 
 
 def _config(engine_id: str, host: str, port: int, lease_s: float) -> Any:
-    from kvwire.runtime import RuntimeConfig
-    from kvwire.sidechannel import RetryPolicy
+    from kvwire.config import KVWireConfig
 
-    return RuntimeConfig(
+    return KVWireConfig(
         engine_id=engine_id,
         side_channel_host=host,
         side_channel_port=port,
         compat=_spec().compat("pull"),
         lease_s=lease_s,
-        handshake=RetryPolicy(timeout=2.0, retries=1),
+        handshake_timeout_s=2.0,
+        handshake_retries=1,
     )
 
 

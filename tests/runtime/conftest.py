@@ -11,10 +11,11 @@ import numpy.typing as npt
 import pytest
 from kvwire_shm import allocate
 
+from kvwire.config import KVWireConfig
 from kvwire.demo.engines import DecodeEngine, RequestResult
 from kvwire.demo.models import CacheSpec, preset
-from kvwire.runtime import Consumer, Producer, RuntimeConfig
-from kvwire.sidechannel import HandshakeListener, RetryPolicy
+from kvwire.runtime import Consumer, Producer
+from kvwire.sidechannel import HandshakeListener
 
 
 @dataclass
@@ -30,15 +31,17 @@ def make_side(layers: int = 2, num_blocks: int = 32, tp_rank: int = 0, tp_size: 
     return Side(spec, buffer, HandshakeListener({}).start())
 
 
-def config(side: Side, engine_id: str, mode: str = "pull", **kw: object) -> RuntimeConfig:
-    return RuntimeConfig(
+def config(side: Side, engine_id: str, mode: str = "pull", **kw: object) -> KVWireConfig:
+    return KVWireConfig(
         engine_id=engine_id,
         mode=mode,  # type: ignore[arg-type]
         tp_rank=side.spec.tp_rank,
         tp_size=side.spec.tp_size,
         side_channel_port=side.listener.port,
         compat=side.spec.compat(mode),
-        handshake=RetryPolicy(timeout=2.0, retries=1, backoff=0.05),
+        handshake_timeout_s=2.0,
+        handshake_retries=1,
+        handshake_backoff_s=0.05,
         **kw,  # type: ignore[arg-type]
     )
 

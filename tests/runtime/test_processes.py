@@ -47,13 +47,15 @@ def test_demo_moves_verified_kv(mode: str, p_tp: int, d_tp: int) -> None:
 
 def _engines(mode: str = "pull", num_blocks: int = 704) -> tuple[PrefillEngine, DecodeEngine]:
     def opts(role: str) -> EngineOptions:
-        return EngineOptions("llama-3-8b", 4, 1, num_blocks, mode, "shm", f"{role}-engine",
-                             handshake_timeout=2.0)  # fmt: skip
+        return EngineOptions("llama-3-8b", 4, 1, num_blocks, mode, "shm", f"{role}-engine")
 
     return PrefillEngine(opts("prefill")), DecodeEngine(opts("decode"))
 
 
-def test_killed_prefill_fails_its_requests_then_a_restarted_one_is_handshaken_again() -> None:
+def test_killed_prefill_fails_its_requests_then_a_restarted_one_is_handshaken_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("KVWIRE_HANDSHAKE_TIMEOUT_S", "2")  # the ranks read their knobs so
     prefill, decode = _engines()
     prefill.start()
     decode.start()

@@ -18,8 +18,8 @@ import pytest
 import zmq
 
 from kvwire import cli, encode_handshake_request
+from kvwire.config import KVWireConfig
 from kvwire.errors import ConfigError, HandshakeAuthError
-from kvwire.runtime import RuntimeConfig
 from kvwire.sidechannel import (
     ERROR_PREFIX,
     HandshakeClient,
@@ -326,11 +326,11 @@ def test_secret_file_is_checked_and_never_echoed(tmp_path: Path) -> None:
         load_secret(tmp_path / "missing")
     for exc in (world.value, too_short.value):
         assert SECRET.decode() not in str(exc) and "hunter2" not in str(exc)
-    config = RuntimeConfig(engine_id="e", compat_hash="h", secret=SECRET)
+    config = KVWireConfig(engine_id="e", compat_hash="h", secret=SECRET)
     assert SECRET.decode() not in repr(config)
     assert "secret" not in repr(ClientAuth(SECRET)).replace("secret hidden", "")
     with pytest.raises(ConfigError, match="at least 16"):
-        RuntimeConfig(engine_id="e", compat_hash="h", secret=b"short")
+        KVWireConfig(engine_id="e", compat_hash="h", secret=b"short")
 
 
 # -- the CLI, end to end --------------------------------------------------------------------

@@ -22,9 +22,10 @@ from kvwire_shm import allocate
 
 from kvwire import cli
 from kvwire.bench.wire import VllmAgentMetadata, VllmHandshakePayload
+from kvwire.config import KVWireConfig
 from kvwire.demo.content import count_wrong_bytes, fill
 from kvwire.demo.models import CacheSpec, preset
-from kvwire.runtime import Consumer, Producer, RuntimeConfig
+from kvwire.runtime import Consumer, Producer
 from kvwire.sidechannel import HandshakeClient, HandshakeListener, fetch_agent_metadata
 from kvwire.transport import create, region_of_array
 
@@ -154,7 +155,7 @@ def test_kvwire_consumer_pulls_blocks_from_a_vllm_producer(vllm_producer) -> Non
     listener, _, p_buffer, agent = vllm_producer
     fill(SPEC, p_buffer, 7, [2, 3, 4])
     d_buffer = allocate(SPEC.total_bytes)
-    config = RuntimeConfig(
+    config = KVWireConfig(
         engine_id="kvwire-decode-0",
         compat_hash=vllm_hash(vllm_factors()),
         side_channel_port=1,
@@ -188,7 +189,7 @@ def test_kvwire_consumer_pulls_blocks_from_a_vllm_producer(vllm_producer) -> Non
 
 def test_vllm_style_client_reads_kvwire_listener() -> None:
     buffer = np.zeros(SPEC.total_bytes, dtype=np.uint8)
-    config = RuntimeConfig(engine_id="kvwire-prefill-0", compat=SPEC.compat("pull"))
+    config = KVWireConfig(engine_id="kvwire-prefill-0", compat=SPEC.compat("pull"))
     with Producer(config, "shm") as producer:
         producer.register_kv_caches(SPEC.geometry(int(buffer.ctypes.data)))
         with HandshakeListener({(0, 0): producer.handshake_payload()}) as listener:

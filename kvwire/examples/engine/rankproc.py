@@ -246,10 +246,10 @@ class ProcessRanks:
 
 def _serve_rank(stdin: IO[bytes], stdout: IO[bytes]) -> None:
     """The rank process: build the rank from the spec, then answer until shutdown."""
+    from kvwire.config import KVWireConfig
     from kvwire.examples.engine.rank import RankWorker
     from kvwire.examples.engine.runtimes import LocalRuntime, compat_factors
     from kvwire.examples.engine.weights import init_weights
-    from kvwire.runtime import RuntimeConfig
 
     torch.set_num_threads(1)
     spec = receive(stdin)
@@ -260,7 +260,7 @@ def _serve_rank(stdin: IO[bytes], stdout: IO[bytes]) -> None:
     if spec["role"] in ("prefill", "decode"):
         rt = dict(spec["runtime"])
         compat = compat_factors(model, str(rt["mode"]))
-        config = RuntimeConfig(tp_rank=worker.tp_rank, tp_size=cache.tp_size, compat=compat, **rt)
+        config = KVWireConfig(tp_rank=worker.tp_rank, tp_size=cache.tp_size, compat=compat, **rt)
         runtime = LocalRuntime(
             spec["role"],
             config,

@@ -14,11 +14,12 @@ from dataclasses import asdict
 from typing import Any, Literal, Protocol
 
 from kvwire.compat import CompatFactors
+from kvwire.config import KVWireConfig
 from kvwire.errors import ConfigError
 from kvwire.examples.engine.config import ModelConfig
 from kvwire.examples.engine.kvcache import BACKEND_NAME
 from kvwire.geometry import KVGeometry
-from kvwire.runtime import Consumer, Producer, RuntimeConfig
+from kvwire.runtime import Consumer, Producer
 
 Role = Literal["prefill", "decode"]
 
@@ -80,7 +81,7 @@ class LocalRuntime:
     def __init__(
         self,
         role: Role,
-        config: RuntimeConfig,
+        config: KVWireConfig,
         geometry: KVGeometry,
         transport: str,
         transport_options: Mapping[str, Any],

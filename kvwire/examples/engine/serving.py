@@ -22,12 +22,12 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from kvwire.config import KVWireConfig
 from kvwire.errors import ConfigError, KVWireError
 from kvwire.examples.engine.config import CacheConfig, ModelConfig
 from kvwire.examples.engine.engine import Engine
 from kvwire.examples.engine.rankproc import ProcessRanks
 from kvwire.examples.engine.runtimes import LocalRuntime, RankRuntime, compat_factors
-from kvwire.runtime import RuntimeConfig
 from kvwire.sidechannel import HandshakeListener
 
 Role = Literal["prefill", "decode", "both"]
@@ -99,7 +99,7 @@ class EngineServer:
             self.engine = Engine(cfg.model, cfg.cache)
             compat = compat_factors(cfg.model, cfg.mode)
             for rank, geometry in enumerate(self.engine.geometries()):
-                runtime_cfg = RuntimeConfig(
+                runtime_cfg = KVWireConfig(
                     tp_rank=rank, tp_size=cfg.cache.tp_size, compat=compat, **settings
                 )
                 role: Literal["prefill", "decode"] = (
