@@ -55,6 +55,17 @@ class RuntimeConfig:
     agent_name: str | None = None
     """The transport agent's name; default ``{engine_id}-{role}-pp{p}-tp{t}-{pid}``."""
     check_invariants: bool = True
+    expiry_margin_s: float | None = None
+    """A READ is not started this close to the producer's lease end; default
+    ``min(5 s, L/6)`` (vLLM's 5 s, scaled down for short leases)."""
+    completion_margin_s: float | None = None
+    """A READ completion observed this close to (or after) the producer's lease end fails
+    the request instead of finishing it; default ``min(1 s, L/10)``."""
+    lease_grace_s: float | None = None
+    """Producer: how long blocks of an expired lease stay quarantined before they are
+    freed; default L/2."""
+    transfer_timeout_s: float | None = None
+    """Longest a posted READ/WRITE may run before it is cancelled; default ``max(30 s, L)``."""
     secret: bytes | None = field(default=None, repr=False)
     """Shared secret of the authenticated handshake (``kvwire.sidechannel.auth``): this
     rank's handshakes then require peers that hold it. None: vLLM's plain handshake. Load
@@ -121,4 +132,18 @@ class RuntimeConfig:
             engine_idle_ttl_s=self.engine_idle_ttl_s,
             registration_timeout_s=self.registration_timeout_s,
             check_invariants=self.check_invariants,
+            expiry_margin_s=(
+                min(5.0, self.lease_s / 6) if self.expiry_margin_s is None else self.expiry_margin_s
+            ),
+            completion_margin_s=(
+                min(1.0, self.lease_s / 10)
+                if self.completion_margin_s is None
+                else self.completion_margin_s
+            ),
+            lease_grace_s=self.lease_grace_s,
+            transfer_timeout_s=(
+                max(30.0, self.lease_s)
+                if self.transfer_timeout_s is None
+                else self.transfer_timeout_s
+            ),
         )
