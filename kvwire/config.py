@@ -279,6 +279,18 @@ KNOBS: dict[str, Knob] = {
     "engine_idle_ttl_s": Knob(
         _seconds, "KVWIRE_ENGINE_IDLE_TTL_S", "forget a peer engine unused this long"
     ),
+    "expiry_margin_s": Knob(
+        _optional_seconds, "KVWIRE_EXPIRY_MARGIN_S", "no READ this close to P's lease end"
+    ),
+    "completion_margin_s": Knob(
+        _optional_seconds, "KVWIRE_COMPLETION_MARGIN_S", "a READ done this late fails"
+    ),
+    "lease_grace_s": Knob(
+        _optional_seconds, "KVWIRE_LEASE_GRACE_S", "P quarantines expired blocks this long"
+    ),
+    "transfer_timeout_s": Knob(
+        _optional_seconds, "KVWIRE_TRANSFER_TIMEOUT_S", "longest a READ/WRITE may run"
+    ),
     "handshake_timeout_s": Knob(_seconds, "KVWIRE_HANDSHAKE_TIMEOUT_S", "per handshake attempt"),
     "handshake_retries": Knob(_count, "KVWIRE_HANDSHAKE_RETRIES", "retries of a silent peer"),
     "handshake_backoff_s": Knob(
@@ -525,6 +537,17 @@ class KVWireConfig:
     heartbeat_interval_s: float | None = None
     registration_timeout_s: float = 30.0
     engine_idle_ttl_s: float = 3600.0
+    expiry_margin_s: float | None = None
+    """A READ is not started this close to the producer's lease end; default
+    ``min(5 s, L/6)`` (vLLM's 5 s, scaled down for short leases)."""
+    completion_margin_s: float | None = None
+    """A READ completion observed this close to (or after) the producer's lease end fails
+    the request instead of finishing it; default ``min(1 s, L/10)``."""
+    lease_grace_s: float | None = None
+    """Producer: how long blocks of an expired lease stay quarantined before they are
+    freed; default L/2."""
+    transfer_timeout_s: float | None = None
+    """Longest a posted READ/WRITE may run before it is cancelled; default ``max(30 s, L)``."""
     handshake_timeout_s: float = 5.0
     """Per attempt; a handshake may take ``(retries + 1)`` times this plus backoff."""
     handshake_retries: int = 2
@@ -639,6 +662,20 @@ class KVWireConfig:
             engine_idle_ttl_s=self.engine_idle_ttl_s,
             registration_timeout_s=self.registration_timeout_s,
             check_invariants=self.check_invariants,
+            expiry_margin_s=(
+                min(5.0, self.lease_s / 6) if self.expiry_margin_s is None else self.expiry_margin_s
+            ),
+            completion_margin_s=(
+                min(1.0, self.lease_s / 10)
+                if self.completion_margin_s is None
+                else self.completion_margin_s
+            ),
+            lease_grace_s=self.lease_grace_s,
+            transfer_timeout_s=(
+                max(30.0, self.lease_s)
+                if self.transfer_timeout_s is None
+                else self.transfer_timeout_s
+            ),
         )
 
     def transport_kwargs(self) -> dict[str, Any]:

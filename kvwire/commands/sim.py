@@ -23,7 +23,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--faults",
         default="all",
         help="'all', 'none', or a comma list of: drop, delay, duplicate, reorder, transfer, "
-        "post, handshake, crash, release, skew, abort, short-lease (default all)",
+        "post, handshake, crash, release, skew, abort, short-lease, partition (default all)",
+    )
+    parser.add_argument(
+        "--legacy-lease-rule",
+        action="store_true",
+        help="run the old, unsafe rule (reads not bounded by the producer's lease, no "
+        "quarantine, no transfer deadlines) to reproduce stale KV reported done",
     )
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
 
@@ -36,7 +42,10 @@ def run(args: argparse.Namespace) -> int:
     if args.seed < 0:
         raise ConfigError(f"--seed must be >= 0, got {args.seed}")
     faults = parse_faults(args.faults)
-    result = simulate(args.seed, args.requests, faults)
+    if args.legacy_lease_rule:
+        result = simulate(args.seed, args.requests, faults, True)
+    else:
+        result = simulate(args.seed, args.requests, faults)
     if args.json:
         sys.stdout.write(json.dumps(dataclasses.asdict(result), sort_keys=True) + "\n")
     else:
@@ -56,6 +65,7 @@ def _print_summary(result: object) -> None:
         f"  double frees      {d['double_frees']}",
         f"  stuck             {d['stuck']}",
         f"  corrupt KV        {d['corrupt']}",
+        f"  stale KV done     {d['stale_done']}  (partitions: {d['partitions']})",
         f"  invariant breaks  {d['invariant_violations']}",
         f"  machine events    {d['machine_events']}",
         f"  crashes           {d['crashes']}",

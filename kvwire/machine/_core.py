@@ -44,6 +44,7 @@ T_IDLE = 4
 T_RELEASE = 5
 T_REGISTRATION = 6
 T_PARKED = 7
+T_XFER = 8
 
 
 class InvariantViolation(KVWireError):
@@ -70,9 +71,11 @@ class MachineStats:
         "heartbeats_sent",
         "lease_extensions",
         "leases_expired",
+        "leases_quarantined",
         "notifications_malformed",
         "notifications_unexpected",
         "reads_declined_expiry",
+        "reads_late",
         "registrations_duplicate",
         "registrations_expired",
         "registrations_malformed",
@@ -81,6 +84,7 @@ class MachineStats:
         "stale_handshake_answers",
         "transfers_failed",
         "transfers_posted",
+        "transfers_timed_out",
     )
 
     def __init__(self) -> None:
@@ -103,9 +107,13 @@ class MachineStats:
         self.heartbeats_sent = 0
         self.lease_extensions = 0
         self.leases_expired = 0
+        self.leases_quarantined = 0
+        """Expired leases whose blocks were held for the grace before being freed."""
         self.notifications_malformed = 0
         self.notifications_unexpected = 0
         self.reads_declined_expiry = 0
+        self.reads_late = 0
+        """READs whose completion came after the read deadline: failed, never done."""
         self.registrations_duplicate = 0
         self.registrations_expired = 0
         self.registrations_malformed = 0
@@ -114,6 +122,8 @@ class MachineStats:
         self.stale_handshake_answers = 0
         self.transfers_failed = 0
         self.transfers_posted = 0
+        self.transfers_timed_out = 0
+        """Transfers still running at their deadline: cancelled, their request failed."""
 
     def as_dict(self) -> dict[str, int]:
         return {name: getattr(self, name) for name in self.__slots__}
@@ -125,6 +135,7 @@ class Engine:
     __slots__ = (
         "attempt",
         "clock_offset",
+        "clock_uncertainty",
         "engine_id",
         "features",
         "hb_armed",
@@ -150,6 +161,7 @@ class Engine:
         self.tp_size = tp_size
         self.pp_size = pp_size
         self.clock_offset = 0.0
+        self.clock_uncertainty = 0.0
         self.features: frozenset[str] = frozenset()
         self.waiting: dict[str, None] = {}
         """Requests queued behind the handshake, in arrival order."""
@@ -246,6 +258,10 @@ class MachineCore:
         before = heap[0][0] if heap else None
         out: list[Action] = []
         handler(event, now, out)
+        while heap and heap[0][2] == T_XFER and self._xfer_entry_stale(heap[0][3]):
+            # A transfer that ended has no deadline: drop its entry now rather than wake
+            # the driver for nothing when it comes due.
+            heapq.heappop(heap)
         if out and self._check:
             self._verify(out)
         if heap and (before is None or heap[0][0] < before):
@@ -311,6 +327,8 @@ class MachineCore:
                     successors(TRANSFER, xfer.state, Timer, "transfer")
                 xfer.state = TransferState.RELEASING
                 out.append(ReleaseTransfer(xfer.xfer_id, xfer.owner.rid))
+        elif kind == T_XFER:
+            self._transfer_deadline_passed(subject, out)
         else:
             self._fire_request(kind, subject, token, now, out)
 
@@ -370,6 +388,7 @@ class MachineCore:
         engine.tp_size = event.remote_tp_size
         engine.pp_size = event.remote_pp_size
         engine.clock_offset = event.clock_offset
+        engine.clock_uncertainty = event.clock_uncertainty
         engine.features = event.peer_features
         engine.state = EngineState.READY
         engine.last_active = now
@@ -466,12 +485,49 @@ class MachineCore:
         return xfer
 
     def _next_transfer(self, req: Any) -> tuple[Any, Transfer]:
-        """The next rank of ``req``'s plan and a new transfer to it, owned by ``req``."""
+        """The next rank of ``req``'s plan and a new transfer to it, owned by ``req``,
+        with its deadline armed: no READ/WRITE runs unbounded."""
         rank = req.plan[req.next_post]
         req.next_post += 1
         xfer = self._new_transfer(req)
         req.xfers[xfer.xfer_id] = xfer
+        self._arm(self._transfer_deadline(req, self._last_now), T_XFER, xfer)
         return rank, xfer
+
+    def _transfer_deadline(self, req: Any, now: float) -> float:
+        """When a transfer of ``req`` posted now must have ended."""
+        return now + self.config.transfer_timeout_s
+
+    def _xfer_entry_stale(self, xfer: Transfer) -> bool:
+        state = xfer.state
+        return self._xfers.get(xfer.xfer_id) is not xfer or (
+            state is not TransferState.POSTED and state is not TransferState.REQUESTED
+        )
+
+    def _transfer_deadline_passed(self, xfer: Transfer, out: list[Action]) -> None:
+        """A transfer's deadline came while it may still run: the request fails, which
+        cancels it (or, still being posted, cancels it once posted); whatever the transfer
+        reports afterwards is a released handle, never a success."""
+        if self._xfers.get(xfer.xfer_id) is not xfer:
+            return
+        state = xfer.state
+        if state is not TransferState.POSTED and state is not TransferState.REQUESTED:
+            return  # already being cancelled or released
+        req = xfer.owner
+        if req.state is not self._moving:
+            return
+        successors(TRANSFER, state, Timer, f"transfer {xfer.xfer_id}")
+        successors(self._requests, req.state, Timer, f"request {req.rid!r}")
+        self.stats.transfers_timed_out += 1
+        self._transfer_timed_out(req, out)
+
+    def _transfer_timed_out(self, req: Any, out: list[Action]) -> None:
+        """A transfer of a moving request ran past its deadline (its first failure)."""
+        raise NotImplementedError
+
+    def _completion_too_late(self, req: Any, now: float) -> bool:
+        """Whether a transfer of ``req`` that reports success at ``now`` must not count."""
+        return False
 
     def _on_xfer(
         self,
@@ -505,6 +561,10 @@ class MachineCore:
                 reason = event.reason if isinstance(event, TransferFailed) else ""
                 self._transfer_failed(req, reason, out)
                 return
+        elif req.state is self._moving and self._completion_too_late(req, now):
+            # The bytes may have been read after the peer stopped holding them.
+            self._transfer_timed_out(req, out)
+            return
         if req.state is self._draining:
             if not req.xfers:
                 self._drained(req, out)

@@ -57,6 +57,25 @@ class MachineConfig(msgspec.Struct, frozen=True, kw_only=True):
     ``registration_timeout_s``."""
     release_retry_s: float = 1.0
     """How long to wait before asking again to release a handle whose release failed."""
+    transfer_timeout_s: float = 30.0
+    """Every posted READ/WRITE is bounded: one still running this long after its post is
+    cancelled and its request fails (a pull READ is also bounded by the producer's lease,
+    see ``completion_margin_s``)."""
+    bound_reads_by_lease: bool = True
+    """Pull, consumer: a READ must end before the producer's lease does. The read deadline is
+    ``remote_blocks_expiry_time`` (producer clock) minus the handshake's clock offset and its
+    uncertainty, or, when the producer sends none (vLLM), the request's arrival plus
+    ``lease_s``. A READ still running ``completion_margin_s`` before it is cancelled, and one
+    whose completion is observed after that moment fails with its blocks invalid, never done:
+    the producer may have handed the blocks to another request. Off only to reproduce the
+    old (unsafe) rule in tests and the simulator."""
+    completion_margin_s: float = 1.0
+    """Pull, consumer: how long before the read deadline a READ's completion stops counting."""
+    lease_grace_s: float | None = None
+    """Producer: blocks whose lease ran out without every completion are quarantined this
+    long before they are freed, so a READ stalled past the lease (a consumer that does not
+    bound its reads, such as vLLM's) finds them unchanged if it resumes within the grace.
+    Defaults to L/2; 0 frees at expiry (the old rule)."""
     check_invariants: bool = True
     """Self-checks that raise :class:`~kvwire.machine.InvariantViolation`; cheap, keep on."""
 
@@ -79,12 +98,18 @@ class MachineConfig(msgspec.Struct, frozen=True, kw_only=True):
             "engine_idle_ttl_s",
             "registration_timeout_s",
             "release_retry_s",
+            "transfer_timeout_s",
         ):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
                 raise ConfigError(f"{name} must be a positive finite number, got {value!r}")
         if not math.isfinite(self.expiry_margin_s) or self.expiry_margin_s < 0:
             raise ConfigError("expiry_margin_s must be a finite number >= 0")
+        if not math.isfinite(self.completion_margin_s) or self.completion_margin_s < 0:
+            raise ConfigError("completion_margin_s must be a finite number >= 0")
+        grace = self.lease_grace_s
+        if grace is not None and (not math.isfinite(grace) or grace < 0):
+            raise ConfigError(f"lease_grace_s must be a finite number >= 0, got {grace!r}")
         hb = self.heartbeat_interval_s
         if hb is not None and (not math.isfinite(hb) or hb <= 0):
             raise ConfigError(f"heartbeat_interval_s must be positive, got {hb!r}")
@@ -95,6 +120,13 @@ class MachineConfig(msgspec.Struct, frozen=True, kw_only=True):
         if self.heartbeat_interval_s is not None:
             return self.heartbeat_interval_s
         return self.lease_s / 6.0
+
+    @property
+    def lease_grace(self) -> float:
+        """Seconds an expired lease's blocks stay quarantined (L/2 unless set)."""
+        if self.lease_grace_s is not None:
+            return self.lease_grace_s
+        return self.lease_s / 2.0
 
     @property
     def lease_extension_s(self) -> float:

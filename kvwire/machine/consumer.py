@@ -14,6 +14,7 @@ transfer into its blocks is running; after that the machine forgets it.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from kvwire import topology
@@ -73,6 +74,7 @@ class _Req:
     """One consumer request while it is live."""
 
     __slots__ = (
+        "arrival",
         "engine",
         "expected",
         "fail_detail",
@@ -82,6 +84,7 @@ class _Req:
         "next_post",
         "notif",
         "plan",
+        "read_deadline",
         "remote",
         "remote_blocks",
         "rid",
@@ -90,8 +93,11 @@ class _Req:
         "xfers",
     )
 
-    def __init__(self, rid: str, remote: RemotePrefill, engine: Engine) -> None:
+    def __init__(self, rid: str, remote: RemotePrefill, engine: Engine, now: float) -> None:
         self.rid = rid
+        self.arrival = now
+        self.read_deadline = math.inf
+        """Pull: our-clock moment after which the producer may no longer hold the blocks."""
         self.state = S.WAIT_ALLOC
         self.remote = remote
         self.engine = engine
@@ -188,7 +194,7 @@ class ConsumerMachine(MachineCore):
         engine = self._engine(
             remote.engine_id, remote.host, remote.port, remote.tp_size, remote.pp_size
         )
-        req = _Req(rid, remote, engine)
+        req = _Req(rid, remote, engine, now)
         req.notif = notif
         self._reqs[rid] = req
         engine.refs += 1
@@ -308,8 +314,16 @@ class ConsumerMachine(MachineCore):
         if self.config.mode is TransferMode.PUSH:
             self._register(req, now, out)
             return
+        cfg = self.config
         expiry = req.remote.blocks_expiry_time
-        if expiry is not None and now + self.config.expiry_margin_s >= expiry - engine.clock_offset:
+        if cfg.bound_reads_by_lease:
+            req.read_deadline = self._read_deadline(req)
+            declined = now + cfg.expiry_margin_s >= req.read_deadline
+        else:  # the old rule: only a stated expiry, without the clock's uncertainty
+            declined = (
+                expiry is not None and now + cfg.expiry_margin_s >= expiry - engine.clock_offset
+            )
+        if declined:
             self.stats.reads_declined_expiry += 1
             self._fail_now(req, FailReason.EXPIRED, "remote blocks expire too soon to read", out)
             return
@@ -322,6 +336,43 @@ class ConsumerMachine(MachineCore):
         req.next_post = 0
         req.state = S.TRANSFERRING
         self._post_next(req, out)
+
+    def _read_deadline(self, req: _Req) -> float:
+        """The latest moment, in our clock, at which the producer is known to still hold
+        the request's blocks. A producer that states its expiry (kvwire's does) is taken
+        at its word, moved into our clock with the handshake's offset and made earlier by
+        the offset's uncertainty; otherwise (vLLM's producer) only the configured lease
+        from the request's arrival here, which the producer's lease started before: the
+        bound is as good as the two leases agree and the proxy is quick."""
+        expiry = req.remote.blocks_expiry_time
+        engine = req.engine
+        if expiry is not None and math.isfinite(expiry):
+            return expiry - engine.clock_offset - engine.clock_uncertainty
+        return req.arrival + self.config.lease_s
+
+    def _transfer_deadline(self, req: _Req, now: float) -> float:
+        deadline = now + self.config.transfer_timeout_s
+        if self.config.bound_reads_by_lease:
+            deadline = min(deadline, req.read_deadline - self.config.completion_margin_s)
+        return deadline
+
+    def _completion_too_late(self, req: _Req, now: float) -> bool:
+        cfg = self.config
+        if cfg.bound_reads_by_lease and now > req.read_deadline - cfg.completion_margin_s:
+            self.stats.reads_late += 1
+            return True
+        return False
+
+    def _transfer_timed_out(self, req: _Req, out: list[Action]) -> None:
+        cfg = self.config
+        if (
+            cfg.bound_reads_by_lease
+            and self._last_now >= req.read_deadline - cfg.completion_margin_s
+        ):
+            detail = "read did not end before the producer's lease: its bytes cannot be trusted"
+            self._begin_failure(req, FailReason.EXPIRED, detail, out)
+        else:
+            self._begin_failure(req, FailReason.TIMEOUT, "transfer timed out", out)
 
     def _plan(self, engine: Engine) -> tuple[list[RemoteRank], list[RemoteRank]]:
         """(ranks to READ from, every rank to notify) for the engine's TP/PP sizes."""

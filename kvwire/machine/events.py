@@ -133,9 +133,15 @@ class HandshakeDone(Event, frozen=True):
     clock_offset: float = 0.0
     peer_features: frozenset[str] = frozenset()
     """kvwire additions the peer announced (:data:`kvwire.wire.schemas.FEATURES`)."""
+    clock_uncertainty: float = 0.0
+    """How far ``clock_offset`` may be off (half the sample's RTT): a consumer moves the
+    producer's expiry time this much earlier, so its read deadline is never late."""
 
     def __post_init__(self) -> None:
         _check_id(self.engine_id, "engine_id")
+        u = self.clock_uncertainty
+        if not isinstance(u, (int, float)) or not u >= 0 or u == float("inf"):
+            raise LocalProtocolError(f"clock_uncertainty must be finite and >= 0, got {u!r}")
         if type(self.remote_tp_size) is not int or self.remote_tp_size < 1:
             raise LocalProtocolError(f"remote_tp_size must be >= 1, got {self.remote_tp_size}")
         if type(self.remote_pp_size) is not int or self.remote_pp_size < 1:

@@ -224,6 +224,7 @@ class ProducerMachine(MachineCore):
             del self._reqs[req.rid]  # nothing held yet: the engine frees its own blocks
         elif state is S.LEASED or state is S.WAIT_PEER:
             self._free(req, FreeReason.ABORTED, out)
+        # QUARANTINED: the engine's request is over already; the grace still runs.
         elif state is S.WRITING:
             self._begin_failure(req, FreeReason.ABORTED, out)
 
@@ -264,7 +265,10 @@ class ProducerMachine(MachineCore):
             # Late (after the lease ran out, or a duplicate after freeing): never free twice.
             self.stats.completions_unknown += 1
             return
-        if self.config.mode is not TransferMode.PULL or req.state is not S.LEASED:
+        state = req.state
+        if self.config.mode is not TransferMode.PULL or (
+            state is not S.LEASED and state is not S.QUARANTINED
+        ):
             self.stats.notifications_unexpected += 1
             return
         successors(PRODUCER, req.state, NotificationReceived, f"request {req.rid!r}")
@@ -277,7 +281,8 @@ class ProducerMachine(MachineCore):
         if not req.needed:
             req.needed = msg.count
         if len(req.senders) >= req.needed:
-            self._free(req, FreeReason.SENT, out)
+            # After the lease ran out the reads are over, but the lease was still missed.
+            self._free(req, FreeReason.SENT if state is S.LEASED else FreeReason.EXPIRED, out)
 
     def _on_registration(self, reg: PushRegistration, now: float, out: list[Action]) -> None:
         if self.config.mode is not TransferMode.PUSH:
@@ -455,6 +460,9 @@ class ProducerMachine(MachineCore):
     def _transfers_done(self, req: _Req, out: list[Action]) -> None:
         self._free(req, FreeReason.SENT, out)
 
+    def _transfer_timed_out(self, req: _Req, out: list[Action]) -> None:
+        self._begin_failure(req, FreeReason.FAILED, out)
+
     def _begin_failure(self, req: _Req, reason: FreeReason, out: list[Action]) -> None:
         req.fail_reason = reason
         if not req.xfers:
@@ -469,13 +477,26 @@ class ProducerMachine(MachineCore):
     ) -> None:
         if kind == T_LEASE:
             req: _Req = subject
-            if self._reqs.get(req.rid) is not req or req.state is not S.LEASED:
+            if self._reqs.get(req.rid) is not req:
+                return
+            state = req.state
+            if state is not S.LEASED and state is not S.QUARANTINED:
                 return
             if req.deadline > now:
                 self._arm(req.deadline, T_LEASE, req)  # extended by a heartbeat
                 return
-            successors(PRODUCER, req.state, Timer, f"request {req.rid!r}")
-            self.stats.leases_expired += 1
+            successors(PRODUCER, state, Timer, f"request {req.rid!r}")
+            grace = self.config.lease_grace
+            if state is S.LEASED:
+                self.stats.leases_expired += 1
+                if grace > 0 and self.config.mode is TransferMode.PULL:
+                    # A READ stalled on a cut link may still resume: keep the blocks
+                    # unchanged a while longer rather than hand them to another prompt.
+                    self.stats.leases_quarantined += 1
+                    req.state = S.QUARANTINED
+                    req.deadline = now + grace
+                    self._arm(req.deadline, T_LEASE, req)
+                    return
             self._free(req, FreeReason.EXPIRED, out)
         elif kind == T_REGISTRATION:
             rid: str = subject

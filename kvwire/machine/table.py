@@ -80,6 +80,9 @@ class ProducerState(_State):
     """Push: WRITEs being posted one rank at a time, or in flight."""
     DRAINING = "draining"
     """Push: failed or aborted, waiting for in-flight writes to be cancelled and released."""
+    QUARANTINED = "quarantined"
+    """Pull: the lease ran out without every completion; the blocks stay unchanged for the
+    grace (a READ stalled on a cut link may still resume), then are freed."""
     FREED = "freed"
 
 
@@ -138,10 +141,13 @@ CONSUMER: dict[tuple[ConsumerState, type[Event]], frozenset[ConsumerState]] = {
     (C.WAIT_PEER, Abort): frozenset({C.FAILED}),
     (C.WAIT_PEER, NotificationReceived): frozenset({C.WAIT_PEER}),
     (C.TRANSFERRING, TransferPosted): frozenset({C.TRANSFERRING}),
-    (C.TRANSFERRING, TransferDone): frozenset({C.TRANSFERRING, C.DONE}),
+    # A completion observed after the read deadline fails the request (late bytes).
+    (C.TRANSFERRING, TransferDone): frozenset({C.TRANSFERRING, C.DONE, C.DRAINING, C.FAILED}),
     (C.TRANSFERRING, TransferFailed): frozenset({C.DRAINING, C.FAILED}),
     (C.TRANSFERRING, ReleaseFailed): frozenset({C.TRANSFERRING}),
     (C.TRANSFERRING, Abort): frozenset({C.DRAINING, C.FAILED}),
+    # A READ still running at its deadline (the producer's lease, or the transfer timeout).
+    (C.TRANSFERRING, Timer): frozenset({C.TRANSFERRING, C.DRAINING}),
     (C.AWAIT_WRITES, NotificationReceived): frozenset({C.AWAIT_WRITES, C.DONE, C.FAILED}),
     (C.AWAIT_WRITES, Timer): frozenset({C.FAILED}),
     (C.AWAIT_WRITES, Abort): frozenset({C.FAILED}),
@@ -159,8 +165,11 @@ PRODUCER: dict[tuple[ProducerState, type[Event]], frozenset[ProducerState]] = {
     (P.PREFILLING, PrefillFinished): frozenset({P.LEASED, P.WAIT_PEER, P.WRITING, P.FREED}),
     (P.PREFILLING, Abort): frozenset({P.ABSENT}),
     (P.LEASED, NotificationReceived): frozenset({P.LEASED, P.WAIT_PEER, P.WRITING, P.FREED}),
-    (P.LEASED, Timer): frozenset({P.LEASED, P.FREED}),
+    (P.LEASED, Timer): frozenset({P.LEASED, P.QUARANTINED, P.FREED}),
     (P.LEASED, Abort): frozenset({P.FREED}),
+    (P.QUARANTINED, Timer): frozenset({P.QUARANTINED, P.FREED}),
+    (P.QUARANTINED, NotificationReceived): frozenset({P.QUARANTINED, P.FREED}),
+    (P.QUARANTINED, Abort): frozenset({P.QUARANTINED}),
     (P.WAIT_PEER, HandshakeDone): frozenset({P.WRITING, P.FREED}),
     (P.WAIT_PEER, HandshakeFailed): frozenset({P.FREED}),
     (P.WAIT_PEER, Abort): frozenset({P.FREED}),
@@ -169,6 +178,7 @@ PRODUCER: dict[tuple[ProducerState, type[Event]], frozenset[ProducerState]] = {
     (P.WRITING, TransferFailed): frozenset({P.DRAINING, P.FREED}),
     (P.WRITING, ReleaseFailed): frozenset({P.WRITING}),
     (P.WRITING, Abort): frozenset({P.DRAINING, P.FREED}),
+    (P.WRITING, Timer): frozenset({P.WRITING, P.DRAINING}),
     (P.DRAINING, TransferPosted): frozenset({P.DRAINING}),
     (P.DRAINING, TransferDone): frozenset({P.DRAINING, P.FREED}),
     (P.DRAINING, TransferFailed): frozenset({P.DRAINING, P.FREED}),
@@ -180,9 +190,12 @@ X = TransferState
 TRANSFER: dict[tuple[TransferState, type[Event]], frozenset[TransferState]] = {
     (X.REQUESTED, TransferPosted): frozenset({X.POSTED, X.CANCELLING}),
     (X.REQUESTED, TransferFailed): frozenset({X.ENDED}),
+    # Its deadline passed while being posted: cancelled once TransferPosted comes.
+    (X.REQUESTED, Timer): frozenset({X.REQUESTED}),
     (X.POSTED, TransferDone): frozenset({X.ENDED}),
     (X.POSTED, TransferFailed): frozenset({X.ENDED}),
     (X.POSTED, ReleaseFailed): frozenset({X.RELEASE_FAILED}),
+    (X.POSTED, Timer): frozenset({X.POSTED, X.CANCELLING}),
     (X.CANCELLING, TransferDone): frozenset({X.ENDED}),
     (X.CANCELLING, TransferFailed): frozenset({X.ENDED}),
     (X.CANCELLING, ReleaseFailed): frozenset({X.RELEASE_FAILED}),

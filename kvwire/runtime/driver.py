@@ -531,6 +531,7 @@ class Driver:
                         remote_pp_size=action.expected_pp_size,
                         clock_offset=result.clock_offset,
                         peer_features=result.features,
+                        clock_uncertainty=result.best_rtt / 2,
                     )
                 )
         except KVWireError as exc:

@@ -145,12 +145,21 @@ class Producer(_Endpoint[list[FreedRequest]]):
             "tp_size": cfg.tp_size,
             "dcp_size": geometry.dcp_size if geometry is not None else 1,
             "pp_size": cfg.pp_size,
-            "remote_blocks_expiry_time": None,
+            "remote_blocks_expiry_time": self._expiry(request_id),
             "transfer_mode": cfg.mode,
         }
         if num_tokens is not None:
             params["remote_num_tokens"] = num_tokens
         return params
+
+    def _expiry(self, request_id: str) -> float | None:
+        """Pull: the lease deadline in this rank's clock (the one the listener's clock
+        replies sample, so a consumer can convert it); the consumer bounds its READ by it.
+        None when the blocks are not held under a lease (push, or nothing to send)."""
+        machine = self._driver.machine
+        if self.config.mode != "pull" or not isinstance(machine, ProducerMachine):
+            return None
+        return machine.lease_deadline(request_id)
 
     def abort(self, request_id: str) -> None:
         """The engine gave up on the request; its blocks show up in get_finished."""

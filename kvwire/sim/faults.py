@@ -19,6 +19,7 @@ FAULT_NAMES: tuple[str, ...] = (
     "skew",
     "abort",
     "short-lease",
+    "partition",
 )
 """Every fault kind, in the order ``--faults all`` lists them."""
 
@@ -41,6 +42,11 @@ class Faults:
     clock_skew_s: float = 0.0
     abort: float = 0.0
     short_lease: bool = False
+    partition: float = 0.0
+    """Per posted transfer: the link between its two engines is cut for 1-2.5 producer
+    leases. Heartbeats, completions and handshakes across it are lost, and every transfer
+    on it stalls until the link heals, then completes with whatever the source blocks hold
+    by then."""
     kinds: tuple[str, ...] = ()
     """The ``--faults`` names that produced these settings."""
 
@@ -62,6 +68,7 @@ _SETTINGS: dict[str, dict[str, float | bool]] = {
     "skew": {"clock_skew_s": 1.0e5},
     "abort": {"abort": 0.04},
     "short-lease": {"short_lease": True},
+    "partition": {"partition": 0.0002},
 }
 
 

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import numpy as np
 import numpy.typing as npt
 
@@ -220,7 +221,10 @@ class Xfer:
         "peer_rank",
         "rank",
         "read",
+        "rid",
         "src_ids",
+        "stale",
+        "stalled",
         "xid",
     )
     cancelled: bool
@@ -233,12 +237,17 @@ class Xfer:
     peer_rank: int
     rank: Rank
     read: bool
+    rid: str
     src_ids: list[int]
     xid: int
 
     def __init__(self) -> None:
         self.cancelled = False
         self.outcome = ""
+        self.stalled = False
+        """Held up by a partition: completes after the heal with whatever is there then."""
+        self.stale = False
+        """A stalled READ whose source blocks were freed by the producer before it ended."""
 
 
 class Request:
@@ -260,6 +269,7 @@ class Request:
         "p_ids",
         "p_inc",
         "p_rid",
+        "read_stale",
         "seed",
         "status",
         "t0",
@@ -279,6 +289,7 @@ class Request:
     p_ids: list[int]
     p_inc: int
     p_rid: str
+    read_stale: bool
     seed: int
     status: str
     t0: float
@@ -291,6 +302,7 @@ class Request:
         self.d_ids = []
         self.expired = False
         self.aborted = False
+        self.read_stale = False
 
 
 @dataclass
@@ -306,6 +318,10 @@ class SimResult:
     stuck: int = 0
     invariant_violations: int = 0
     corrupt: int = 0
+    stale_done: int = 0
+    """Requests reported done whose bytes were not the producer's for that request (a READ
+    that outlived the lease and read blocks the producer had given to another prompt)."""
+    partitions: int = 0
     bytes_verified: int = 0
     quarantined_blocks: int = 0
     machine_events: int = 0
@@ -325,6 +341,7 @@ class SimResult:
             and self.double_frees == 0
             and self.stuck == 0
             and self.corrupt == 0
+            and self.stale_done == 0
         )
 
 
@@ -337,8 +354,15 @@ def pattern(seed: int, positions: npt.NDArray[np.int64], start: int, width: int)
 class World:
     """One simulation run; ``run()`` returns its :class:`SimResult`."""
 
-    def __init__(self, seed: int, requests: int, faults: Faults) -> None:
+    def __init__(
+        self, seed: int, requests: int, faults: Faults, legacy_lease_rule: bool = False
+    ) -> None:
         self.rng = random.Random(seed)
+        self.legacy = legacy_lease_rule
+        """Reproduce the old rule: consumers do not bound READs by the producer's lease,
+        producers free expired blocks at once, transfers have no deadline."""
+        self.cuts: dict[tuple[str, str], float] = {}
+        """Partitioned links: (producer host, consumer host) -> when the link heals."""
         self.n_requests = requests
         self.faults = faults
         self.result = SimResult(seed=seed, faults=faults.names)
@@ -473,6 +497,10 @@ class World:
                 host=spec.name,
                 port=1,
             )
+            if self.legacy:
+                config = msgspec.structs.replace(
+                    config, bound_reads_by_lease=False, lease_grace_s=0.0, transfer_timeout_s=1e12
+                )
             machine: ConsumerMachine | ProducerMachine
             machine = ProducerMachine(config) if spec.role == "P" else ConsumerMachine(config)
             engine.ranks.append(Rank(engine, i, machine, engine.slice_of(i)[1], engine.blocks))
@@ -656,6 +684,8 @@ class World:
         if f.handshake_silence and rng.random() < f.handshake_silence:
             return  # the machine's own timeout must end it
         target = self.engines.get(action.host)
+        if target is not None and self._cut_until(rank.engine, target) > self.t:
+            return  # across a cut link: no answer; the machine's timeout ends it
         delay = rng.uniform(0.001, 0.003)
         event: Any
         if target is None or not target.up:
@@ -694,6 +724,7 @@ class World:
         x.peer_inc = peer.inc
         x.peer_rank = action.remote_rank[1]
         x.read = isinstance(action, PostRead)
+        x.rid = action.request_id
         x.notif = action.notification
         local = list(action.local_block_ids[0]) if action.local_block_ids else []
         remote = list(action.remote_block_ids[0]) if action.remote_block_ids else []
@@ -706,14 +737,40 @@ class World:
         rank.xfers[xid] = x
         self.at(self.t, self._deliver, (rank, TransferPosted(xid)))
         latency = 0.0002 + len(local) * FULL / 5e9 + rng.expovariate(1 / 0.001)
+        heal = self._cut_until(rank.engine, peer)
+        if f.partition and heal <= self.t and rng.random() < f.partition:
+            heal = self._partition(rank.engine, peer)
+        if heal > self.t:
+            x.stalled = True
+            self.at(heal + latency, self._complete, x)
+            return
         self.at(self.t + latency, self._complete, x)
+
+    def _cut_until(self, a: Engine, b: Engine) -> float:
+        """When the link between ``a`` and ``b`` heals (in the past if it is up)."""
+        key = (a.spec.name, b.spec.name) if a.spec.role == "P" else (b.spec.name, a.spec.name)
+        return self.cuts.get(key, -math.inf)
+
+    def _partition(self, a: Engine, b: Engine) -> float:
+        """Cut the link between two engines for 1-2.5 of the producer's leases."""
+        p, d = (a, b) if a.spec.role == "P" else (b, a)
+        heal = self.t + self.rng.uniform(1.0, 2.5) * p.spec.lease_s
+        self.cuts[(p.spec.name, d.spec.name)] = heal
+        self.result.partitions += 1
+        return heal
 
     def _complete(self, x: Xfer) -> None:
         if x.cancelled or not x.rank.alive:
             return
         peer = x.peer
         ok = peer.up and peer.inc == x.peer_inc
-        if ok and x.gens is not None:
+        if ok and x.stalled:
+            # The DMA resumes after the heal and moves whatever the blocks hold now: the
+            # fabric cannot know the producer reused them.
+            if x.gens is not None:
+                now_gens = peer.alloc.gens[np.asarray(x.src_ids, dtype=np.int64)]
+                x.stale = not bool(np.array_equal(now_gens, x.gens))
+        elif ok and x.gens is not None:
             now_gens = peer.alloc.gens[np.asarray(x.src_ids, dtype=np.int64)]
             ok = bool(np.array_equal(now_gens, x.gens))
         f = self.faults
@@ -721,7 +778,11 @@ class World:
             ok = False
         if ok:
             self._copy(x)
-            self._send(x.rank.agent, peer, x.peer_rank, x.notif)
+            self._send(x.rank.agent, peer, x.peer_rank, x.notif, x.rank.engine)
+            if x.stale:
+                req = self.reqs_d.get(x.rid)
+                if req is not None:
+                    req.read_stale = True
         x.outcome = "done" if ok else "failed"
         self._answer(x)
 
@@ -771,11 +832,14 @@ class World:
             return
         indexes = [r[1] for r in action.ranks] if action.ranks else range(target.spec.tp)
         for i in indexes:
-            self._send(rank.agent, target, i, action.data)
+            self._send(rank.agent, target, i, action.data, rank.engine)
 
-    def _send(self, sender: str, target: Engine, index: int, data: bytes) -> None:
+    def _send(self, sender: str, target: Engine, index: int, data: bytes, src: Engine) -> None:
         f = self.faults
         rng = self.rng
+        if f.partition and self._cut_until(src, target) > self.t:
+            self.result.notifications_dropped += 1
+            return
         if f.drop_notification and rng.random() < f.drop_notification:
             self.result.notifications_dropped += 1
             return
@@ -851,6 +915,8 @@ class World:
                 expected = pattern(req.seed, positions, start, width)
                 if not np.array_equal(rank.buf[dst], expected):
                     self.result.corrupt += 1
+                    if req.read_stale:
+                        self.result.stale_done += 1
                     self.violation(f"{req.d_rid}: {rank.agent} holds wrong KV after success")
                     self._finish(req, "failed", "corrupt", free_d=True)
                     return
@@ -917,6 +983,12 @@ class World:
                 res.violations.append(f"unfreed on producer: {req.p_rid}")
 
 
-def simulate(seed: int, requests: int, faults: Faults) -> SimResult:
-    """Run one simulation to quiescence; deterministic for a given seed and arguments."""
-    return World(seed, requests, faults).run()
+def simulate(
+    seed: int, requests: int, faults: Faults, legacy_lease_rule: bool = False
+) -> SimResult:
+    """Run one simulation to quiescence; deterministic for a given seed and arguments.
+
+    ``legacy_lease_rule`` runs the machines with the old, unsafe rule (reads not bounded by
+    the producer's lease, no quarantine, no transfer deadline): with ``partition`` it
+    shows what the new rule prevents (``stale_done > 0``)."""
+    return World(seed, requests, faults, legacy_lease_rule).run()

@@ -19,6 +19,7 @@ from kvwire.machine import (
     RemotePrefill,
     RequestAdded,
     StartHandshake,
+    Timer,
     TransferMode,
     TransferPosted,
 )
@@ -150,6 +151,9 @@ class ProducerAt:
             return
         self.step(PrefillFinished("r1", ((1, 2, 3),)))
         if state == "leased":
+            return
+        if state == "quarantined":
+            self.step(Timer(), self.m.config.lease_s + 0.001)
             return
         acts = self.step(NotificationReceived("d-agent", registration("r1", decode_tp=2)))
         self.attempt = one(acts, StartHandshake).attempt

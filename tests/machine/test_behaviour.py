@@ -47,7 +47,7 @@ def _held(p: ProducerMachine, rid: str, blocks: tuple[tuple[int, ...], ...] = ((
 
 
 def test_heartbeat_extends_to_two_thirds_of_the_lease_and_never_shortens() -> None:
-    p = producer(lease_s=30.0)
+    p = producer(lease_s=30.0, lease_grace_s=0.0)
     _held(p, "r1")
     assert p.lease_deadline("r1") == 30.0
     p.handle(NotificationReceived("d", encode_heartbeat(["r1", "unknown"])), 1.0)
@@ -106,7 +106,7 @@ def test_handshake_times_out_and_a_late_answer_is_ignored() -> None:
 
 
 def test_idle_engine_is_evicted_but_never_while_a_transfer_runs() -> None:
-    c = consumer(engine_idle_ttl_s=100.0)
+    c = consumer(engine_idle_ttl_s=100.0, lease_s=1000.0, transfer_timeout_s=1000.0)
     attempt = one(c.handle(RequestAdded("d1", remote()), 0.0), StartHandshake).attempt
     c.handle(AllocationDone("d1", ((1, 2),)), 0.0)
     read = one(c.handle(HandshakeDone("P", attempt, 1), 0.0), PostRead)

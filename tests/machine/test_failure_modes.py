@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -21,6 +22,7 @@ from kvwire.machine import (
     NotificationReceived,
     PostRead,
     PrefillFinished,
+    ProducerState,
     ReleaseFailed,
     ReleaseTransfer,
     RequestAdded,
@@ -31,6 +33,7 @@ from kvwire.machine import (
     Timer,
     TransferDone,
     TransferFailed,
+    TransferMode,
     TransferPosted,
 )
 from kvwire.wire.notifications import encode_heartbeat
@@ -39,7 +42,7 @@ from kvwire.wire.notifications import encode_heartbeat
 def test_reaper_scans_every_lease_not_only_up_to_the_first_live_one() -> None:
     """vllm#58222: leases are not ordered by deadline (heartbeats move them, TTLs differ);
     stopping at the first unexpired entry stranded the expired ones behind it."""
-    p = producer(lease_s=30.0)
+    p = producer(lease_s=30.0, lease_grace_s=0.0)
     for i, rid in enumerate(["head", "a", "b", "c"]):
         p.handle(RequestAdded(rid), 0.0)
         p.handle(PrefillFinished(rid, ((10 * i, 10 * i + 1),)), 0.0)
@@ -57,7 +60,7 @@ def test_reaper_scans_every_lease_not_only_up_to_the_first_live_one() -> None:
 
 def test_reaper_finds_short_leases_behind_long_ones_armed_earlier() -> None:
     """Mixed TTLs (rebased deadlines) in arming order long, short: both must be reaped."""
-    p = producer(lease_s=30.0)
+    p = producer(lease_s=30.0, lease_grace_s=0.0)
     p.handle(RequestAdded("long"), 0.0)
     p.handle(PrefillFinished("long", ((1,),), lease_deadline=1000.0, scheduler_clock=900.0), 0.0)
     p.handle(RequestAdded("short"), 0.0)
@@ -128,9 +131,11 @@ def test_a_lost_notify_only_message_neither_blocks_the_consumer_nor_leaks_the_pr
     p = producer(lease_s=30.0)
     p.handle(RequestAdded("p1"), 0.0)
     p.handle(PrefillFinished("p1", ((1, 2),)), 0.0)
-    # The message is lost: nothing arrives; the lease frees the blocks exactly once.
-    assert one(p.handle(Timer(), 30.0), FreeBlocks).reason is FreeReason.EXPIRED
-    assert p.handle(NotificationReceived("d", b"p1:1"), 31.0) == []
+    # The message is lost: nothing arrives; the lease, then the grace, frees the blocks
+    # exactly once.
+    assert of(p.handle(Timer(), 30.0), FreeBlocks) == []
+    assert one(p.handle(Timer(), 45.0), FreeBlocks).reason is FreeReason.EXPIRED
+    assert p.handle(NotificationReceived("d", b"p1:1"), 46.0) == []
     assert p.held_blocks() == 0
 
 
@@ -160,13 +165,44 @@ def test_failure_after_a_partial_post_posts_nothing_more_and_waits_for_the_runni
 def test_lease_that_expires_during_a_read_is_freed_once_and_late_messages_are_ignored() -> None:
     """Expired lease during a read: the late completion (and heartbeat) must not free the
     blocks a second time, nor extend a lease that no longer exists."""
-    p = producer(lease_s=30.0)
+    p = producer(lease_s=30.0, lease_grace_s=0.0)
     p.handle(RequestAdded("p1"), 0.0)
     p.handle(PrefillFinished("p1", ((1, 2, 3),)), 0.0)
     assert one(p.handle(Timer(), 30.0), FreeBlocks).reason is FreeReason.EXPIRED
     assert p.handle(NotificationReceived("d", encode_heartbeat(["p1"])), 30.5) == []
     assert p.handle(NotificationReceived("d", b"p1:1"), 31.0) == []
     assert p.stats.completions_unknown == 1
+    assert p.held_blocks() == 0
+
+
+def test_expired_blocks_are_quarantined_for_the_grace_and_never_revived() -> None:
+    """A READ stalled on a cut link may resume after the lease: the blocks stay unchanged
+    (held, not handed to another prompt) for the grace; a heartbeat that arrives then does
+    not bring the lease back, and the blocks are freed once, as expired."""
+    p = producer(lease_s=30.0, lease_grace_s=10.0)
+    p.handle(RequestAdded("p1"), 0.0)
+    p.handle(PrefillFinished("p1", ((1, 2, 3),)), 0.0)
+    assert of(p.handle(Timer(), 30.0), FreeBlocks) == []
+    assert p.request_state("p1") is ProducerState.QUARANTINED
+    assert p.held_blocks() == 3 and p.lease_deadline("p1") is None
+    assert p.handle(NotificationReceived("d", encode_heartbeat(["p1"])), 31.0) == []
+    assert of(p.handle(Timer(), 39.9), FreeBlocks) == []
+    assert one(p.handle(Timer(), 40.0), FreeBlocks).reason is FreeReason.EXPIRED
+    assert p.handle(NotificationReceived("d", b"p1:1"), 41.0) == []
+    assert p.stats.leases_expired == 1 and p.stats.leases_quarantined == 1
+    assert p.held_blocks() == 0
+
+
+def test_a_completion_during_the_quarantine_frees_at_once() -> None:
+    """The consumer's completion says its READs are over: nothing can hit the blocks."""
+    p = producer(lease_s=30.0, lease_grace_s=10.0)
+    p.handle(RequestAdded("p1"), 0.0)
+    p.handle(PrefillFinished("p1", ((1, 2),)), 0.0)
+    p.handle(Timer(), 30.0)
+    assert p.handle(NotificationReceived("d0", b"p1:2"), 31.0) == []
+    assert one(p.handle(NotificationReceived("d1", b"p1:2"), 32.0), FreeBlocks).reason is (
+        FreeReason.EXPIRED
+    )
     assert p.held_blocks() == 0
 
 
@@ -187,3 +223,81 @@ def test_consumer_declines_a_read_whose_blocks_expire_inside_the_margin() -> Non
     ).attempt
     c2.handle(AllocationDone("d2", ((7,),)), 100.0)
     assert of(c2.handle(HandshakeDone("P", attempt, 1, clock_offset=1000.0), 100.9), PostRead)
+
+
+def _reading(expiry: float | None, offset: float = 0.0, uncertainty: float = 0.0) -> Any:
+    """A consumer (completion margin 1 s, lease 30 s) whose READ of ``d1`` was posted at
+    t=1; returns the machine and the READ."""
+    c = consumer(lease_s=30.0, completion_margin_s=1.0, expiry_margin_s=5.0)
+    acts = c.handle(RequestAdded("d1", remote(expiry=expiry)), 0.0)
+    attempt = one(acts, StartHandshake).attempt
+    c.handle(AllocationDone("d1", ((7, 8),)), 0.5)
+    done = HandshakeDone("P", attempt, 1, clock_offset=offset, clock_uncertainty=uncertainty)
+    read = one(c.handle(done, 1.0), PostRead)
+    c.handle(TransferPosted(read.xfer_id), 1.0)
+    return c, read
+
+
+def test_a_read_completed_after_the_producers_lease_is_failed_never_done() -> None:
+    """docs/reliability.md's worst case: a READ stalled on a cut link resumed after the
+    producer's lease ran out, and its completion reported another prompt's KV as done.
+    The producer said its blocks expire at its time 1020 (its clock 1000 s ahead, known to
+    0.5 s): our deadline is 19.5, and a completion seen after 18.5 fails the request with
+    its blocks invalid."""
+    c, read = _reading(expiry=1020.0, offset=1000.0, uncertainty=0.5)
+    acts = c.handle(TransferDone(read.xfer_id), 18.6)
+    failed = one(acts, RequestFailed)
+    assert failed.reason is FailReason.EXPIRED and failed.invalid_block_ids == ((7, 8),)
+    assert of(acts, RequestDone) == []
+    assert c.stats.reads_late == 1
+    # The same completion just inside the deadline is a success.
+    c, read = _reading(expiry=1020.0, offset=1000.0, uncertainty=0.5)
+    assert one(c.handle(TransferDone(read.xfer_id), 18.4), RequestDone)
+
+
+def test_a_read_still_running_at_its_deadline_is_cancelled_and_its_late_end_ignored() -> None:
+    """Every READ is bounded: at the read deadline the machine cancels it; the driver's
+    answer (even a success that raced the cancel) ends the request as failed."""
+    c, read = _reading(expiry=1020.0, offset=1000.0, uncertainty=0.5)
+    assert of(c.handle(Timer(), 18.4), CancelTransfer) == []
+    acts = c.handle(Timer(), 18.5)
+    assert one(acts, CancelTransfer).xfer_id == read.xfer_id
+    assert of(acts, RequestFailed) == []  # not before the handle is released
+    assert c.stats.transfers_timed_out == 1
+    failed = one(c.handle(TransferDone(read.xfer_id), 30.0), RequestFailed)
+    assert failed.reason is FailReason.EXPIRED and failed.invalid_block_ids == ((7, 8),)
+
+
+def test_without_a_stated_expiry_the_read_is_bounded_by_our_lease_from_arrival() -> None:
+    """vLLM's producer states no expiry: the consumer assumes the configured lease from
+    the request's arrival (0.0 here), the best it can know."""
+    c, read = _reading(expiry=None)
+    assert of(c.handle(Timer(), 28.9), CancelTransfer) == []
+    assert one(c.handle(TransferDone(read.xfer_id), 29.5), RequestFailed).reason is (
+        FailReason.EXPIRED
+    )
+
+
+def test_a_push_write_past_its_transfer_timeout_is_cancelled() -> None:
+    """Push: a producer's WRITE is bounded by ``transfer_timeout_s``; the blocks are freed
+    only once the cancelled handle is released."""
+    from machine_helpers import ProducerAt
+
+    at = ProducerAt("writing", TransferMode.PUSH)
+    acts = at.step(Timer(), 31.0)
+    assert one(acts, CancelTransfer).xfer_id == at.xfers[0]
+    assert at.m.request_state("r1") is ProducerState.DRAINING
+    assert of(at.step(TransferPosted(at.xfers[1])), CancelTransfer)
+    at.step(TransferFailed(at.xfers[0], "cancelled"))
+    assert one(at.step(TransferDone(at.xfers[1])), FreeBlocks).reason is FreeReason.FAILED
+
+
+def test_the_old_rule_reports_a_late_read_done() -> None:
+    """``bound_reads_by_lease=False`` (kept only to reproduce the old behaviour) reports the
+    late READ of the first test as done: what the new rule exists to prevent."""
+    c = consumer(lease_s=30.0, bound_reads_by_lease=False, transfer_timeout_s=1e9)
+    attempt = one(c.handle(RequestAdded("d1", remote(expiry=1020.0)), 0.0), StartHandshake)
+    c.handle(AllocationDone("d1", ((7, 8),)), 0.5)
+    read = one(c.handle(HandshakeDone("P", attempt.attempt, 1, clock_offset=1000.0), 1.0), PostRead)
+    c.handle(TransferPosted(read.xfer_id), 1.0)
+    assert one(c.handle(TransferDone(read.xfer_id), 60.0), RequestDone)

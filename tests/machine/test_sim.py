@@ -9,7 +9,7 @@ import pytest
 
 from kvwire.cli import main
 from kvwire.errors import ConfigError
-from kvwire.sim import FAULT_NAMES, parse_faults, simulate
+from kvwire.sim import FAULT_NAMES, Faults, parse_faults, simulate
 
 REQUIRED_KEYS = {
     "requests",
@@ -99,3 +99,20 @@ def test_notifications_still_parked_at_quiescence_count_as_stuck(
     result = simulate(3, 50, parse_faults("none"))
     assert result.stuck > 0 and not result.ok
     assert any("still parks write notifications" in v for v in result.violations)
+
+
+def test_partition_old_rule_reports_stale_kv_done_new_rule_never() -> None:
+    """The worst failure kvwire has seen, replayed: links cut for longer than the producer's
+    lease while READs hang, then healed, with producers reusing freed blocks for other
+    prompts. Under the old rule (reads not bounded by the lease, no quarantine, no
+    transfer deadline) consumers report requests done holding another prompt's KV; under
+    the new rule, on the same seed, none, and the affected requests fail as expired."""
+    faults = Faults(partition=0.001, short_lease=True, kinds=("short-lease", "partition"))
+    old = simulate(1, 4000, faults, True)
+    assert old.partitions > 0
+    assert old.stale_done > 0 and not old.ok
+    new = simulate(1, 4000, faults)
+    assert new.partitions > 0
+    assert new.stale_done == 0 and new.corrupt == 0
+    assert new.ok, new.violations
+    assert new.failures_by_reason.get("expired", 0) > 0

@@ -5,6 +5,12 @@ for and in what state the driver believes they are. It checks the guarantees the
 relies on: one terminal outcome per request, never an action for an ended request, never a
 READ after a request's first failure, never an ending while a transfer into its blocks may
 run, every held block freed exactly once, and nothing left once the world goes quiet.
+
+Partitions are in the event sequences too: time may jump past a producer's lease while
+READs hang, and their completions may then arrive late. A request is never done if one of
+its READs completed after its read deadline (the producer's stated expiry in our clock,
+less the clock's uncertainty, or the arrival plus the lease), and a producer keeps an
+expired lease's blocks quarantined for the grace before freeing them.
 """
 
 from __future__ import annotations
@@ -56,6 +62,11 @@ SETTINGS = settings(
 )
 
 IDS = [f"r{i}" for i in range(6)]
+OFFSET = 100.0
+"""The producer's clock minus the consumer's, as the handshake measures it."""
+UNCERTAINTY = 0.5
+MARGIN = 1.0
+"""``completion_margin_s``: a completion this close to the read deadline does not count."""
 
 
 class _ConsumerSide(RuleBasedStateMachine):
@@ -83,9 +94,13 @@ class _ConsumerSide(RuleBasedStateMachine):
         attempt = self.attempt
         assert attempt is not None
         self.attempt = None
-        self.feed(HandshakeDone("P", attempt, 2) if ok else HandshakeFailed("P", attempt))
+        self.feed(
+            HandshakeDone("P", attempt, 2, clock_offset=OFFSET, clock_uncertainty=UNCERTAINTY)
+            if ok
+            else HandshakeFailed("P", attempt)
+        )
 
-    @rule(dt=st.sampled_from([0.5, 2.0, 6.0]))
+    @rule(dt=st.sampled_from([0.5, 2.0, 6.0, 31.0]))
     def tick(self, dt: float) -> None:
         attempt = self.attempt
         self.feed(Timer(), dt)
@@ -110,6 +125,9 @@ class ConsumerModel(_ConsumerSide):
         self.done_reads: dict[str, int] = {}
         self.xfers: dict[int, tuple[str, str]] = {}  # xfer -> (request, driver state)
         self.cancelled: set[int] = set()
+        self.read_deadline: dict[str, float] = {}
+        self.late: set[str] = set()
+        """Requests with a READ whose success was reported after the read deadline."""
 
     # -------------------------------------------------------------- feeding
 
@@ -143,6 +161,7 @@ class ConsumerModel(_ConsumerSide):
                 )
                 if isinstance(a, RequestDone):
                     assert rid not in self.failed
+                    assert rid not in self.late, f"{rid} done with a READ that outlived the lease"
                     assert self.done_reads.get(rid, 0) in (0, 2)
                     assert self.done_reads.get(rid, 0) == 2 or self.reads.get(rid, 0) == 0
                 self.ended[rid] = a
@@ -150,16 +169,28 @@ class ConsumerModel(_ConsumerSide):
         return actions
 
     def _count_done(self, xid: int, rid: str) -> None:
+        # The TransferDone is fed 0.01 s from now.
+        if self.now + 0.01 > self.read_deadline[rid] - MARGIN:
+            self.late.add(rid)
         if xid not in self.cancelled and rid not in self.failed:
             self.done_reads[rid] = self.done_reads.get(rid, 0) + 1
 
     # -------------------------------------------------------------- rules
 
-    @rule(rid=st.sampled_from(IDS))
-    def add(self, rid: str) -> None:
+    @rule(rid=st.sampled_from(IDS), lease_left=st.sampled_from([None, 8.0, 20.0, 45.0]))
+    def add(self, rid: str, lease_left: float | None) -> None:
+        """``lease_left``: what the producer says is left of its lease (None: vLLM's
+        producer says nothing, and the consumer assumes its own lease from the arrival)."""
         if rid in self.live or rid in self.ended:
             return
         self.live.add(rid)
+        arrival = self.now + 0.01
+        if lease_left is None:
+            expiry = None
+            self.read_deadline[rid] = arrival + 30.0
+        else:
+            expiry = arrival + OFFSET + lease_left
+            self.read_deadline[rid] = arrival + lease_left - UNCERTAINTY
         remote = RemotePrefill(
             engine_id="P",
             request_id=f"p-{rid}",
@@ -167,6 +198,7 @@ class ConsumerModel(_ConsumerSide):
             port=1,
             block_ids=((1, 2, 3, 4),),
             tp_size=2,
+            blocks_expiry_time=expiry,
         )
         self.feed(RequestAdded(rid, remote))
 
@@ -231,7 +263,11 @@ class ConsumerModel(_ConsumerSide):
         for _ in range(20):
             if self.attempt is not None:
                 attempt, self.attempt = self.attempt, None
-                self.feed(HandshakeDone("P", attempt, 2))
+                self.feed(
+                    HandshakeDone(
+                        "P", attempt, 2, clock_offset=OFFSET, clock_uncertainty=UNCERTAINTY
+                    )
+                )
             for xid, (rid, state) in sorted(self.xfers.items()):
                 if state == "requested":
                     self.xfers[xid] = (rid, "posted")
@@ -250,6 +286,10 @@ class ConsumerModel(_ConsumerSide):
         assert self.m.transfers_in_flight() == 0
 
 
+GRACE = 15.0
+"""The producer's quarantine of expired blocks (``lease_grace_s``, L/2)."""
+
+
 class ProducerModel(RuleBasedStateMachine):
     """A pull producer (TP 1) whose consumers have TP 2: two completions free a request."""
 
@@ -263,10 +303,16 @@ class ProducerModel(RuleBasedStateMachine):
         self.freed: dict[str, FreeReason] = {}
         self.senders: dict[str, set[str]] = {}
         self.aborted: set[str] = set()
+        self.quarantined: dict[str, float] = {}
+        """Leases that ran out without both completions -> when the grace ends."""
         self.next_block = 0
 
     def feed(self, event: Any, dt: float = 0.01) -> list[Action]:
         self.now += dt
+        if isinstance(event, Timer):
+            for rid in self.holding:
+                if rid not in self.quarantined and self.deadline[rid] <= self.now:
+                    self.quarantined[rid] = self.now + GRACE
         actions = self.m.handle(event, self.now)
         for a in actions:
             rid = getattr(a, "request_id", None)
@@ -275,6 +321,9 @@ class ProducerModel(RuleBasedStateMachine):
                 assert a.block_ids == (self.holding[rid],)
                 if a.reason is FreeReason.EXPIRED:
                     assert self.now >= self.deadline[rid], "reaped before its deadline"
+                    assert rid in self.quarantined, "expired blocks freed without the grace"
+                    both = len(self.senders.get(rid, set())) >= 2
+                    assert both or self.now >= self.quarantined[rid], "grace cut short"
                 elif a.reason is FreeReason.SENT:
                     assert len(self.senders.get(rid, set())) >= 2
                 else:
@@ -312,7 +361,7 @@ class ProducerModel(RuleBasedStateMachine):
     def heartbeat(self, ids: list[str]) -> None:
         self.now += 0.01
         for rid in ids:
-            if rid in self.holding:
+            if rid in self.holding and rid not in self.quarantined:
                 self.deadline[rid] = max(self.deadline[rid], self.now + 20.0)
         self.feed(NotificationReceived("d0", encode_heartbeat(ids)), 0.0)
 
@@ -331,10 +380,12 @@ class ProducerModel(RuleBasedStateMachine):
         assert self.m.held_blocks() == sum(len(b) for b in self.holding.values())
         for rid, deadline in self.deadline.items():
             if rid in self.holding:
-                assert self.m.lease_deadline(rid) == deadline  # extended, never shortened
+                expected = None if rid in self.quarantined else deadline
+                assert self.m.lease_deadline(rid) == expected  # extended, never shortened
 
     def teardown(self) -> None:
-        self.feed(Timer(), 1000.0)
+        self.feed(Timer(), 1000.0)  # every lease runs out: quarantined
+        self.feed(Timer(), GRACE)  # and the grace with it
         assert not self.holding, f"leaked: {sorted(self.holding)}"
         assert self.m.held_blocks() == 0
 

@@ -65,6 +65,7 @@ PRODUCER_STATES = [
     ("absent", PULL),
     ("prefilling", PULL),
     ("leased", PULL),
+    ("quarantined", PULL),
     ("absent", PUSH),
     ("prefilling", PUSH),
     ("leased", PUSH),
