@@ -122,6 +122,10 @@ def test_cli_demo_json_and_split_roles() -> None:
         stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
+        # Refused connections fail at once now, so D starts once P says it listens.
+        assert prefill.stderr is not None
+        ready = prefill.stderr.readline()
+        assert "listening on" in ready, ready
         decode = subprocess.run(
             [sys.executable, "-m", "kvwire", "demo", "--role", "decode", "--connect",
              f"127.0.0.1:{port}", "--requests", "3", "--tokens", "128", "--no-progress"],
