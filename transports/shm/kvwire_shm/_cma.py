@@ -2,7 +2,8 @@
 
 ``process_vm_readv`` / ``process_vm_writev`` take arrays of iovecs on both sides, so a
 transfer of N descriptors costs ceil(N / IOV_MAX) syscalls and no Python work per
-descriptor. The kernel checks ptrace permission; :func:`allow_any_ptracer` opts this
+descriptor (with the C helper, :func:`native_chunks`, the iovecs are built in C too). The
+kernel checks ptrace permission; :func:`allow_any_ptracer` opts this
 process in where Yama would otherwise refuse its peers.
 """
 

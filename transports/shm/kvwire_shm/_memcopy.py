@@ -14,6 +14,9 @@ the spans are copied by ``map`` over a ctypes ``memmove``, so the iteration runs
   spans: no gain from sharing, see SHARE_FROM);
 * spans averaging under GATHER_BELOW bytes are gathered with numpy index arithmetic,
   which beats one call per span there.
+
+With the C helper (``_native``) :func:`native_chunks` makes the same chunks, each one C
+call over all its spans with the GIL released, streaming long spans past the cache.
 """
 
 from __future__ import annotations
