@@ -24,7 +24,7 @@ from kvwire import cli
 from kvwire.bench.wire import VllmAgentMetadata, VllmHandshakePayload
 from kvwire.config import KVWireConfig
 from kvwire.demo.content import count_wrong_bytes, fill
-from kvwire.demo.models import CacheSpec, preset
+from kvwire.demo.models import CacheSpec, preset, vllm_layer_name
 from kvwire.runtime import Consumer, Producer
 from kvwire.sidechannel import HandshakeClient, HandshakeListener, fetch_agent_metadata
 from kvwire.transport import create, region_of_array
@@ -102,7 +102,9 @@ def vllm_producer() -> Iterator[tuple[VllmStyleListener, VllmAgentMetadata, np.n
         physical_blocks_per_logical_kv_block=1,
         region_num_blocks=[SPEC.num_blocks] * SPEC.layers,
         region_group_ids=[0] * SPEC.layers,
-        region_names=[f"layer{i}" for i in range(SPEC.layers)],  # kvwire pairs regions by name
+        region_names=[
+            vllm_layer_name(i) for i in range(SPEC.layers)
+        ],  # kvwire pairs regions by name
         region_mem_types=["DRAM"] * SPEC.layers,
     )
     encoder = msgspec.msgpack.Encoder()
