@@ -17,10 +17,14 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 from collections import defaultdict
 from typing import Any
 
 from kvwire.errors import ConfigError
+
+DEFAULT_CLOSE_PROBE_S = 30.0
+"""Longest the up-front check waits for the probe agent's close() without --timeout."""
 
 GENERIC_MODULE = "kvwire_conformance.test_selected_transport"
 PYTEST_USAGE_ERROR = 4
@@ -120,7 +124,7 @@ def _table(tests: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def _check_agent(transport: str, options: list[str]) -> None:
+def _check_agent(transport: str, options: list[str], close_timeout: float) -> None:
     """Start and close one agent with the options, so an unknown transport, a ``module:attr``
     that is no factory or an option it does not take is a usage error."""
     from kvwire.errors import KVWireError
@@ -141,7 +145,11 @@ def _check_agent(transport: str, options: list[str]) -> None:
         raise
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"cannot start transport {transport!r} with {kwargs}: {exc}") from None
-    agent.close()
+    # Closed on a daemon thread, waited for at most the per-test timeout: an adapter whose
+    # close() hangs is the suite's to report, naming the test, not this probe's to freeze.
+    closer = threading.Thread(target=agent.close, name="kvwire-conformance-probe", daemon=True)
+    closer.start()
+    closer.join(close_timeout)
 
 
 def _call(cmd: list[str], stdout: int | None) -> int:
@@ -166,7 +174,8 @@ def run(args: argparse.Namespace) -> int:
     for module in ("pytest", "kvwire_conformance"):
         if importlib.util.find_spec(module) is None:
             raise ConfigError(f"kvwire conformance needs {module!r}: pip install 'kvwire[dev]'")
-    _check_agent(args.transport, args.option)  # one line here, not pytest's page
+    # One line here for a transport that does not start, not pytest's page.
+    _check_agent(args.transport, args.option, args.timeout or DEFAULT_CLOSE_PROBE_S)
     with tempfile.TemporaryDirectory(prefix="kvwire-conformance-") as tmp:
         report = os.path.join(tmp, "report.json")
         ini = os.path.join(tmp, "pytest.ini")
