@@ -316,9 +316,10 @@ def test_netns_runtime_moves_kv_and_survives_a_cut_link(
         assert set(outcome["failed"]) == {rid for rid, *_ in cut}, outcome
         for rid, _, _, d_blocks in cut:
             failure = outcome["failed"][rid]
-            assert failure["reason"] == "transfer", failure
+            # The fabric's failure detection ("transfer") or D's read deadline, bounded by
+            # P's lease ("expired"), whichever comes first: both fail with D's blocks.
+            assert failure["reason"] in ("transfer", "expired"), failure
             assert failure["invalid"] == [d_blocks], f"{rid}: not the blocks D allocated"
-        assert outcome["totals"]["transfers_failed"] == len(cut), outcome["totals"]
         assert freed["freed"] == {rid: "expired" for rid, *_ in cut}, freed
         assert freed["held_blocks"] == 0, freed
 
