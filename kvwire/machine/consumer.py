@@ -342,13 +342,16 @@ class ConsumerMachine(MachineCore):
         the request's blocks. A producer that states its expiry (kvwire's does) is taken
         at its word, moved into our clock with the handshake's offset and made earlier by
         the offset's uncertainty; otherwise (vLLM's producer) only the configured lease
-        from the request's arrival here, which the producer's lease started before: the
-        bound is as good as the two leases agree and the proxy is quick."""
+        from the request's arrival here would be the only bound, and vLLM's producer
+        extends its lease on our heartbeats without telling us, so such a bound fails reads
+        that vLLM's own consumer completes (make interop's heartbeat cell): without a
+        stated expiry the read is unbounded here, as in vLLM, and P's quarantine is the
+        guard."""
         expiry = req.remote.blocks_expiry_time
         engine = req.engine
         if expiry is not None and math.isfinite(expiry):
             return expiry - engine.clock_offset - engine.clock_uncertainty
-        return req.arrival + self.config.lease_s
+        return math.inf
 
     def _transfer_deadline(self, req: _Req, now: float) -> float:
         deadline = now + self.config.transfer_timeout_s

@@ -15,6 +15,7 @@ expired lease's blocks quarantined for the grace before freeing them.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from hypothesis import HealthCheck, settings
@@ -180,14 +181,14 @@ class ConsumerModel(_ConsumerSide):
     @rule(rid=st.sampled_from(IDS), lease_left=st.sampled_from([None, 8.0, 20.0, 45.0]))
     def add(self, rid: str, lease_left: float | None) -> None:
         """``lease_left``: what the producer says is left of its lease (None: vLLM's
-        producer says nothing, and the consumer assumes its own lease from the arrival)."""
+        producer says nothing, and the consumer does not bound the read by a guess)."""
         if rid in self.live or rid in self.ended:
             return
         self.live.add(rid)
         arrival = self.now + 0.01
         if lease_left is None:
             expiry = None
-            self.read_deadline[rid] = arrival + 30.0
+            self.read_deadline[rid] = math.inf
         else:
             expiry = arrival + OFFSET + lease_left
             self.read_deadline[rid] = arrival + lease_left - UNCERTAINTY
