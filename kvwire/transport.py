@@ -48,6 +48,9 @@ the adapter changes strategy. docs/transports.md has the contract in prose.
 from __future__ import annotations
 
 import enum
+import importlib
+import logging
+import os
 import time
 import types
 from collections.abc import Callable, Sequence
@@ -324,3 +327,27 @@ def wait_for(
         transport.wait(min(remaining, 0.01))
         state = transport.poll(handle)
     return state
+
+
+NO_NATIVE_VAR = "KVWIRE_NO_NATIVE"
+"""Set (to anything but ``0``) to run every transport's pure-Python path instead of its C
+helper; the tests run both."""
+
+
+def load_native_helper(module: str, fallback: str) -> types.ModuleType | None:
+    """A transport's optional compiled helper, or None with one warning line naming why.
+
+    The core carries no native code; this only imports a transport's own extension module
+    (``module``, e.g. ``"kvwire_shm._native"``) so every adapter turns its helper off, and
+    says so, the same way. ``fallback`` is what runs instead, for the warning.
+    """
+    package = module.split(".", 1)[0]
+    if os.environ.get(NO_NATIVE_VAR, "") not in ("", "0"):
+        why = f"{NO_NATIVE_VAR} is set"
+    else:
+        try:
+            return importlib.import_module(module)
+        except ImportError as exc:
+            why = f"not built: {exc}"
+    logging.getLogger(package).warning("%s: native helper off (%s); %s", package, why, fallback)
+    return None

@@ -5,25 +5,6 @@
 
 from __future__ import annotations
 
-import logging
-import os
-from types import ModuleType
+from kvwire.transport import load_native_helper
 
-
-def load() -> ModuleType | None:
-    if os.environ.get("KVWIRE_NO_NATIVE", "") not in ("", "0"):
-        why = "KVWIRE_NO_NATIVE is set"
-    else:
-        try:
-            from kvwire_shm import _native
-        except ImportError as exc:
-            why = f"not built: {exc}"
-        else:
-            return _native
-    logging.getLogger("kvwire_shm").warning(
-        "kvwire_shm: native copy helper off (%s); using the slower pure-Python copies", why
-    )
-    return None
-
-
-NATIVE = load()
+NATIVE = load_native_helper("kvwire_shm._native", "using the slower pure-Python copies")
