@@ -76,7 +76,7 @@ def _geometry(init: dict[str, Any], spec: CacheSpec, buffer: npt.NDArray[np.uint
     describe a peer engine's (a real vLLM's) choices, else the demo's own."""
     return spec.geometry(
         int(buffer.ctypes.data),
-        layout=init.get("layout") or "HND",
+        layout=init.get("layout") or "LBHNC",
         region_names=init.get("region_names"),
         attn_backend_name=init.get("attn_backend"),
     )
