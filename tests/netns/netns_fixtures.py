@@ -160,6 +160,40 @@ def receive() -> Any:
     return json.loads(line)
 
 
+def await_reads(
+    consumer: Any,
+    spec: Any,
+    buffer: Any,
+    known: dict[str, tuple[int, list[int]]],
+    expected: set[str],
+    start: float,
+    timeout: float,
+) -> tuple[dict[str, list[int]], dict[str, dict[str, Any]]]:
+    """From inside a D child: wait (bounded) until every id in ``expected`` is done or
+    failed. Done requests are checked byte by byte against the content P filled them with
+    (``known``: request id -> (content index, D's blocks)); failures keep their reason,
+    detail, invalid blocks and when they came."""
+    from kvwire.demo.content import count_wrong_bytes
+
+    done: dict[str, list[int]] = {}
+    failed: dict[str, dict[str, Any]] = {}
+    deadline = start + timeout
+    while len(done) + len(failed) < len(expected) and time.monotonic() < deadline:
+        consumer.wait_finished(max(0.0, deadline - time.monotonic()))
+        fin = consumer.get_finished()
+        for rid in fin.done:
+            index, blocks = known[rid]
+            done[rid] = list(count_wrong_bytes(spec, buffer, index, blocks))
+        for rid, why in fin.failed.items():
+            failed[rid] = {
+                "reason": why.reason,
+                "detail": why.detail,
+                "invalid": [list(group) for group in why.invalid_block_ids],
+                "after_s": time.monotonic() - start,
+            }
+    return done, failed
+
+
 def b64(data: bytes) -> str:
     """Bytes as JSON-safe text (for metadata blobs passed between children)."""
     return base64.b64encode(data).decode()

@@ -26,6 +26,7 @@ from netns_fixtures import (
     Child,
     Namespace,
     NetnsPair,
+    await_reads,
     emit,
     receive,
     ucx_lanes,
@@ -130,7 +131,7 @@ def decode_host(transport: str, options: dict[str, Any]) -> dict[str, Any]:
     known), says ``posted``, then waits (bounded) for every outcome and answers with what
     arrived intact and what failed with which blocks; ``{"op": "exit"}`` ends.
     """
-    from kvwire.demo.content import count_wrong_bytes, scribble
+    from kvwire.demo.content import scribble
     from kvwire.demo.worker import allocate
     from kvwire.runtime import Consumer
 
@@ -156,22 +157,9 @@ def decode_host(transport: str, options: dict[str, Any]) -> dict[str, Any]:
             for rid, _, blocks, params in cmd["requests"]:
                 consumer.add_request(rid, params, [blocks])
             emit({"posted": len(requests), "post_s": time.monotonic() - start})
-            done: dict[str, list[int]] = {}
-            failed: dict[str, dict[str, Any]] = {}
-            deadline = start + float(cmd["timeout"])
-            while len(done) + len(failed) < len(requests) and time.monotonic() < deadline:
-                consumer.wait_finished(max(0.0, deadline - time.monotonic()))
-                fin = consumer.get_finished()
-                for rid in fin.done:
-                    index, blocks = known[rid]
-                    done[rid] = list(count_wrong_bytes(spec, buffer, index, blocks))
-                for rid, why in fin.failed.items():
-                    failed[rid] = {
-                        "reason": why.reason,
-                        "detail": why.detail,
-                        "invalid": [list(group) for group in why.invalid_block_ids],
-                        "after_s": time.monotonic() - start,
-                    }
+            done, failed = await_reads(
+                consumer, spec, buffer, known, set(requests), start, float(cmd["timeout"])
+            )
             emit({
                 "done": done,
                 "failed": failed,

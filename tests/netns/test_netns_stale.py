@@ -21,7 +21,16 @@ import time
 from typing import Any
 
 import pytest
-from netns_fixtures import ADDRESS_A, ADDRESS_B, Child, Namespace, NetnsPair, emit, receive
+from netns_fixtures import (
+    ADDRESS_A,
+    ADDRESS_B,
+    Child,
+    Namespace,
+    NetnsPair,
+    await_reads,
+    emit,
+    receive,
+)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -125,7 +134,7 @@ def decode_host(transport: str, options: dict[str, Any]) -> dict[str, Any]:
     """D: ``recv`` adds requests (READs posted before it answers ``posted``), then waits
     (bounded) for every outcome: what arrived and how many of its bytes are wrong, what
     failed with which blocks and how long after the post."""
-    from kvwire.demo.content import count_wrong_bytes, scribble
+    from kvwire.demo.content import scribble
     from kvwire.demo.worker import allocate
     from kvwire.runtime import Consumer
 
@@ -146,21 +155,9 @@ def decode_host(transport: str, options: dict[str, Any]) -> dict[str, Any]:
             for rid, _, blocks, params in cmd["requests"]:
                 consumer.add_request(rid, params, [blocks])
             emit({"posted": len(requests)})
-            done: dict[str, list[int]] = {}
-            failed: dict[str, dict[str, Any]] = {}
-            deadline = start + float(cmd["timeout"])
-            while len(done) + len(failed) < len(requests) and time.monotonic() < deadline:
-                consumer.wait_finished(max(0.0, deadline - time.monotonic()))
-                fin = consumer.get_finished()
-                for rid in fin.done:
-                    index, blocks = requests[rid]
-                    done[rid] = list(count_wrong_bytes(spec, buffer, index, blocks))
-                for rid, why in fin.failed.items():
-                    failed[rid] = {
-                        "reason": why.reason,
-                        "invalid": [list(group) for group in why.invalid_block_ids],
-                        "after_s": time.monotonic() - start,
-                    }
+            done, failed = await_reads(
+                consumer, spec, buffer, requests, set(requests), start, float(cmd["timeout"])
+            )
             emit({
                 "done": done,
                 "failed": failed,
