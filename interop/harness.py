@@ -19,10 +19,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvwire.compat import CompatFactors
 from kvwire.demo.engines import DecodeEngine, EngineOptions, PrefillEngine
-from kvwire.demo.framing import FrameWriter, read_frame, wait_or_kill
 from kvwire.demo.models import preset
+from kvwire.framing import FrameWriter, read_frame, wait_or_kill
+from kvwire.wire.compat import CompatFactors
 
 PEER = Path(__file__).with_name("vllm_peer.py")
 BLOCK = 32  # CPU_ATTN kernel blocks are multiples of 32 tokens

@@ -1,7 +1,7 @@
 """One process of a vLLM engine, driving vLLM's own NIXL connector classes.
 
 Run with the vLLM venv's python (``VLLM_TARGET_DEVICE=cpu``): ``python interop/vllm_peer.py``.
-The first frame on stdin (kvwire.demo.framing: length-prefixed msgpack, no pickle) is
+The first frame on stdin (kvwire.framing: length-prefixed msgpack, no pickle) is
 ``start`` with ``part`` = ``scheduler`` (the engine-core side: vLLM's
 ``Nixl{Pull,Push}ConnectorScheduler`` and its side-channel listener) or ``worker`` (one TP rank:
 ``Nixl{Pull,Push}ConnectorWorker`` with real CPU tensors registered through real NIXL). A
@@ -32,8 +32,8 @@ import numpy as np
 import torch
 
 from kvwire.demo.content import count_wrong_bytes, fill, scribble
-from kvwire.demo.framing import FrameWriter, commands, read_frame
 from kvwire.demo.models import CacheSpec, preset
+from kvwire.framing import FrameWriter, commands, read_frame
 
 LAYER_NAME = "model.layers.{}.self_attn.attn"
 

@@ -6,7 +6,6 @@ pluggable adapters found through the ``kvwire.transports`` entry-point group.
 
 from __future__ import annotations
 
-from kvwire.compat import CompatFactors, SpeculativeFactors, compatibility_hash, explain
 from kvwire.errors import (
     ConfigError,
     DescriptorError,
@@ -37,10 +36,10 @@ from kvwire.wire import (
     Heartbeat,
     KVTransferParams,
     Notification,
-    Protocol,
     PushRegistration,
     RemoteMeta,
     ReqMeta,
+    VersionSchemas,
     decode,
     decode_clock_reply,
     decode_handshake,
@@ -58,6 +57,7 @@ from kvwire.wire import (
     parse_kv_transfer_params,
     protocol,
 )
+from kvwire.wire.compat import CompatFactors, SpeculativeFactors, compatibility_hash, explain
 
 __version__ = "0.1.0"
 
@@ -71,7 +71,7 @@ __all__ = [
     "Heartbeat",
     "KVTransferParams",
     "Notification",
-    "Protocol",
+    "VersionSchemas",
     "PushRegistration",
     "RemoteMeta",
     "ReqMeta",

@@ -34,14 +34,15 @@ import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import tomllib
 
-from kvwire.compat import CompatFactors
 from kvwire.errors import ConfigError
 from kvwire.sidechannel import RetryPolicy, load_secret
 from kvwire.sidechannel.auth import check_secret
+from kvwire.wire.compat import CompatFactors
+from kvwire.wire.schemas import TransferMode
 from kvwire.wire.versions import SUPPORTED_VERSIONS
 
 if TYPE_CHECKING:
@@ -56,7 +57,6 @@ __all__ = [
     "VLLM_CONNECTORS",
     "VLLM_EXTRA_CONFIG_KEYS",
     "KVWireConfig",
-    "Mode",
 ]
 
 ENV_PREFIX = "KVWIRE_"
@@ -65,7 +65,6 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 MAX_SECONDS = 7 * 24 * 3600.0
 """Longest duration any knob takes (a week): a bigger value is a typo, not a setting."""
 
-Mode = Literal["pull", "push"]
 
 _log = logging.getLogger("kvwire.config")
 
@@ -92,11 +91,11 @@ def _engine_id(raw: Any) -> str:
     return value
 
 
-def _mode(raw: Any) -> str:
-    value = str(raw).strip().lower()
+def _mode(raw: Any) -> TransferMode:
+    value = str(raw.value if isinstance(raw, TransferMode) else raw).strip().lower()
     if value not in ("pull", "push"):
         raise ValueError("expected 'pull' or 'push'")
-    return value
+    return TransferMode(value)
 
 
 def _int(raw: Any) -> int:
@@ -512,7 +511,7 @@ class KVWireConfig:
     tp_size: int = 1
     pp_rank: int = 0
     pp_size: int = 1
-    mode: Mode = "pull"
+    mode: TransferMode = TransferMode.PULL
     version: int = 13
     """Protocol version: 13 (vLLM 0.31), 14 (0.32) or 15 (0.33)."""
     transport: Any = "shm"
@@ -642,7 +641,7 @@ class KVWireConfig:
     def machine_config(self, *, mla: bool = False, host: str = "", port: int = 0) -> MachineConfig:
         """The sans-IO machine's sub-structure; ``host``/``port`` are what the runtime
         advertises (its listener's real address)."""
-        from kvwire.machine import MachineConfig, TransferMode
+        from kvwire.machine import MachineConfig
 
         if not self.engine_id:
             raise ConfigError("engine_id is not set (pass engine_id=... or set KVWIRE_ENGINE_ID)")
@@ -652,7 +651,7 @@ class KVWireConfig:
             tp_size=self.tp_size,
             pp_rank=self.pp_rank,
             pp_size=self.pp_size,
-            mode=TransferMode(self.mode),
+            mode=self.mode,
             host=host,
             port=port,
             mla=mla,

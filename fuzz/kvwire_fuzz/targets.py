@@ -21,9 +21,9 @@ import msgspec
 
 import kvwire
 from kvwire import wire
-from kvwire.compat import CompatFactors
 from kvwire.errors import IncompatiblePeerError, WireDecodeError
 from kvwire.wire import codec
+from kvwire.wire.compat import CompatFactors
 
 LOCAL_FACTORS = CompatFactors.build(
     vllm_version="0.31.0",

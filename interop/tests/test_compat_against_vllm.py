@@ -17,9 +17,9 @@ from typing import Any
 
 import pytest
 
-from kvwire.compat import CompatFactors
 from kvwire.errors import IncompatiblePeerError
 from kvwire.sidechannel import HandshakeClient, RetryPolicy, fetch_agent_metadata
+from kvwire.wire.compat import CompatFactors
 
 LISTENER = Path(__file__).with_name("vllm_listener.py")
 

@@ -51,10 +51,10 @@ from kvwire.bench.e2e_peer import marker
 from kvwire.bench.report import Report, Result
 from kvwire.config import KVWireConfig
 from kvwire.demo.engines import blocks_for
-from kvwire.demo.framing import FrameWriter, close_pipes, read_frame, spawn, wait_or_kill
 from kvwire.demo.models import BLOCK_TOKENS, CacheSpec, preset
 from kvwire.demo.worker import allocate
 from kvwire.errors import KVWireError, TransportError
+from kvwire.framing import FrameWriter, close_pipes, read_frame, spawn, wait_or_kill
 from kvwire.runtime import Consumer
 
 MODEL = "llama-3-8b"

@@ -1,7 +1,7 @@
 """The prefill process of ``kvwire bench e2e``: one kvwire ``Producer`` over a full 8B cache.
 
 Run as ``python -m kvwire.bench.e2e_peer`` by :mod:`kvwire.bench.e2e`; commands arrive as
-demo frames (:mod:`kvwire.demo.framing`) on stdin, answers leave on stdout.
+demo frames (:mod:`kvwire.framing`) on stdin, answers leave on stdout.
 
 ``init`` {model, layers, num_blocks, transport, memory} -> {port}: allocate the cache
 (``memory`` "plain", or "segment" for the transport's own allocator) and fill it
@@ -23,9 +23,9 @@ import numpy as np
 import numpy.typing as npt
 
 from kvwire.config import KVWireConfig
-from kvwire.demo.framing import FrameWriter, commands, read_frame
 from kvwire.demo.models import CacheSpec, preset
 from kvwire.demo.worker import allocate
+from kvwire.framing import FrameWriter, commands, read_frame
 from kvwire.runtime import Producer
 from kvwire.sidechannel import HandshakeListener
 

@@ -15,8 +15,8 @@ import argparse
 import numpy as np
 
 from kvwire.bench.report import Report, Result, repeat
-from kvwire.geometry import KVGeometry, Region, RemoteGeometry, heads_per_rank
 from kvwire.layout import Descs, PeerLayout
+from kvwire.layout.geometry import BlockRegion, KVGeometry, RemoteGeometry, heads_per_rank
 
 LAYERS = 80
 KV_HEADS = 8
@@ -31,7 +31,7 @@ def llama70b_rank(tp_rank: int, tp_size: int, base: int, device: int) -> KVGeome
     block_len = heads_per_rank(tp_size, KV_HEADS) * BLOCK * HEAD_DIM * DTYPE_BYTES
     region_bytes = block_len * CAPACITY
     regions = [
-        Region(
+        BlockRegion(
             base_addr=base + i * region_bytes,
             block_len=block_len,
             num_blocks=CAPACITY,

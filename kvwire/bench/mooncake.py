@@ -24,9 +24,8 @@ from typing import Any
 import numpy as np
 
 from kvwire.bench.report import Report, Result
-from kvwire.bench.sweeps import scattered
-from kvwire.bench.transport import LATENCY_BYTES, SHAPES
-from kvwire.demo.framing import close_pipes, spawn, wait_or_kill
+from kvwire.bench.sweeps import LATENCY_BYTES, SHAPES, scattered
+from kvwire.framing import close_pipes, spawn, wait_or_kill
 
 REGION_BYTES = 2 * max(count * size for count, size, _ in SHAPES)
 

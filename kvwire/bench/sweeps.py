@@ -46,8 +46,8 @@ import numpy.typing as npt
 from kvwire.bench.report import Report, Result
 from kvwire.demo.models import CacheSpec, preset
 from kvwire.errors import KVWireError, TransportError
-from kvwire.geometry import RemoteGeometry
 from kvwire.layout import coalesce, plan_read
+from kvwire.layout.geometry import RemoteGeometry
 from kvwire.transport import Transport, XferState, create, load, region_of_array
 
 Descs = npt.NDArray[np.int64]
@@ -81,6 +81,12 @@ def _descs(addrs: npt.NDArray[np.int64], length: int | npt.NDArray[np.int64]) ->
     out[:, 0] = addrs
     out[:, 1] = length
     return out
+
+
+SHAPES = ((256, 64 << 10, "64KiB"), (32, 2 << 20, "2MiB"))
+"""(count, block bytes, label) of every scattered-READ suite: cold blocks, never adjacent."""
+LATENCY_BYTES = 4096
+"""One small READ: the per-transfer cost, not bandwidth."""
 
 
 def scattered(base: int, count: int, size: int, rng: np.random.Generator) -> Descs:

@@ -9,8 +9,9 @@ Results are named ``<transport>.read.<size>.GBps`` and ``<transport>.read.4KiB.u
 plain numpy memory on both sides: what a serving engine registers is its own tensors.
 When the transport offers its own host allocator (``conformance_allocators``, e.g. shm's
 peer-mappable segments) that memory is measured too, as
-``<transport>.read.<size>.segment.GBps``. If a module
-``kvwire_<transport>.rawbench`` exists, its ``same_memory_reader(transport, peer, local,
+``<transport>.read.<size>.segment.GBps``. If the transport's
+distribution names a raw baseline module in the ``kvwire.rawbench`` entry-point group (under
+the transport's name), its ``same_memory_reader(transport, peer, local,
 remote)`` (when it returns a callable) is the raw library's READ of the very same blocks,
 timed in turns with the transport's as ``<transport>_raw.read.*`` with the paired ratio
 ``<transport>.read.<size>.vs_raw``; otherwise its ``raw_baseline(quick) -> list[Result]``
@@ -24,20 +25,18 @@ memcpy baseline is sampled between its repetitions too.
 from __future__ import annotations
 
 import argparse
-import importlib
+import importlib.metadata
 import time
 import uuid
 from typing import Any
 
 import numpy as np
 
+from kvwire.bench import mooncake, sweeps
 from kvwire.bench.report import Report, Result, repeat
-from kvwire.bench.sweeps import scattered
+from kvwire.bench.sweeps import LATENCY_BYTES, SHAPES, scattered
 from kvwire.errors import ConfigError, TransportError
 from kvwire.transport import Transport, XferState, create, load, region_of_array
-
-SHAPES = ((256, 64 << 10, "64KiB"), (32, 2 << 20, "2MiB"))
-LATENCY_BYTES = 4096
 
 
 class _Memcpy:
@@ -166,14 +165,14 @@ def _measure(name: str, allocator: str, quick: bool, memcpy: _Memcpy) -> dict[st
     return out
 
 
+RAWBENCH_GROUP = "kvwire.rawbench"
+"""Entry points naming each transport's raw-library baseline module (by transport name)."""
+
+
 def _rawbench(name: str) -> Any:
-    """The transport's ``kvwire_<name>.rawbench`` module, or None."""
-    try:
-        return importlib.import_module(f"kvwire_{name}.rawbench")
-    except ModuleNotFoundError as exc:
-        if exc.name and exc.name.startswith(f"kvwire_{name}"):
-            return None
-        raise
+    """The module the ``kvwire.rawbench`` entry point ``name`` names, or None."""
+    found = importlib.metadata.entry_points(group=RAWBENCH_GROUP, name=name)
+    return next(iter(found)).load() if found else None
 
 
 def _raw_baselines(name: str, quick: bool) -> list[Result]:
@@ -219,9 +218,8 @@ def _add_raw(report: Report, name: str, suffix: str, figures: dict[str, float]) 
 
 
 def run(args: argparse.Namespace) -> Report:
-    from kvwire.bench.sweeps import installed_transports
 
-    names = list(getattr(args, "transport", None) or installed_transports())
+    names = list(getattr(args, "transport", None) or sweeps.installed_transports())
     quick = bool(getattr(args, "quick", False))
     memcpy = _Memcpy()
     measured: list[tuple[str, str, dict[str, float]]] = []
@@ -271,8 +269,6 @@ def run(args: argparse.Namespace) -> Report:
     report.results.extend(paired)
     for name in names:
         report.results.extend(_raw_baselines(name, quick))
-    from kvwire.bench import mooncake, sweeps  # sweeps and the optional Mooncake peer
-
     mooncake.add_baseline(report, quick)
     sweeps.run_sweeps(report, names, quick)
     return report

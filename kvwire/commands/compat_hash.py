@@ -27,7 +27,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvwire.factors_file import compare, load_factors
+    from kvwire.commands.factors_file import compare, load_factors
 
     local = load_factors(args.factors)
     if args.against is None:

@@ -47,10 +47,10 @@ def run(args: argparse.Namespace) -> int:
     import msgspec
 
     from kvwire.commands import load_config
-    from kvwire.compat import CompatFactors, format_differences
+    from kvwire.commands.factors_file import Comparison, compare, load_factors
     from kvwire.errors import ConfigError, HandshakeError, IncompatiblePeerError, WireDecodeError
-    from kvwire.factors_file import Comparison, compare, load_factors
     from kvwire.sidechannel import HandshakeClient, parse_host_port
+    from kvwire.wire.compat import CompatFactors, format_differences
     from kvwire.wire.handshake import decode_handshake, decode_handshake_payload, peer_version
     from kvwire.wire.versions import protocol
 

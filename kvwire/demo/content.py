@@ -15,7 +15,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvwire.demo.models import CacheSpec
-from kvwire.geometry import rank_heads
+from kvwire.layout.geometry import rank_heads
 
 U16 = npt.NDArray[np.uint16]
 

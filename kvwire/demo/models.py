@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvwire.compat import CompatFactors
 from kvwire.errors import ConfigError
-from kvwire.geometry import KVGeometry, Region
-from kvwire.geometry import heads_per_rank as _heads_per_rank
+from kvwire.layout.geometry import BlockRegion, KVGeometry
+from kvwire.layout.geometry import heads_per_rank as _heads_per_rank
+from kvwire.wire.compat import CompatFactors
 
 BLOCK_TOKENS = 16
 DTYPE_BYTES = 2  # bf16
@@ -126,7 +126,7 @@ class CacheSpec:
         if len(names) != self.layers:
             raise ConfigError(f"{len(names)} region names for {self.layers} layers")
         regions = [
-            Region(
+            BlockRegion(
                 base_addr=base_addr + layer * self.region_bytes,
                 block_len=self.block_len,
                 num_blocks=self.num_blocks,

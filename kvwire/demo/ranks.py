@@ -7,8 +7,8 @@ import queue
 import threading
 from typing import Any
 
-from kvwire.demo.framing import FrameWriter, close_pipes, read_frame, spawn, wait_or_kill
 from kvwire.errors import KVWireError
+from kvwire.framing import FrameWriter, close_pipes, read_frame, spawn, wait_or_kill
 
 
 class RankError(KVWireError):

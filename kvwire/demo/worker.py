@@ -28,15 +28,15 @@ import msgspec
 import numpy as np
 import numpy.typing as npt
 
-from kvwire.compat import CompatFactors
 from kvwire.config import KVWireConfig
 from kvwire.demo.content import count_wrong_bytes, fill, scribble
-from kvwire.demo.framing import FrameWriter, commands, read_frame
 from kvwire.demo.models import BLOCK_TOKENS, CacheSpec, preset
 from kvwire.errors import KVWireError
-from kvwire.geometry import KVGeometry
+from kvwire.framing import FrameWriter, commands, read_frame
+from kvwire.layout.geometry import KVGeometry
 from kvwire.runtime import Consumer, Producer
 from kvwire.transport import load
+from kvwire.wire.compat import CompatFactors
 
 log = logging.getLogger("kvwire.demo.worker")
 

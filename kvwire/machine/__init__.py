@@ -33,7 +33,7 @@ from kvwire.machine.actions import (
     SendNotification,
     StartHandshake,
 )
-from kvwire.machine.config import MachineConfig, TransferMode
+from kvwire.machine.config import MachineConfig
 from kvwire.machine.consumer import ConsumerMachine
 from kvwire.machine.events import (
     EVENT_TYPES,
@@ -56,6 +56,7 @@ from kvwire.machine.events import (
 )
 from kvwire.machine.producer import ProducerMachine, base_request_id
 from kvwire.machine.table import ConsumerState, EngineState, ProducerState, TransferState
+from kvwire.wire.schemas import TransferMode
 
 __all__ = [
     "ACTION_TYPES",

@@ -7,19 +7,12 @@ simulator.
 
 from __future__ import annotations
 
-import enum
 import math
 
 import msgspec
 
 from kvwire.errors import ConfigError
-
-
-class TransferMode(str, enum.Enum):
-    """Who moves the bytes: the consumer READs (pull) or the producer WRITEs (push)."""
-
-    PULL = "pull"
-    PUSH = "push"
+from kvwire.wire.schemas import TransferMode
 
 
 class MachineConfig(msgspec.Struct, frozen=True, kw_only=True):

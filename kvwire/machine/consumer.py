@@ -17,8 +17,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from kvwire import topology
 from kvwire.errors import KVWireError, LocalProtocolError, RemoteProtocolError
+from kvwire.layout import topology
 from kvwire.machine._core import (
     T_HEARTBEAT,
     T_PARKED,
@@ -38,7 +38,7 @@ from kvwire.machine.actions import (
     RequestFailed,
     SendNotification,
 )
-from kvwire.machine.config import MachineConfig, TransferMode
+from kvwire.machine.config import MachineConfig
 from kvwire.machine.events import (
     Abort,
     AllocationDone,
@@ -64,7 +64,7 @@ from kvwire.wire.notifications import (
     encode_heartbeat,
     encode_push_registration,
 )
-from kvwire.wire.schemas import PUSH_RELEASE, Completion, PushRegistration
+from kvwire.wire.schemas import PUSH_RELEASE, Completion, PushRegistration, TransferMode
 
 S = ConsumerState
 _ALL_RANKS: tuple[RemoteRank, ...] = ()

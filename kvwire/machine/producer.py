@@ -16,8 +16,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from kvwire import topology
 from kvwire.errors import KVWireError, LocalProtocolError
+from kvwire.layout import topology
 from kvwire.machine._core import (
     T_LEASE,
     T_REGISTRATION,
@@ -35,7 +35,7 @@ from kvwire.machine.actions import (
     PostWrite,
     RemoteRank,
 )
-from kvwire.machine.config import MachineConfig, TransferMode
+from kvwire.machine.config import MachineConfig
 from kvwire.machine.events import (
     Abort,
     BlockIds,
@@ -53,7 +53,7 @@ from kvwire.machine.table import (
     successors,
 )
 from kvwire.wire.notifications import PUSH_REG_PREFIX, decode_notification, encode_completion
-from kvwire.wire.schemas import Completion, Heartbeat, PushRegistration
+from kvwire.wire.schemas import Completion, Heartbeat, PushRegistration, TransferMode
 
 S = ProducerState
 _SUFFIX = re.compile(r"-[0-9a-f]{8}\Z")

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from kvwire.framing import receive_frame, send_frame
 from kvwire.peer import protocol as p
 from kvwire.peer.memory import I64
 
@@ -85,7 +86,7 @@ class PeerAgent:
 
     def _reply(self) -> Any:
         try:
-            raw = p.receive(self._chan)
+            raw = receive_frame(self._chan)
         except (EOFError, OSError) as exc:
             code = self.process.poll()
             raise PeerAgentError("Gone", f"no answer ({exc}); exit status {code}") from exc
@@ -101,7 +102,7 @@ class PeerAgent:
 
     def start(self, request: Any) -> None:
         """Send a command without waiting; :meth:`finish` collects its answer."""
-        p.send(self._chan, p.request_encoder.encode(request))
+        send_frame(self._chan, p.request_encoder.encode(request))
 
     def finish(self, timeout: float | None = None) -> Any:
         self._chan.settimeout(timeout or self.timeout)
@@ -136,7 +137,7 @@ class PeerAgent:
 
     def die(self) -> None:
         """SIGKILL the peer from inside (it stops mid-whatever) and reap it."""
-        p.send(self._chan, p.request_encoder.encode(p.Die()))
+        send_frame(self._chan, p.request_encoder.encode(p.Die()))
         self.process.wait(timeout=self.timeout)
         self._chan.close()
 

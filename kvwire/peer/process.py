@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from kvwire.framing import receive_frame, send_frame
 from kvwire.peer import memory
 from kvwire.peer import protocol as p
 from kvwire.transport import Transport, XferState, create, region_of_array
@@ -141,13 +142,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         transport = create(args.transport, args.name, **json.loads(args.options))
     except Exception as exc:
-        p.send(chan, p.request_encoder.encode({"error": [type(exc).__name__, str(exc)]}))
+        send_frame(chan, p.request_encoder.encode({"error": [type(exc).__name__, str(exc)]}))
         return 1
     agent = _Agent(transport)
-    p.send(chan, p.request_encoder.encode({"ok": None}))
+    send_frame(chan, p.request_encoder.encode({"ok": None}))
     while True:
         try:
-            raw = p.receive(chan)
+            raw = receive_frame(chan)
         except EOFError:
             return 0
         req: Any = None
@@ -157,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as exc:
             detail = "".join(traceback.format_exception_only(type(exc), exc)).strip()
             reply = {"error": [type(exc).__name__, detail]}
-        p.send(chan, p.request_encoder.encode(reply))
+        send_frame(chan, p.request_encoder.encode(reply))
         if isinstance(req, p.Close):
             return 0
 

@@ -1,18 +1,14 @@
-"""Commands sent to a peer agent process, and the framing they travel in.
+"""Commands sent to a peer agent process.
 
-msgpack frames with a 4-byte length over a socketpair inherited by the child; stdout and
-stderr stay free for whatever the transport's libraries print.
+They travel as :mod:`kvwire.framing` frames over a socketpair inherited by the child;
+stdout and stderr stay free for whatever the transport's libraries print.
 """
 
 from __future__ import annotations
 
-import socket
-import struct
 from typing import Any
 
 import msgspec
-
-_HEADER = struct.Struct("<I")
 
 
 class Hello(msgspec.Struct, tag=True):
@@ -129,24 +125,3 @@ Request = (
 request_encoder = msgspec.msgpack.Encoder()
 request_decoder: msgspec.msgpack.Decoder[Any] = msgspec.msgpack.Decoder(Request)
 reply_decoder: msgspec.msgpack.Decoder[Any] = msgspec.msgpack.Decoder()
-
-
-def send(sock: socket.socket, payload: bytes) -> None:
-    sock.sendall(_HEADER.pack(len(payload)) + payload)
-
-
-def _exact(sock: socket.socket, n: int) -> bytes:
-    buf = bytearray(n)
-    view = memoryview(buf)
-    got = 0
-    while got < n:
-        part = sock.recv_into(view[got:], min(n - got, 1 << 22))
-        if not part:
-            raise EOFError("peer agent channel closed")
-        got += part
-    return bytes(buf)
-
-
-def receive(sock: socket.socket) -> bytes:
-    (n,) = _HEADER.unpack(_exact(sock, _HEADER.size))
-    return _exact(sock, n)

@@ -21,7 +21,7 @@ from typing import Any, Generic, TypeVar
 
 from kvwire.config import KVWireConfig
 from kvwire.errors import ConfigError
-from kvwire.geometry import KVGeometry
+from kvwire.layout.geometry import KVGeometry
 from kvwire.runtime.driver import Driver, Outcome
 from kvwire.runtime.metrics import Metrics
 from kvwire.sidechannel import HandshakeListener

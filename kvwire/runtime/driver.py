@@ -25,7 +25,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvwire import topology
 from kvwire.config import KVWireConfig
 from kvwire.errors import (
     ConfigError,
@@ -37,8 +36,8 @@ from kvwire.errors import (
     PeerUnreachableError,
     TransportError,
 )
-from kvwire.geometry import KVGeometry, RemoteGeometry
-from kvwire.layout import PeerLayout
+from kvwire.layout import PeerLayout, topology
+from kvwire.layout.geometry import KVGeometry, RemoteGeometry
 from kvwire.logs import get_logger
 from kvwire.machine import (
     Action,

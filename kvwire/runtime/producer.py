@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from kvwire.errors import ConfigError, LocalProtocolError
-from kvwire.geometry import KVGeometry
+from kvwire.layout.geometry import KVGeometry
 from kvwire.machine import (
     Abort,
     Event,

@@ -16,8 +16,8 @@ from kvwire.sidechannel.client import (
     RankReply,
     RetryPolicy,
 )
+from kvwire.sidechannel.engine_handshake import PeerHandshake, fetch_agent_metadata
 from kvwire.sidechannel.frames import ERROR_PREFIX, encode_refusal, refusal_reason
-from kvwire.sidechannel.handshake import PeerHandshake, fetch_agent_metadata
 from kvwire.sidechannel.limits import ListenerLimits, RateLimit
 from kvwire.sidechannel.listener import HandshakeListener, ListenerStats
 

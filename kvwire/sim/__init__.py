@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvwire.sim.faults import FAULT_NAMES, Faults, parse_faults
+from kvwire.sim.fault_plan import FAULT_NAMES, Faults, parse_faults
 from kvwire.sim.world import SimResult, World, simulate
 
 __all__ = ["FAULT_NAMES", "Faults", "SimResult", "World", "parse_faults", "simulate"]

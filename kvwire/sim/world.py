@@ -63,7 +63,7 @@ from kvwire.machine import (
     TransferMode,
     TransferPosted,
 )
-from kvwire.sim.faults import Faults
+from kvwire.sim.fault_plan import Faults
 
 HEADS = 4
 UNIT = 16

@@ -57,7 +57,7 @@ from kvwire.wire.versions import (
     DEFAULT_VERSION,
     SUPPORTED_VERSIONS,
     VLLM_RELEASES,
-    Protocol,
+    VersionSchemas,
     protocol,
 )
 
@@ -88,7 +88,7 @@ __all__ = [
     "KVTransferParamsV15",
     "KVWireHello",
     "Notification",
-    "Protocol",
+    "VersionSchemas",
     "PushRegistration",
     "RemoteMeta",
     "RemoteMetaV13",

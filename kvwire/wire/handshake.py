@@ -17,7 +17,6 @@ from typing import Any, Literal, overload
 
 import msgspec
 
-from kvwire.compat import CompatFactors, compatibility_hash, explain, format_differences
 from kvwire.errors import IncompatiblePeerError, WireDecodeError, WireEncodeError
 from kvwire.wire.codec import (
     DECODE_FAILURES,
@@ -26,6 +25,7 @@ from kvwire.wire.codec import (
     decoder_for,
     encode_struct,
 )
+from kvwire.wire.compat import CompatFactors, compatibility_hash, explain, format_differences
 from kvwire.wire.schemas import (
     FEATURES,
     AgentMetadataV13,

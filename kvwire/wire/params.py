@@ -15,7 +15,6 @@ from typing import Any
 
 import msgspec
 
-from kvwire.compat import TransferMode
 from kvwire.errors import WireDecodeError, WireEncodeError
 from kvwire.wire.codec import (
     DEFAULT_MAX_SIZE,
@@ -24,7 +23,7 @@ from kvwire.wire.codec import (
     decode_struct,
     encode_struct,
 )
-from kvwire.wire.schemas import BlockIds, NonNegInt, Port, PositiveInt
+from kvwire.wire.schemas import BlockIds, NonNegInt, Port, PositiveInt, TransferMode
 
 # Keys a consumer cannot do without: where the blocks are and whose they are.
 _REQUIRED_FOR_RECV = (

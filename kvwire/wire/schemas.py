@@ -13,9 +13,20 @@ containers of primitives, which cannot form reference cycles.
 
 from __future__ import annotations
 
+import enum
 from typing import Annotated, Literal
 
 import msgspec
+
+
+class TransferMode(str, enum.Enum):
+    """Who moves the bytes: the consumer READs (pull, vLLM's ``NixlConnector``) or the
+    producer WRITEs (push, ``NixlPushConnector``). A ``str`` so it equals, hashes and
+    encodes as the name vLLM uses."""
+
+    PULL = "pull"
+    PUSH = "push"
+
 
 NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]

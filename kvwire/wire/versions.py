@@ -26,7 +26,7 @@ SUPPORTED_VERSIONS: tuple[int, ...] = tuple(sorted(VLLM_RELEASES))
 
 
 @dataclass(frozen=True)
-class Protocol:
+class VersionSchemas:
     """One protocol version's message classes, by the names vLLM gives them (minus Nixl)."""
 
     connector_version: int
@@ -43,17 +43,17 @@ class Protocol:
     PushRegistration: type[schemas.PushRegistration] = schemas.PushRegistration
 
 
-_PROTOCOLS: dict[int, Protocol] = {
-    13: Protocol(13, VLLM_RELEASES[13], schemas.AgentMetadataV13, KVTransferParamsV13,
+_PROTOCOLS: dict[int, VersionSchemas] = {
+    13: VersionSchemas(13, VLLM_RELEASES[13], schemas.AgentMetadataV13, KVTransferParamsV13,
                  RemoteMetaV13, ReqMetaV13),
-    14: Protocol(14, VLLM_RELEASES[14], schemas.AgentMetadataV14, KVTransferParamsV13,
+    14: VersionSchemas(14, VLLM_RELEASES[14], schemas.AgentMetadataV14, KVTransferParamsV13,
                  RemoteMetaV13, ReqMetaV13),
-    15: Protocol(15, VLLM_RELEASES[15], schemas.AgentMetadataV14, KVTransferParamsV15,
+    15: VersionSchemas(15, VLLM_RELEASES[15], schemas.AgentMetadataV14, KVTransferParamsV15,
                  RemoteMetaV15, ReqMetaV15),
 }  # fmt: skip
 
 
-def protocol(version: int = DEFAULT_VERSION) -> Protocol:
+def protocol(version: int = DEFAULT_VERSION) -> VersionSchemas:
     """The message classes of connector ``version`` (13, 14 or 15)."""
     try:
         return _PROTOCOLS[version]

@@ -239,10 +239,10 @@ def test_probe_and_compat_hash_agree_on_a_factors_file(
     that differs names only the factor that differs."""
     import numpy as np
 
-    from kvwire.compat import CompatFactors
     from kvwire.config import KVWireConfig
-    from kvwire.geometry import KVGeometry, Region
+    from kvwire.layout.geometry import BlockRegion, KVGeometry
     from kvwire.runtime import Producer
+    from kvwire.wire.compat import CompatFactors
 
     same, other = tmp_path / "same.json", tmp_path / "other.json"
     same.write_text(json.dumps(FACTORS))
@@ -250,7 +250,9 @@ def test_probe_and_compat_hash_agree_on_a_factors_file(
     memory = np.zeros(16 * 4096, dtype=np.uint8)
     geometry = KVGeometry(
         regions=[
-            Region(base_addr=memory.ctypes.data, block_len=4096, num_blocks=16, mem_kind="DRAM")
+            BlockRegion(
+                base_addr=memory.ctypes.data, block_len=4096, num_blocks=16, mem_kind="DRAM"
+            )
         ],
         kv_cache_layout="HND",
         block_size=16,

@@ -24,13 +24,13 @@ import pytest
 from kvwire_shm import allocate
 
 from kvwire.cli import main as cli_main
-from kvwire.compat import CompatFactors
 from kvwire.config import KVWireConfig
 from kvwire.demo.models import CacheSpec, preset
 from kvwire.errors import HandshakeError, TransportUnavailableError, WireDecodeError
 from kvwire.runtime import Consumer, Producer
 from kvwire.sidechannel import HandshakeListener
 from kvwire.transport import create
+from kvwire.wire.compat import CompatFactors
 
 PAGE = Path(__file__).resolve().parents[2] / "docs" / "troubleshooting.md"
 SECTION = re.compile(r"^## (\d+)\. (.+)$", re.MULTILINE)

@@ -21,7 +21,7 @@ from kvwire.examples.engine import (  # noqa: E402
     cached_heads,
 )
 from kvwire.examples.engine.reference import reference_generate, reference_logits  # noqa: E402
-from kvwire.geometry import rank_heads  # noqa: E402
+from kvwire.layout.geometry import rank_heads  # noqa: E402
 
 DENSE = ModelConfig()
 MLA = ModelConfig(mla=True, seed=1)

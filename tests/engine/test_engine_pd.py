@@ -134,7 +134,7 @@ def test_pd_mixed_layouts_mla() -> None:
 
 def test_corrupted_block_is_never_a_silent_match() -> None:
     """D's transport garbles the first block every READ lands and still reports DONE."""
-    corrupt = "kvwire.examples.engine.faults:corrupting"
+    corrupt = "kvwire.examples.engine.corrupting_transport:corrupting"
     with (
         EngineProcess(server("prefill", 2, "HND", "pull")) as p,
         EngineProcess(server("decode", 2, "HND", "pull", transport=corrupt)) as d,
@@ -152,7 +152,7 @@ def test_failed_transfer_is_reported_not_generated() -> None:
         engine_id="decode-engine",
         model=MODEL,
         cache=CacheConfig(tp_size=4, block_size=BLOCK),
-        transport="kvwire.faults:faulty",
+        transport="kvwire.testing.faulty_transport:faulty",
         transport_options=options,
     )
     with EngineProcess(p_cfg) as p, EngineProcess(d_cfg) as d:

@@ -12,7 +12,6 @@ import pytest
 
 from kvwire import wire
 from kvwire.errors import IncompatiblePeerError
-from kvwire.geometry import KVGeometry, Region, RegionKind, RemoteGeometry
 from kvwire.layout import (
     PeerLayout,
     coalesce,
@@ -21,6 +20,7 @@ from kvwire.layout import (
     plan_read,
     plan_write,
 )
+from kvwire.layout.geometry import BlockRegion, KVGeometry, RegionKind, RemoteGeometry
 
 VECTORS = Path("/work/shared/vectors")
 
@@ -28,8 +28,8 @@ VECTORS = Path("/work/shared/vectors")
 def sample_geometry() -> KVGeometry:
     return KVGeometry(
         [
-            Region(1 << 30, 8192, 64, block_stride=16384, group_id=0, name="layers.0"),
-            Region(
+            BlockRegion(1 << 30, 8192, 64, block_stride=16384, group_id=0, name="layers.0"),
+            BlockRegion(
                 1 << 31,
                 4 * 8192,
                 64,
@@ -131,8 +131,8 @@ def test_coalesce_needs_both_sides_contiguous() -> None:
 def _ssm_geometry(base: int, device: int) -> KVGeometry:
     return KVGeometry(
         [
-            Region(base, 16 * 4 * 64, 32, name="attn.0", group_id=0),
-            Region(base + (1 << 20), 4096, 8, name="ssm.0", group_id=1, kind=RegionKind.SSM),
+            BlockRegion(base, 16 * 4 * 64, 32, name="attn.0", group_id=0),
+            BlockRegion(base + (1 << 20), 4096, 8, name="ssm.0", group_id=1, kind=RegionKind.SSM),
         ],
         block_size=16,
         total_kv_heads=4,
@@ -187,9 +187,13 @@ def test_state_regions_of_one_page_size_share_a_cluster_and_keep_region_order() 
     def hybrid(base: int, device: int) -> KVGeometry:
         return KVGeometry(
             [
-                Region(base + (1 << 20), 4096, 8, name="ssm.0", group_id=1, kind=RegionKind.SSM),
-                Region(base, 16 * 4 * 64, 32, name="attn.0", group_id=0),
-                Region(base + (2 << 20), 4096, 8, name="ssm.1", group_id=1, kind=RegionKind.SSM),
+                BlockRegion(
+                    base + (1 << 20), 4096, 8, name="ssm.0", group_id=1, kind=RegionKind.SSM
+                ),
+                BlockRegion(base, 16 * 4 * 64, 32, name="attn.0", group_id=0),
+                BlockRegion(
+                    base + (2 << 20), 4096, 8, name="ssm.1", group_id=1, kind=RegionKind.SSM
+                ),
             ],
             block_size=16,
             total_kv_heads=4,
@@ -218,7 +222,7 @@ def test_rows_stay_region_major_when_kv_cache_groups_alternate_by_layer() -> Non
 
     def alternating(base: int, device: int) -> KVGeometry:
         regions = [
-            Region(base + i * (1 << 20), block_len, 8, name=f"l{i}", group_id=i % 2)
+            BlockRegion(base + i * (1 << 20), block_len, 8, name=f"l{i}", group_id=i % 2)
             for i in range(4)
         ]
         return KVGeometry(regions, block_size=16, total_kv_heads=4, device_id=device)

@@ -16,10 +16,9 @@ from dataclasses import dataclass, replace
 import numpy as np
 import pytest
 
-from kvwire import topology
-from kvwire.alignment import Mode
-from kvwire.geometry import KVGeometry, Region, RegionKind, RemoteGeometry, rank_heads
-from kvwire.layout import Descs, PeerLayout, TransferPlan
+from kvwire.layout import Descs, PeerLayout, TransferPlan, topology
+from kvwire.layout.alignment import Mode
+from kvwire.layout.geometry import BlockRegion, KVGeometry, RegionKind, RemoteGeometry, rank_heads
 
 HEAD_DIM = 2  # int32 elements per head per K or V
 ITEM = 4
@@ -159,7 +158,7 @@ def make_rank(case: Case, side: Side, rank: int, who: int) -> RankBuffer:
     device = who * 100 + rank
     buf = np.full(offset // ITEM, SENTINEL, dtype=np.int32).view(np.uint8)
     regions = [
-        Region(
+        BlockRegion(
             base_addr=base + start,
             block_len=length,
             num_blocks=num_blocks,

@@ -1,4 +1,4 @@
-"""Region names matter where vLLM 0.31.0 uses them, and nowhere else.
+"""BlockRegion names matter where vLLM 0.31.0 uses them, and nowhere else.
 
 vLLM's ``_validate_remote_agent_handshake`` requires a peer's ``region_names`` to equal its
 own when it pairs regions by index and the peer advertises names; it skips the check when
@@ -14,9 +14,9 @@ from typing import Any
 
 import pytest
 
-from kvwire.alignment import PeerPolicy, validate_peer
 from kvwire.errors import IncompatiblePeerError
-from kvwire.geometry import KVGeometry, Region, RemoteGeometry
+from kvwire.layout.alignment import PeerPolicy, validate_peer
+from kvwire.layout.geometry import BlockRegion, KVGeometry, RemoteGeometry
 
 BLOCK_LEN = 8 * 16 * 256  # 8 heads x 16 tokens x 256 bytes
 
@@ -34,7 +34,7 @@ def geometry(
     pp_size: int = 1,
 ) -> KVGeometry:
     regions = [
-        Region(
+        BlockRegion(
             base_addr=(1 + first_layer + i) << 30,
             block_len=BLOCK_LEN,
             num_blocks=64,

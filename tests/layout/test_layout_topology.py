@@ -6,9 +6,9 @@ import itertools
 
 import pytest
 
-from kvwire import topology
 from kvwire.errors import ConfigError
-from kvwire.geometry import rank_heads
+from kvwire.layout import topology
+from kvwire.layout.geometry import rank_heads
 
 SIZES = [1, 2, 4, 8]
 PAIRS = list(itertools.product(SIZES, SIZES))

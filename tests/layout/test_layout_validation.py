@@ -8,10 +8,10 @@ from typing import Any
 
 import pytest
 
-from kvwire.alignment import PeerPolicy, validate_peer
 from kvwire.errors import ConfigError, IncompatiblePeerError, KVWireError
-from kvwire.geometry import KVGeometry, Region, RegionKind, RemoteGeometry
 from kvwire.layout import PeerLayout
+from kvwire.layout.alignment import PeerPolicy, validate_peer
+from kvwire.layout.geometry import BlockRegion, KVGeometry, RegionKind, RemoteGeometry
 
 CONTENT = 256  # bytes per head per token (K and V of head_dim 64, bf16)
 
@@ -34,7 +34,7 @@ def geometry(
     kernel = block // ppl
     block_len = per_rank * kernel * CONTENT
     regions = [
-        Region(
+        BlockRegion(
             base_addr=(1 + layer) << 30,
             block_len=block_len,
             num_blocks=64,
@@ -45,7 +45,7 @@ def geometry(
     ]
     if ssm:
         regions.append(
-            Region(
+            BlockRegion(
                 base_addr=1 << 40, block_len=4096, num_blocks=16, name="ssm.0", kind=RegionKind.SSM
             )
         )
@@ -366,9 +366,9 @@ def test_local_geometry_errors_are_config_errors() -> None:
     with pytest.raises(ConfigError, match="divide one another"):
         geometry(tp=3, heads=8)
     with pytest.raises(ConfigError, match="block_stride 10 < block_len 20"):
-        Region(0, 20, 4, block_stride=10)
+        BlockRegion(0, 20, 4, block_stride=10)
     with pytest.raises(ConfigError, match="not a multiple of heads x kernel tokens"):
-        KVGeometry([Region(0, 1000, 4)], total_kv_heads=8, block_size=16)
+        KVGeometry([BlockRegion(0, 1000, 4)], total_kv_heads=8, block_size=16)
 
 
 def test_block_ids_outside_a_region_are_protocol_errors() -> None:
@@ -388,6 +388,8 @@ def test_block_ids_outside_a_region_are_protocol_errors() -> None:
 
 def _missing_group() -> None:
     local = KVGeometry(
-        [Region(0, 16 * 8 * CONTENT, 8, group_id=1, name="g1")], total_kv_heads=8, block_size=16
+        [BlockRegion(0, 16 * 8 * CONTENT, 8, group_id=1, name="g1")],
+        total_kv_heads=8,
+        block_size=16,
     )
     PeerLayout(local, remote_of(local)).plan([[1]], [[3]])

@@ -2,13 +2,7 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
-
-sys.path.insert(0, str(Path(__file__).parent))
-
 from machine_helpers import PUSH, consumer, of, one, producer, registration, remote
 
 from kvwire.errors import ConfigError, LocalProtocolError

@@ -8,11 +8,6 @@ request wait for its watchdog; the machine parks it instead, bounded in number a
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).parent))
-
 from machine_helpers import PULL, PUSH, consumer, of, one, remote
 
 from kvwire.machine import (

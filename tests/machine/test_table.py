@@ -2,15 +2,10 @@
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).parent))
-
 from machine_helpers import PULL, PUSH, ConsumerAt, ProducerAt, registration, remote
 
 from kvwire.errors import LocalProtocolError

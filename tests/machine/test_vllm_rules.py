@@ -6,11 +6,6 @@ those classes against kvwire; these pin the rule at the machine level, where it 
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).parent))
-
 from machine_helpers import PUSH, consumer, of, one, producer, remote
 
 from kvwire.machine import (

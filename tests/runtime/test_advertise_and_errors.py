@@ -8,13 +8,13 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvwire.compat import CompatFactors
 from kvwire.config import KVWireConfig
 from kvwire.errors import ConfigError, LocalProtocolError
-from kvwire.geometry import KVGeometry, Region
+from kvwire.layout.geometry import BlockRegion, KVGeometry
 from kvwire.runtime import Consumer, Producer
 from kvwire.sidechannel import HandshakeListener
 from kvwire.sidechannel.advertise import advertised_host, interface_addresses
+from kvwire.wire.compat import CompatFactors
 
 FACTORS = CompatFactors.build(
     vllm_version="0.31.0", model="m", dtype="bfloat16", num_kv_heads=8, head_size=128,
@@ -26,7 +26,7 @@ _keep: list[Any] = []
 def geometry(blocks: int = 64) -> KVGeometry:
     memory = np.zeros(blocks * 4096, dtype=np.uint8)
     _keep.append(memory)
-    region = Region(
+    region = BlockRegion(
         base_addr=memory.ctypes.data, block_len=4096, num_blocks=blocks, mem_kind="DRAM"
     )
     return KVGeometry(regions=[region], kv_cache_layout="HND", block_size=16, total_kv_heads=8)

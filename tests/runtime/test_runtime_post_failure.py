@@ -4,8 +4,8 @@ peer, so the next request handshakes again instead of failing against a dead age
 from __future__ import annotations
 
 from kvwire.demo.content import count_wrong_bytes, fill
-from kvwire.faults import FaultyTransport
 from kvwire.runtime import Consumer, Finished, Producer
+from kvwire.testing.faulty_transport import FaultyTransport
 from kvwire.transport import create
 
 from .conftest import config, make_side, wait_until

@@ -12,8 +12,8 @@ from __future__ import annotations
 import threading
 
 from kvwire.demo.content import count_wrong_bytes, fill
-from kvwire.faults import DelegatingTransport
 from kvwire.runtime import Consumer, Finished, Producer
+from kvwire.testing.faulty_transport import DelegatingTransport
 from kvwire.transport import Descs, XferState, create
 
 from .conftest import config, make_side, wait_until

@@ -32,7 +32,7 @@ from kvwire_shm._memcopy import GATHER_BELOW
 from kvwire_shm._tables import CMA, MAPPED
 
 from kvwire.errors import PeerMetadataError, RegistrationError
-from kvwire.faults import DelegatingTransport
+from kvwire.testing.faulty_transport import DelegatingTransport
 from kvwire.transport import Capabilities, Descs, MemKind, Region, Transport, XferState, create
 
 

@@ -150,7 +150,7 @@ def test_a_vram_claim_is_checked_or_reported_unchecked() -> None:
 
 def test_injected_duplicate_notifications_fail_the_suite() -> None:
     code, report, _ = _conformance(
-        "kvwire.faults:faulty",
+        "kvwire.testing.faulty_transport:faulty",
         "-o",
         "inner=shm",
         "-o",
@@ -163,7 +163,13 @@ def test_injected_duplicate_notifications_fail_the_suite() -> None:
 
 
 def test_a_missing_transport_option_is_a_usage_error() -> None:
-    cmd = [sys.executable, "-m", "kvwire.cli", "conformance", "kvwire.faults:faulty"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "kvwire.cli",
+        "conformance",
+        "kvwire.testing.faulty_transport:faulty",
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert done.returncode == 2, done.stdout + done.stderr
     assert "inner" in done.stderr

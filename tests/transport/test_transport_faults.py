@@ -9,7 +9,7 @@ import pytest
 from kvwire_shm import ShmTransport
 
 from kvwire.errors import ConfigError, TransferFailedError, TransportError
-from kvwire.faults import FaultyTransport
+from kvwire.testing.faulty_transport import FaultyTransport
 from kvwire.transport import XferState, create, region_of_array, wait_for
 
 
@@ -119,12 +119,17 @@ def test_posts_polls_releases_and_done_can_fail(pair) -> None:  # type: ignore[n
 
 
 def test_factory_form_and_bad_probabilities() -> None:
-    agent = create("kvwire.faults:faulty", "faults-factory", inner="shm", drop_notifications=0.1)
+    agent = create(
+        "kvwire.testing.faulty_transport:faulty",
+        "faults-factory",
+        inner="shm",
+        drop_notifications=0.1,
+    )
     try:
         assert isinstance(agent, FaultyTransport)
     finally:
         agent.close()
     with pytest.raises(ConfigError):
-        create("kvwire.faults:faulty", "faults-bad", inner="shm", fail_posts=2.0)
+        create("kvwire.testing.faulty_transport:faulty", "faults-bad", inner="shm", fail_posts=2.0)
     with pytest.raises(ConfigError):
-        create("kvwire.faults:faulty", "faults-bad", inner="shm", explode=True)
+        create("kvwire.testing.faulty_transport:faulty", "faults-bad", inner="shm", explode=True)

@@ -6,7 +6,7 @@ import msgspec
 import pytest
 
 import kvwire
-from kvwire.compat import CompatFactors, SpeculativeFactors, explain
+from kvwire.wire.compat import CompatFactors, SpeculativeFactors, explain
 
 BASE = CompatFactors.build(
     vllm_version="0.31.0",

@@ -10,7 +10,7 @@ import pytest
 
 import kvwire
 from kvwire.bench.wire import VllmHandshakePayload
-from kvwire.compat import CompatFactors
+from kvwire.wire.compat import CompatFactors
 
 VECTORS = Path(__file__).resolve().parent.parent / "vectors"
 V13 = json.loads((VECTORS / "vllm-0.31.0-nixl-v13.json").read_text())

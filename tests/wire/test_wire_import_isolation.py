@@ -10,7 +10,7 @@ FORBIDDEN = ("torch", "nixl", "nixl_cu12", "libucx", "ucp", "ucxx", "pytest", "_
 
 PROBE = """
 import json, sys
-import kvwire, kvwire.wire, kvwire.compat, kvwire.cli
+import kvwire, kvwire.wire, kvwire.wire.compat, kvwire.cli
 kvwire.decode_notification(b"HB:a")
 print(json.dumps(sorted(sys.modules)))
 """

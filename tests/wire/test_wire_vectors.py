@@ -10,7 +10,7 @@ import msgspec
 import pytest
 
 import kvwire
-from kvwire.compat import CompatFactors, SpeculativeFactors
+from kvwire.wire.compat import CompatFactors, SpeculativeFactors
 
 VECTOR_DIR = Path(__file__).resolve().parent.parent / "vectors"
 VECTORS = sorted(

@@ -9,10 +9,10 @@ equal those of one engine doing both. See docs/engine-integration.md.
 from __future__ import annotations
 
 from kvwire.examples.engine.blocks import BlockAllocator, OutOfBlocksError, SequenceState
-from kvwire.examples.engine.config import CacheConfig, ModelConfig
 from kvwire.examples.engine.engine import Engine, LocalRanks, RankGroup
 from kvwire.examples.engine.kvcache import RankKVCache
 from kvwire.examples.engine.rank import RankWorker, cached_heads, query_heads
+from kvwire.examples.engine.settings import CacheConfig, ModelConfig
 from kvwire.examples.engine.weights import Weights, init_weights
 
 __all__ = [

@@ -19,11 +19,11 @@ import sys
 from typing import Any, Literal
 
 from kvwire.errors import ConfigError
-from kvwire.examples.engine.config import CacheConfig, ModelConfig
 from kvwire.examples.engine.engine import Engine
 from kvwire.examples.engine.process import EngineProcess
 from kvwire.examples.engine.proxy import Completion, Proxy
 from kvwire.examples.engine.serving import ServerConfig
+from kvwire.examples.engine.settings import CacheConfig, ModelConfig
 
 DEFAULTS: dict[str, Any] = {
     "prompts": 6,

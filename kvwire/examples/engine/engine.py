@@ -27,10 +27,10 @@ import torch
 
 from kvwire.errors import ConfigError
 from kvwire.examples.engine.blocks import BlockAllocator, SequenceState
-from kvwire.examples.engine.config import CacheConfig, ModelConfig
 from kvwire.examples.engine.rank import RankWorker
+from kvwire.examples.engine.settings import CacheConfig, ModelConfig
 from kvwire.examples.engine.weights import Weights, init_weights, mlp, rms_norm
-from kvwire.geometry import KVGeometry
+from kvwire.layout.geometry import KVGeometry
 
 
 class RankGroup(Protocol):

@@ -1,7 +1,7 @@
 """Move one request's KV between two in-process engines with kvwire's plans and numpy.
 
 No transport, no runtime: for every (consumer rank, producer rank) pair that
-:mod:`kvwire.topology` pairs, :class:`kvwire.layout.PeerLayout` plans the descriptors
+:mod:`kvwire.layout.topology` pairs, :class:`kvwire.layout.PeerLayout` plans the descriptors
 (as the consumer in pull mode, as the producer in push mode), and the rows are copied with
 numpy slices of the ranks' tensors. Zero ranges are cleared. If the generation that follows
 matches a monolithic engine's, kvwire's layout, head slicing and block ids mean the same
@@ -16,11 +16,10 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from kvwire import topology
 from kvwire.errors import ConfigError, DescriptorError
 from kvwire.examples.engine.engine import Engine, LocalRanks
-from kvwire.geometry import RemoteGeometry
-from kvwire.layout import Descs, PeerLayout, TransferPlan
+from kvwire.layout import Descs, PeerLayout, TransferPlan, topology
+from kvwire.layout.geometry import RemoteGeometry
 
 
 class HostMemory:

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from kvwire.examples.engine.config import CacheConfig, ModelConfig
-from kvwire.geometry import KVGeometry, Region, RegionKind
+from kvwire.examples.engine.settings import CacheConfig, ModelConfig
+from kvwire.layout.geometry import BlockRegion, KVGeometry, RegionKind
 
 FLOAT_BYTES = 4
 BACKEND_NAME = "KVWIRE_REFERENCE"
@@ -62,7 +62,7 @@ class RankKVCache:
         content = self.model.cache_content // parts
         return len(self.heads) * self.config.block_size * content * FLOAT_BYTES
 
-    def regions(self) -> list[Region]:
+    def regions(self) -> list[BlockRegion]:
         """One region per layer (two with ``kv_split``), in layer order."""
         out = []
         length = self.block_bytes
@@ -73,7 +73,7 @@ class RankKVCache:
             for index, part in enumerate(parts):
                 name = f"layers.{layer}.{part}" if part else f"layers.{layer}"
                 out.append(
-                    Region(
+                    BlockRegion(
                         base_addr=base + index * n * length,
                         block_len=length,
                         num_blocks=n,

@@ -20,8 +20,8 @@ from typing import Any
 
 import msgspec
 
-from kvwire.demo.framing import close_pipes, spawn, wait_or_kill
 from kvwire.errors import ConfigError, KVWireError
+from kvwire.framing import close_pipes, spawn, wait_or_kill
 
 _json_encode = msgspec.json.Encoder().encode
 _json_decode = msgspec.json.Decoder().decode
@@ -36,8 +36,8 @@ def config_to_json(config: Any) -> str:
 
 
 def config_from_json(text: str) -> Any:
-    from kvwire.examples.engine.config import CacheConfig, ModelConfig
     from kvwire.examples.engine.serving import ServerConfig
+    from kvwire.examples.engine.settings import CacheConfig, ModelConfig
 
     data = _json_decode(text)
     data["model"] = ModelConfig(**data["model"])

@@ -17,8 +17,8 @@ import math
 
 import torch
 
-from kvwire.examples.engine.config import CacheConfig, ModelConfig
 from kvwire.examples.engine.kvcache import RankKVCache, fresh
+from kvwire.examples.engine.settings import CacheConfig, ModelConfig
 from kvwire.examples.engine.weights import Weights, apply_rope, rope_tables
 
 

@@ -23,10 +23,10 @@ from typing import IO, Any
 
 import torch
 
-from kvwire.demo.framing import close_pipes, read_frame, spawn, wait_or_kill, write_frame
 from kvwire.errors import ConfigError, KVWireError
-from kvwire.examples.engine.config import CacheConfig, ModelConfig
-from kvwire.geometry import KVGeometry, Region, RegionKind
+from kvwire.examples.engine.settings import CacheConfig, ModelConfig
+from kvwire.framing import close_pipes, read_frame, spawn, wait_or_kill, write_frame
+from kvwire.layout.geometry import BlockRegion, KVGeometry, RegionKind
 
 
 class RankProcessError(KVWireError):
@@ -67,7 +67,7 @@ def geometry_to_dict(geometry: KVGeometry) -> dict[str, Any]:
 
 def geometry_from_dict(data: Mapping[str, Any]) -> KVGeometry:
     regions = [
-        Region(
+        BlockRegion(
             base_addr=r["base_addr"],
             block_len=r["block_len"],
             num_blocks=r["num_blocks"],

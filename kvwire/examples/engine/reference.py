@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
-from kvwire.examples.engine.config import ModelConfig
+from kvwire.examples.engine.settings import ModelConfig
 from kvwire.examples.engine.weights import Weights, apply_rope, mlp, rms_norm, rope_tables
 
 

@@ -13,13 +13,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict
 from typing import Any, Literal, Protocol
 
-from kvwire.compat import CompatFactors
 from kvwire.config import KVWireConfig
 from kvwire.errors import ConfigError
-from kvwire.examples.engine.config import ModelConfig
 from kvwire.examples.engine.kvcache import BACKEND_NAME
-from kvwire.geometry import KVGeometry
+from kvwire.examples.engine.settings import ModelConfig
+from kvwire.layout.geometry import KVGeometry
 from kvwire.runtime import Consumer, Producer
+from kvwire.wire.compat import CompatFactors
 
 Role = Literal["prefill", "decode"]
 

@@ -24,10 +24,10 @@ from typing import Any, Literal
 
 from kvwire.config import KVWireConfig
 from kvwire.errors import ConfigError, KVWireError
-from kvwire.examples.engine.config import CacheConfig, ModelConfig
 from kvwire.examples.engine.engine import Engine
 from kvwire.examples.engine.rankproc import ProcessRanks
 from kvwire.examples.engine.runtimes import LocalRuntime, RankRuntime, compat_factors
+from kvwire.examples.engine.settings import CacheConfig, ModelConfig
 from kvwire.sidechannel import HandshakeListener
 
 Role = Literal["prefill", "decode", "both"]

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvwire.examples.engine.config import ModelConfig
+from kvwire.examples.engine.settings import ModelConfig
 
 
 @dataclass(frozen=True)

@@ -47,10 +47,9 @@ from typing import Any
 import numpy as np
 
 from kvwire.bench.report import Result
-from kvwire.bench.sweeps import scattered
-from kvwire.bench.transport import LATENCY_BYTES, SHAPES
-from kvwire.demo.framing import close_pipes, read_frame, spawn, wait_or_kill, write_frame
+from kvwire.bench.sweeps import LATENCY_BYTES, SHAPES, scattered
 from kvwire.errors import TransportError
+from kvwire.framing import close_pipes, read_frame, spawn, wait_or_kill, write_frame
 from kvwire.transport import Region, XferState
 
 REPEATS = {"64KiB": 120, "2MiB": 60}

@@ -36,14 +36,13 @@ from functools import lru_cache
 import numpy as np
 import numpy.typing as npt
 
-from kvwire import topology
-from kvwire.alignment import Mode, PeerPolicy, RegionPair, RegionView, validate_peer
 from kvwire.errors import ConfigError, LocalProtocolError, RemoteProtocolError
-from kvwire.geometry import (
+from kvwire.layout import topology
+from kvwire.layout.alignment import Mode, PeerPolicy, RegionPair, RegionView, validate_peer
+from kvwire.layout.geometry import (
     SHARED_GROUP_ID,
     KVGeometry,
     KVLayout,
-    Region,
     RegionKind,
     RemoteGeometry,
     parse_layout,
@@ -59,13 +58,7 @@ BlockIds = Sequence[Sequence[int]] | Sequence[npt.NDArray[np.integer]]
 __all__ = [
     "BlockIds",
     "Descs",
-    "KVGeometry",
-    "KVLayout",
     "PeerLayout",
-    "PeerPolicy",
-    "Region",
-    "RegionKind",
-    "RemoteGeometry",
     "TransferPlan",
     "coalesce",
     "coalesce_ranges",
@@ -74,7 +67,6 @@ __all__ = [
     "expand_to_kernel_blocks",
     "plan_read",
     "plan_write",
-    "validate_peer",
 ]
 
 
@@ -406,7 +398,7 @@ def _state_chunks(p_ids: IntArray, c_ids: IntArray) -> _Chunks:
 
 @dataclass(frozen=True)
 class _Cluster:
-    """Region pairs sharing one pattern and one pair of KV-cache groups."""
+    """BlockRegion pairs sharing one pattern and one pair of KV-cache groups."""
 
     order: IntArray  # position of each pair in the region-major output
     p_base: IntArray
@@ -661,7 +653,7 @@ def _fill(
 
 
 def _emit(cluster: _Cluster, chunks: _Chunks) -> tuple[Descs, Descs, Descs]:
-    """Region-major rows of one cluster: regions x chunks x pattern segments."""
+    """BlockRegion-major rows of one cluster: regions x chunks x pattern segments."""
     pattern = cluster.pattern
     seg = pattern.segments
     regions, n, m = cluster.p_base.size, chunks.producer_blocks.size, seg.shape[0]

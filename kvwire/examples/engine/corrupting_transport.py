@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from kvwire.errors import ConfigError
-from kvwire.faults import DelegatingTransport
+from kvwire.testing.faulty_transport import DelegatingTransport
 from kvwire.transport import Descs, Transport, XferState, create
 
 CORRUPT_BYTES = 256
@@ -57,5 +57,5 @@ class CorruptingTransport(DelegatingTransport):
 def corrupting(
     name: str, *, inner: str = "shm", inner_options: dict[str, Any] | None = None, rows: int = 1
 ) -> Transport:
-    """Factory form, loadable as ``kvwire.examples.engine.faults:corrupting``."""
+    """Factory form, loadable as ``kvwire.examples.engine.corrupting_transport:corrupting``."""
     return CorruptingTransport(create(inner, name, **(inner_options or {})), rows=int(rows))

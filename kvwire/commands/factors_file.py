@@ -3,7 +3,7 @@
 ``kvwire compat-hash`` and ``kvwire probe --factors`` read the same files and must agree:
 a file whose ``compat-hash`` equals a peer's hash is compatible with that peer in ``probe``
 too. Both therefore load through :func:`load_factors` (which normalises engine settings
-exactly as :meth:`~kvwire.compat.CompatFactors.build` does) and compare through
+exactly as :meth:`~kvwire.wire.compat.CompatFactors.build` does) and compare through
 :func:`compare`.
 
 A file holds either the factors exactly as vLLM hashes them (it has
@@ -22,8 +22,8 @@ from typing import Any
 
 import msgspec
 
-from kvwire.compat import CompatFactors, SpeculativeFactors, explain
 from kvwire.errors import ConfigError
+from kvwire.wire.compat import CompatFactors, SpeculativeFactors, explain
 
 
 def load_factors(path: str) -> CompatFactors:

@@ -1,15 +1,20 @@
-"""Length-prefixed msgpack frames over a byte stream: the demo's scheduler <-> rank pipe.
+"""Length-prefixed msgpack frames between kvwire's own processes: the one framing.
 
-Rank processes are plain subprocesses talking over stdin/stdout, so nothing is pickled and
-a rank can be killed like any real worker. :func:`spawn`, :func:`wait_or_kill` and
-:func:`close_pipes` are the life cycle every such child shares (the demo's ranks, the
-reference engine's rank and engine processes, the e2e bench's prefill process).
+The demo's ranks, the reference engine's processes, the benchmarks' peers and the
+conformance suite's peer agent are plain subprocesses talking over pipes or a socketpair,
+so nothing is pickled and a child can be killed like any real worker. Every such channel
+frames a message as a 4-byte little-endian length and the body; streams
+(:func:`write_frame`/:func:`read_frame`, msgpack maps) and sockets
+(:func:`send_frame`/:func:`receive_frame`, bytes the caller encodes) share the header.
+:func:`spawn`, :func:`wait_or_kill` and :func:`close_pipes` are the life cycle every child
+shares. Tooling only: the protocol core never imports this module.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import socket
 import struct
 import subprocess
 import sys
@@ -53,14 +58,14 @@ def read_frame(stream: IO[bytes]) -> dict[str, Any] | None:
         return None
     (size,) = _HEADER.unpack(header)
     if size > MAX_FRAME:
-        raise WireDecodeError(f"demo frame of {size} bytes exceeds {MAX_FRAME}")
+        raise WireDecodeError(f"frame of {size} bytes exceeds {MAX_FRAME}")
     body = stream.read(size)
     if len(body) < size:
         return None
     try:
         return _decoder.decode(body)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise WireDecodeError(f"bad demo frame: {exc}") from None
+        raise WireDecodeError(f"bad frame: {exc}") from None
 
 
 def commands(stream: IO[bytes]) -> Iterator[dict[str, Any]]:
@@ -101,3 +106,30 @@ def close_pipes(proc: subprocess.Popen[bytes]) -> None:
         if stream is not None:
             with contextlib.suppress(OSError):
                 stream.close()
+
+
+def send_frame(sock: socket.socket, payload: bytes) -> None:
+    """One already-encoded message as one frame on a socket."""
+    sock.sendall(_HEADER.pack(len(payload)) + payload)
+
+
+def _exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        part = sock.recv_into(view[got:], min(n - got, 1 << 22))
+        if not part:
+            raise EOFError("frame channel closed")
+        got += part
+    return bytes(buf)
+
+
+def receive_frame(sock: socket.socket, limit: int | None = None) -> bytes:
+    """The next frame's body; EOFError when the channel closed. ``limit`` (bytes) refuses a
+    larger frame with a WireDecodeError before reading it; None trusts the sender (a child
+    of this process on a socketpair)."""
+    (n,) = _HEADER.unpack(_exact(sock, _HEADER.size))
+    if limit is not None and n > limit:
+        raise WireDecodeError(f"frame of {n} bytes exceeds {limit}")
+    return _exact(sock, n)

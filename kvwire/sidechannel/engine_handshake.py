@@ -10,9 +10,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from kvwire.compat import CompatFactors
 from kvwire.errors import HandshakeError, WireDecodeError
 from kvwire.sidechannel.client import HandshakeClient
+from kvwire.wire.compat import CompatFactors
 from kvwire.wire.handshake import decode_handshake, decode_handshake_payload, peer_features
 from kvwire.wire.schemas import AnyAgentMetadata
 

@@ -7,7 +7,8 @@ FAILED. :class:`DelegatingTransport` is the plain forwarding base, handy for wri
 deliberately broken variants. The factory :func:`faulty` makes the wrapper loadable by
 name, so a conformance run can target it::
 
-    kvwire conformance kvwire.faults:faulty -o inner=shm -o duplicate_notifications=0.2
+    kvwire conformance kvwire.testing.faulty_transport:faulty \
+        -o inner=shm -o duplicate_notifications=0.2
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvwire.errors import ConfigError
-from kvwire.geometry import KVLayout, parse_layout
+from kvwire.layout.geometry import KVLayout, parse_layout
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -28,7 +28,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvwire.errors import ConfigError, IncompatiblePeerError
-from kvwire.topology import head_range
+from kvwire.layout.topology import head_range
 
 SHARED_GROUP_ID = -1
 """``region_group_ids`` value of a region whose blocks every KV-cache group indexes."""
@@ -108,7 +108,7 @@ def parse_layout(value: str | KVLayout, *, who: str = "local") -> KVLayout:
 
 
 def rank_heads(tp_rank: int, tp_size: int, total_kv_heads: int) -> npt.NDArray[np.int64]:
-    """:func:`kvwire.topology.head_range` as an array, for index arithmetic."""
+    """:func:`kvwire.layout.topology.head_range` as an array, for index arithmetic."""
     heads = head_range(tp_rank, tp_size, total_kv_heads)
     return np.arange(heads.start, heads.stop, dtype=np.int64)
 
@@ -124,7 +124,7 @@ def _region_label(index: int, name: str | None) -> str:
 
 
 @dataclass(frozen=True)
-class Region:
+class BlockRegion:
     """One registered span of equally spaced KV blocks.
 
     ``num_blocks`` counts *kernel* blocks for attention regions and logical blocks for SSM
@@ -187,7 +187,7 @@ class KVGeometry:
     blocks hold ``block_size // physical_blocks_per_logical`` tokens.
     """
 
-    regions: Sequence[Region]
+    regions: Sequence[BlockRegion]
     kv_cache_layout: KVLayout | str = KVLayout.HND
     block_size: int = 16
     physical_blocks_per_logical: int = 1
@@ -278,7 +278,7 @@ class KVGeometry:
         return rank_heads(self.tp_rank, self.tp_size, self.total_kv_heads)
 
     def kind_of(self, index: int) -> RegionKind:
-        """Region ``index``'s kind; MLA models replicate every attention region."""
+        """BlockRegion ``index``'s kind; MLA models replicate every attention region."""
         kind = self.regions[index].kind
         if kind is RegionKind.ATTENTION and self.is_mla:
             return RegionKind.REPLICATED

@@ -15,13 +15,13 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Any
 
 import msgspec
 
 from kvwire.errors import ConfigError
-
-TransferMode = Literal["pull", "push"]
+from kvwire.wire.schemas import TransferMode
+from kvwire.wire.versions import VLLM_RELEASES
 
 
 class SpeculativeFactors(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -74,7 +74,7 @@ class CompatFactors(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         attn_backend_name: str,
         cache_dtype: str = "auto",
         is_hma_enabled: bool = True,
-        transfer_mode: TransferMode = "pull",
+        transfer_mode: TransferMode | str = TransferMode.PULL,
         speculative: SpeculativeFactors | None = None,
         connector_version: int = 13,
     ) -> CompatFactors:
@@ -91,6 +91,8 @@ class CompatFactors(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             speculative = msgspec.structs.replace(speculative, kv_cache_dtype=cache_dtype)
         if not dtype.startswith("torch."):
             dtype = f"torch.{dtype}"
+        if transfer_mode not in ("pull", "push"):
+            raise ConfigError(f"transfer_mode must be 'pull' or 'push', got {transfer_mode!r}")
         return cls(
             vllm_version=vllm_version,
             nixl_connector_version=connector_version,
@@ -103,7 +105,7 @@ class CompatFactors(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             cache_dtype=cache_dtype,
             is_hma_enabled=is_hma_enabled,
             speculative_config=speculative,
-            transfer_mode=transfer_mode,
+            transfer_mode=TransferMode(transfer_mode),
         )
 
     @classmethod
@@ -219,9 +221,6 @@ def _model_total(model: Mapping[str, Any], ours: str, hf_key: str) -> Any:
 
 
 def _from_vllm_config(config: Mapping[str, Any]) -> CompatFactors:
-    # Imported here: the wire package imports this module, and needs it whole first.
-    from kvwire.wire.versions import VLLM_RELEASES
-
     if not isinstance(config, Mapping):
         raise ConfigError(f"vLLM config must be an object, got {type(config).__name__}")
     model = _section(config, "model_config")
@@ -232,7 +231,7 @@ def _from_vllm_config(config: Mapping[str, Any]) -> CompatFactors:
     release = str(config.get("vllm_version", _VLLM_DEFAULT_RELEASE))
     disable_hma = bool(scheduler.get("disable_hybrid_kv_cache_manager") or False)
     connector = str(transfer.get("kv_connector", "NixlConnector"))
-    mode: TransferMode = "push" if connector == "NixlPushConnector" else "pull"
+    mode = TransferMode.PUSH if connector == "NixlPushConnector" else TransferMode.PULL
     cache_dtype = str(cache.get("cache_dtype", "auto"))
     spec = config.get("speculative_config")
     speculative = None

@@ -6,7 +6,7 @@ the layers, or v13 rows that pack several layers' pages together), both advertis
 names of each region (v12) and regions pair by name instead; a packed member narrows its
 region to the member's page (v13).
 
-Region *names* (``region_names``, the first layer of each region) matter exactly where vLLM
+BlockRegion *names* (``region_names``, the first layer of each region) matter exactly where vLLM
 0.31.0 looks at them (``_validate_remote_agent_handshake``): when regions pair by index and
 the peer advertises names, they must equal ours, region by region. A peer that advertises
 no names is paired by index unchecked; where both sides advertise members, the members say
@@ -25,21 +25,23 @@ from dataclasses import dataclass
 from typing import Literal
 
 from kvwire.errors import IncompatiblePeerError
-from kvwire.geometry import (
+from kvwire.layout.geometry import (
     MOVABLE_LAYOUTS,
     UNSUPPORTED_LAYOUTS,
     VALID_MEM_KINDS,
+    BlockRegion,
     KVGeometry,
     KVLayout,
-    Region,
     RegionKind,
     RemoteGeometry,
     RemoteRegion,
     heads_per_rank,
     parse_layout,
 )
+from kvwire.wire.schemas import TransferMode
 
-Mode = Literal["pull", "push"]
+Mode = TransferMode | Literal["pull", "push"]
+"""A transfer mode, as the enum or as its vLLM name."""
 
 
 @dataclass(frozen=True)
@@ -94,7 +96,7 @@ class _Problems:
 
 def _view(
     index: int,
-    region: Region | RemoteRegion,
+    region: BlockRegion | RemoteRegion,
     label: str,
     member: str | None,
     device_id: int,
