@@ -61,6 +61,7 @@ __all__ = [
     "PeerLayout",
     "TransferPlan",
     "coalesce",
+    "coalesce_columns",
     "coalesce_ranges",
     "descriptor_ids",
     "empty_descs",
@@ -175,6 +176,31 @@ def coalesce(local: Descs, remote: Descs) -> tuple[Descs, Descs]:
 
 
 _coalesce_pairs = coalesce  # ``plan`` has a parameter of the same name
+
+
+def coalesce_columns(
+    dst: IntArray, src: IntArray, length: IntArray
+) -> tuple[IntArray, IntArray, IntArray]:
+    """:func:`coalesce` for a transport that keeps spans as separate columns of one memory
+    kind (no device column): merges spans contiguous on both sides and drops empty ones.
+
+    Returns its inputs untouched when there is nothing to merge or drop (the common case of
+    scattered blocks), sparing the copies; the destination side is tested first because
+    alone it rules out most merges.
+    """
+    if not length.all():
+        keep = length > 0
+        dst, src, length = dst[keep], src[keep], length[keep]
+    if dst.shape[0] <= 1:
+        return dst, src, length
+    joins = (dst + length)[:-1] == dst[1:]
+    if not joins.any():
+        return dst, src, length
+    joins &= (src + length)[:-1] == src[1:]
+    if not joins.any():
+        return dst, src, length
+    starts = _run_starts(joins)
+    return dst[starts], src[starts], np.add.reduceat(length, starts)
 
 
 def coalesce_ranges(ranges: Descs) -> Descs:

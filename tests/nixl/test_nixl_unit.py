@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from kvwire_nixl import _loader
-from kvwire_nixl._descs import CACHEABLE_ROWS, coalesce, fast_key, prepare
+from kvwire_nixl._descs import CACHEABLE_ROWS, fast_key, prepare
 from kvwire_nixl._errors import status_of, translate
 from kvwire_nixl._options import parse_options
 from kvwire_nixl._progress import POST_SKIPS, ProgressThread
@@ -25,6 +25,7 @@ from kvwire.errors import (
     PeerMetadataError,
     TransportUnavailableError,
 )
+from kvwire.layout import coalesce
 from kvwire.transport import load
 
 

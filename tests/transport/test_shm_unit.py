@@ -13,7 +13,7 @@ import pytest
 from kvwire_shm import ShmTransport, _memcopy, allocate
 from kvwire_shm._cma import IOV_MAX
 from kvwire_shm._segments import segment_of
-from kvwire_shm._tables import DRAM, MAPPED, Row, Table, coalesce
+from kvwire_shm._tables import DRAM, MAPPED, Row, Table
 
 from kvwire.errors import (
     ConfigError,
@@ -22,6 +22,7 @@ from kvwire.errors import (
     TransportClosedError,
     UnknownPeerError,
 )
+from kvwire.layout import coalesce_columns as coalesce
 from kvwire.transport import XferState, create, region_of_array, wait_for
 
 

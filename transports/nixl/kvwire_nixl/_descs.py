@@ -51,24 +51,3 @@ def fast_key(local: object, remote: object) -> tuple[bytes, bytes] | None:
     ):
         return None
     return local.tobytes(), remote.tobytes()
-
-
-def coalesce(local: Descs, remote: Descs) -> tuple[Descs, Descs]:
-    """Merge runs of rows that are adjacent on both sides (same device) into one row."""
-    if local.shape[0] < 2:
-        return local, remote
-    joins = (
-        (local[:-1, 0] + local[:-1, 1] == local[1:, 0])
-        & (remote[:-1, 0] + remote[:-1, 1] == remote[1:, 0])
-        & (local[:-1, 2] == local[1:, 2])
-        & (remote[:-1, 2] == remote[1:, 2])
-    )
-    if not joins.any():
-        return local, remote
-    starts = np.flatnonzero(np.concatenate(([True], ~joins)))
-    lengths = np.add.reduceat(local[:, 1], starts)
-    merged_local = local[starts]
-    merged_remote = remote[starts]
-    merged_local[:, 1] = lengths
-    merged_remote[:, 1] = lengths
-    return merged_local, merged_remote

@@ -40,6 +40,7 @@ from kvwire.errors import (
     TransportUnavailableError,
     UnknownPeerError,
 )
+from kvwire.layout import coalesce
 from kvwire.transport import (
     Capabilities,
     Descs,
@@ -50,7 +51,7 @@ from kvwire.transport import (
     region_of_array,
     region_of_tensor,
 )
-from kvwire_nixl._descs import coalesce, fast_key, prepare
+from kvwire_nixl._descs import fast_key, prepare
 from kvwire_nixl._errors import is_status, status_of, translate
 from kvwire_nixl._loader import load_nixl
 from kvwire_nixl._options import NixlOptions, parse_options

@@ -96,24 +96,3 @@ class Table:
                 f"device={int(descs[bad, 2])}) is outside every registered region"
             )
         return idx
-
-
-def coalesce(dst: I64, src: I64, length: I64) -> tuple[I64, I64, I64]:
-    """Merge runs of descriptors that are contiguous on both sides; drops empty ones.
-
-    Returns its inputs untouched when there is nothing to merge or drop (the common case
-    of scattered blocks), sparing the copies.
-    """
-    if not length.all():
-        keep = length > 0
-        dst, src, length = dst[keep], src[keep], length[keep]
-    if dst.shape[0] <= 1:
-        return dst, src, length
-    joins = (dst + length)[:-1] == dst[1:]
-    if not joins.any():  # nothing continues on the local side: nothing can merge
-        return dst, src, length
-    joins &= (src + length)[:-1] == src[1:]
-    if not joins.any():
-        return dst, src, length
-    heads = np.concatenate(([0], np.flatnonzero(~joins) + 1))
-    return dst[heads], src[heads], np.add.reduceat(length, heads)

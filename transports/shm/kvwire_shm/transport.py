@@ -47,6 +47,7 @@ from kvwire.errors import (
     TransportError,
     UnknownPeerError,
 )
+from kvwire.layout import coalesce_columns
 from kvwire.transport import (
     Capabilities,
     Descs,
@@ -63,7 +64,7 @@ from kvwire_shm._executor import Executor, Split
 from kvwire_shm._native_load import NATIVE
 from kvwire_shm._notify import NotifyHub, connect, frame
 from kvwire_shm._segments import PeerMapping, SegmentInfo, segment_of
-from kvwire_shm._tables import CMA, CUDA, DRAM, I64, LOCAL, MAPPED, VRAM, Row, Table, coalesce
+from kvwire_shm._tables import CMA, CUDA, DRAM, I64, LOCAL, MAPPED, VRAM, Row, Table
 
 _MAGIC = "kvwire-shm"
 _VERSION = 1
@@ -588,7 +589,7 @@ class ShmTransport:
                 delta = remote_t.delta if remote_t.delta is not None else remote_t.deltas[ri]
                 raddr = remote[:, 0] + delta
                 d, s = (raddr, local[:, 0]) if write else (local[:, 0], raddr)
-            dd, ss, ll = coalesce(d, s, local[:, 1])
+            dd, ss, ll = coalesce_columns(d, s, local[:, 1])
             return [_Batch(remote_t.route, dd, ss, ll)] if ll.shape[0] else []
         lkind = local_t.kinds[li]
         route = remote_t.routes[ri]
@@ -614,7 +615,7 @@ class ShmTransport:
                 d, s = raddr[mask], laddr[mask]
             else:
                 d, s = laddr[mask], raddr[mask]
-            dd, ss, ll = coalesce(d, s, length[mask])
+            dd, ss, ll = coalesce_columns(d, s, length[mask])
             device = 0
             if code == CUDA:
                 devs = np.where(lkind[mask] == VRAM, local[mask, 2], remote[mask, 2])
