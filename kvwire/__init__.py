@@ -2,10 +2,16 @@
 
 Speaks vLLM's NIXL connector protocol (versions 13-15) byte for byte; transports are
 pluggable adapters found through the ``kvwire.transports`` entry-point group.
+
+The names an engine needs first (the README's example) come first: :class:`Producer` and
+:class:`Consumer` (``kvwire.runtime``), :class:`KVWireConfig`, :class:`KVGeometry` and
+:class:`BlockRegion` (``kvwire.layout``) and :class:`CompatFactors`; then the wire API and
+the errors. docs/architecture.md maps every package and what it may import.
 """
 
 from __future__ import annotations
 
+from kvwire.config import KVWireConfig
 from kvwire.errors import (
     ConfigError,
     DescriptorError,
@@ -27,6 +33,8 @@ from kvwire.errors import (
     WireDecodeError,
     WireEncodeError,
 )
+from kvwire.layout import BlockRegion, KVGeometry
+from kvwire.runtime import Consumer, Producer
 from kvwire.wire import (
     AgentMetadata,
     ClockReply,
@@ -58,10 +66,18 @@ from kvwire.wire import (
     protocol,
 )
 from kvwire.wire.compat import CompatFactors, SpeculativeFactors, compatibility_hash, explain
+from kvwire.wire.schemas import TransferMode
 
 __version__ = "0.1.0"
 
 __all__ = [
+    # what an engine embeds (README)
+    "Producer",
+    "Consumer",
+    "KVWireConfig",
+    "KVGeometry",
+    "BlockRegion",
+    "TransferMode",
     # wire
     "AgentMetadata",
     "ClockReply",
