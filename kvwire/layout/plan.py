@@ -34,11 +34,21 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 import numpy as np
-import numpy.typing as npt
 
 from kvwire.errors import ConfigError, LocalProtocolError, RemoteProtocolError
 from kvwire.layout import topology
 from kvwire.layout.alignment import Mode, PeerPolicy, RegionPair, RegionView, validate_peer
+from kvwire.layout.descs import (
+    BlockIds,
+    Descs,
+    IntArray,
+    as_groups,
+    coalesce,
+    coalesce_ranges,
+    empty_descs,
+    expand_to_kernel_blocks,
+    run_starts,
+)
 from kvwire.layout.geometry import (
     SHARED_GROUP_ID,
     KVGeometry,
@@ -49,30 +59,7 @@ from kvwire.layout.geometry import (
     rank_heads,
 )
 
-Descs = npt.NDArray[np.int64]
-"""``(N, 3)`` int64 rows of ``(address, length, device_id)``."""
-IntArray = npt.NDArray[np.int64]
-BlockIds = Sequence[Sequence[int]] | Sequence[npt.NDArray[np.integer]]
-"""Logical block ids per KV-cache group (``kv_transfer_params["remote_block_ids"]`` shape)."""
-
-__all__ = [
-    "BlockIds",
-    "Descs",
-    "PeerLayout",
-    "TransferPlan",
-    "coalesce",
-    "coalesce_columns",
-    "coalesce_ranges",
-    "descriptor_ids",
-    "empty_descs",
-    "expand_to_kernel_blocks",
-    "plan_read",
-    "plan_write",
-]
-
-
-def empty_descs() -> Descs:
-    return np.zeros((0, 3), dtype=np.int64)
+__all__ = ["PeerLayout", "TransferPlan", "plan_read", "plan_write"]
 
 
 @dataclass(frozen=True)
@@ -109,117 +96,7 @@ class TransferPlan:
 # ---------------------------------------------------------------------------------------
 
 
-def expand_to_kernel_blocks(logical_ids: npt.ArrayLike, ratio: int) -> IntArray:
-    """Kernel block ids of logical blocks: ``id * ratio + k`` for ``k`` in ``range(ratio)``."""
-    ids = np.asarray(logical_ids, dtype=np.int64).reshape(-1)
-    if ratio == 1:
-        return ids
-    return (ids[:, None] * ratio + np.arange(ratio, dtype=np.int64)[None, :]).reshape(-1)
-
-
-def descriptor_ids(
-    kernel_block_ids: BlockIds,
-    region_num_blocks: Sequence[int],
-    region_group_ids: Sequence[int] | None = None,
-) -> IntArray:
-    """vLLM-style descriptor ids of region-major descriptor lists: ``offset[r] + block``.
-
-    ``offset[r]`` is the cumulative capacity of the regions before ``r``; a region takes
-    the ids of its KV-cache group, or of every group when shared. Useful to transports that
-    pre-register one descriptor per block and address them by index.
-    """
-    groups = _as_groups(kernel_block_ids)
-    every = np.concatenate(groups) if groups else np.zeros(0, dtype=np.int64)
-    offsets = np.concatenate(([0], np.cumsum(region_num_blocks[:-1]))).astype(np.int64)
-    group_ids = list(region_group_ids) if region_group_ids is not None else None
-    # Every region taking the same ids is one broadcast; with several groups that holds only
-    # when every region is shared (one group id of its own still picks that group's list).
-    if group_ids is None or len(groups) <= 1 or set(group_ids) <= {SHARED_GROUP_ID}:
-        return (offsets[:, None] + every[None, :]).reshape(-1)
-    parts = [
-        offsets[r] + (every if g == SHARED_GROUP_ID else groups[g]) for r, g in enumerate(group_ids)
-    ]
-    return np.concatenate(parts)
-
-
-# ---------------------------------------------------------------------------------------
-# Coalescing
-# ---------------------------------------------------------------------------------------
-
-
-def _run_starts(joins: npt.NDArray[np.bool_]) -> IntArray:
-    """Indices of the rows that begin a run, given whether each row continues the previous."""
-    return np.flatnonzero(np.concatenate(([True], ~joins)))
-
-
-def coalesce(local: Descs, remote: Descs) -> tuple[Descs, Descs]:
-    """Merge consecutive rows that continue each other on *both* sides into one row."""
-    n = local.shape[0]
-    if n <= 1:
-        return local, remote
-    ll = local[:, 1]
-    joins = (
-        (local[1:, 0] == local[:-1, 0] + ll[:-1])
-        & (remote[1:, 0] == remote[:-1, 0] + ll[:-1])
-        & (local[1:, 2] == local[:-1, 2])
-        & (remote[1:, 2] == remote[:-1, 2])
-    )
-    if not joins.any():
-        return local, remote
-    starts = _run_starts(joins)
-    lengths = np.add.reduceat(ll, starts)
-    new_local = local[starts]
-    new_remote = remote[starts]
-    new_local[:, 1] = lengths
-    new_remote[:, 1] = lengths
-    return new_local, new_remote
-
-
 _coalesce_pairs = coalesce  # ``plan`` has a parameter of the same name
-
-
-def coalesce_columns(
-    dst: IntArray, src: IntArray, length: IntArray
-) -> tuple[IntArray, IntArray, IntArray]:
-    """:func:`coalesce` for a transport that keeps spans as separate columns of one memory
-    kind (no device column): merges spans contiguous on both sides and drops empty ones.
-
-    Returns its inputs untouched when there is nothing to merge or drop (the common case of
-    scattered blocks), sparing the copies; the destination side is tested first because
-    alone it rules out most merges.
-    """
-    if not length.all():
-        keep = length > 0
-        dst, src, length = dst[keep], src[keep], length[keep]
-    if dst.shape[0] <= 1:
-        return dst, src, length
-    joins = (dst + length)[:-1] == dst[1:]
-    if not joins.any():
-        return dst, src, length
-    joins &= (src + length)[:-1] == src[1:]
-    if not joins.any():
-        return dst, src, length
-    starts = _run_starts(joins)
-    return dst[starts], src[starts], np.add.reduceat(length, starts)
-
-
-def coalesce_ranges(ranges: Descs) -> Descs:
-    """Merge consecutive ``(address, length, device)`` rows that continue each other."""
-    n = ranges.shape[0]
-    if n <= 1:
-        return ranges
-    joins = (ranges[1:, 0] == ranges[:-1, 0] + ranges[:-1, 1]) & (ranges[1:, 2] == ranges[:-1, 2])
-    if not joins.any():
-        return ranges
-    starts = _run_starts(joins)
-    out = ranges[starts]
-    out[:, 1] = np.add.reduceat(ranges[:, 1], starts)
-    return out
-
-
-# ---------------------------------------------------------------------------------------
-# Byte patterns inside one chunk
-# ---------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -252,7 +129,7 @@ def _merge(first: IntArray, second: IntArray, unit: int) -> IntArray:
     if a.size == 0:
         return np.zeros((0, 3), dtype=np.int64)
     joins = (a[1:] == a[:-1] + unit) & (b[1:] == b[:-1] + unit)
-    starts = _run_starts(joins)
+    starts = run_starts(joins)
     lengths = np.diff(np.concatenate((starts, [a.size]))) * unit
     return np.stack((a[starts], b[starts], lengths), axis=1).astype(np.int64)
 
@@ -448,10 +325,6 @@ def _join(parts: list[Descs]) -> Descs:
     return np.concatenate(parts) if parts else empty_descs()
 
 
-def _as_groups(block_ids: BlockIds) -> list[IntArray]:
-    return [np.asarray(g, dtype=np.int64).reshape(-1) for g in block_ids]
-
-
 class PeerLayout:
     """A validated pairing of this rank's KV cache with one remote rank's.
 
@@ -584,8 +457,8 @@ class PeerLayout:
         trim by block count and unequal ones assume no prefix hit.
         """
         merge = self.coalesce if coalesce is None else coalesce
-        local_groups = _as_groups(local_block_ids)
-        remote_groups = _as_groups(remote_block_ids)
+        local_groups = as_groups(local_block_ids)
+        remote_groups = as_groups(remote_block_ids)
         if self.mode == "pull":
             c_groups, p_groups = local_groups, remote_groups
             c_who, p_who = "local", "remote"
