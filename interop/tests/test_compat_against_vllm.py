@@ -17,8 +17,9 @@ from typing import Any
 
 import pytest
 
+from kvwire.config import RetryPolicy
 from kvwire.errors import IncompatiblePeerError
-from kvwire.sidechannel import HandshakeClient, RetryPolicy, fetch_agent_metadata
+from kvwire.sidechannel import HandshakeClient, fetch_agent_metadata
 from kvwire.wire.compat import CompatFactors
 
 LISTENER = Path(__file__).with_name("vllm_listener.py")

@@ -34,12 +34,12 @@ from collections import deque
 from collections.abc import Callable, Sequence
 
 from kvwire.bench.report import Report, Result, Timing, cpu_clock, gc_paused
+from kvwire.config import KVWireConfig
 from kvwire.machine import (
     Action,
     AllocationDone,
     ConsumerMachine,
     HandshakeDone,
-    MachineConfig,
     NotificationReceived,
     PostRead,
     PrefillFinished,
@@ -71,13 +71,19 @@ class PullPipeline:
             raise ValueError("live must be >= 1")
         self.live = live
         self.consumer = ConsumerMachine(
-            MachineConfig(
-                engine_id=CONSUMER_ENGINE, lease_s=LEASE_S, check_invariants=check_invariants
+            KVWireConfig(
+                environ={},
+                engine_id=CONSUMER_ENGINE,
+                lease_s=LEASE_S,
+                check_invariants=check_invariants,
             )
         )
         self.producer = ProducerMachine(
-            MachineConfig(
-                engine_id=PRODUCER_ENGINE, lease_s=LEASE_S, check_invariants=check_invariants
+            KVWireConfig(
+                environ={},
+                engine_id=PRODUCER_ENGINE,
+                lease_s=LEASE_S,
+                check_invariants=check_invariants,
             )
         )
         # A request's blocks are reused once it is freed: live + 1 slots suffice because the

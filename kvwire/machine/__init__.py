@@ -3,12 +3,14 @@
 A driver (the runtime, the simulator, a test) feeds events with the current time and
 executes the actions that come back::
 
-    machine = ConsumerMachine(MachineConfig(engine_id="decode-0", tp_size=2, tp_rank=1))
+    machine = ConsumerMachine(KVWireConfig(engine_id="decode-0", tp_size=2, tp_rank=1))
     actions = machine.handle(RequestAdded("req-1", remote=RemotePrefill(...)), now)
     ...
     deadline = machine.next_deadline()      # call handle(Timer(), now) once now >= deadline
 
-Every legal transition is listed in :mod:`kvwire.machine.table`.
+Every legal transition is listed in :mod:`kvwire.machine.table`. The machines take the one
+configuration, :class:`~kvwire.config.KVWireConfig` (pass ``environ={}`` for a machine that
+must not see ``KVWIRE_*`` variables, as the simulator does).
 """
 
 from __future__ import annotations
@@ -33,7 +35,6 @@ from kvwire.machine.actions import (
     SendNotification,
     StartHandshake,
 )
-from kvwire.machine.config import MachineConfig
 from kvwire.machine.consumer import ConsumerMachine
 from kvwire.machine.events import (
     EVENT_TYPES,
@@ -78,7 +79,6 @@ __all__ = [
     "HandshakeDone",
     "HandshakeFailed",
     "InvariantViolation",
-    "MachineConfig",
     "MachineStats",
     "NotificationReceived",
     "PeerLost",

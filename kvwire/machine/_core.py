@@ -11,7 +11,8 @@ import heapq
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from kvwire.errors import KVWireError, LocalProtocolError
+from kvwire.config import KVWireConfig
+from kvwire.errors import ConfigError, KVWireError, LocalProtocolError
 from kvwire.machine.actions import (
     Action,
     ArmTimer,
@@ -20,7 +21,6 @@ from kvwire.machine.actions import (
     ReleaseTransfer,
     StartHandshake,
 )
-from kvwire.machine.config import MachineConfig
 from kvwire.machine.events import (
     Event,
     HandshakeDone,
@@ -208,10 +208,17 @@ class MachineCore:
     """The actions that end a request (after one, no action may name it again)."""
     _ended_word = "ended"
 
-    def __init__(self, config: MachineConfig) -> None:
-        if not isinstance(config, MachineConfig):
-            raise TypeError("config must be a MachineConfig")
+    def __init__(self, config: KVWireConfig) -> None:
+        if not isinstance(config, KVWireConfig):
+            raise TypeError("config must be a KVWireConfig")
+        if not config.engine_id:
+            raise ConfigError("engine_id is not set (pass engine_id=... or set KVWIRE_ENGINE_ID)")
         self.config = config
+        # Durations the lease derives, resolved once: events read them, never recompute.
+        self._handshake_budget_s = config.handshake_budget_s()
+        self._transfer_timeout_s = config.transfer_timeout
+        self._expiry_margin_s = config.expiry_margin
+        self._completion_margin_s = config.completion_margin
         self.stats = MachineStats()
         self._check = config.check_invariants
         self._heap: list[tuple[float, int, int, Any, Any]] = []
@@ -364,7 +371,7 @@ class MachineCore:
                 engine.pp_size,
             )
         )
-        self._arm(now + self.config.handshake_timeout_s, T_HANDSHAKE, engine, engine.attempt)
+        self._arm(now + self._handshake_budget_s, T_HANDSHAKE, engine, engine.attempt)
 
     def _handshake_event(self, event: HandshakeDone | HandshakeFailed) -> Engine | None:
         """The engine the answer belongs to, or None for a stale answer (ignored)."""
@@ -496,7 +503,7 @@ class MachineCore:
 
     def _transfer_deadline(self, req: Any, now: float) -> float:
         """When a transfer of ``req`` posted now must have ended."""
-        return now + self.config.transfer_timeout_s
+        return now + self._transfer_timeout_s
 
     def _xfer_entry_stale(self, xfer: Transfer) -> bool:
         state = xfer.state

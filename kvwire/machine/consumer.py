@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from kvwire.config import KVWireConfig
 from kvwire.errors import KVWireError, LocalProtocolError, RemoteProtocolError
 from kvwire.layout import topology
 from kvwire.machine._core import (
@@ -38,7 +39,6 @@ from kvwire.machine.actions import (
     RequestFailed,
     SendNotification,
 )
-from kvwire.machine.config import MachineConfig
 from kvwire.machine.events import (
     Abort,
     AllocationDone,
@@ -135,8 +135,16 @@ class ConsumerMachine(MachineCore):
     _draining = S.DRAINING
     _end_actions = (RequestDone, RequestFailed)
 
-    def __init__(self, config: MachineConfig) -> None:
+    def __init__(
+        self, config: KVWireConfig, *, mla: bool = False, host: str = "", port: int = 0
+    ) -> None:
+        """``mla``: the KV cache is MLA's (replicated on every TP rank, read from one).
+        ``host``/``port``: this engine's side channel as producers dial it, sent in push
+        registrations (the runtime passes its listener's real address)."""
         super().__init__(config)
+        self.mla = mla
+        self.host = host
+        self.port = port
         self._reqs: dict[str, _Req] = {}
         self._plans: dict[tuple[int, int], tuple[list[RemoteRank], list[RemoteRank]]] = {}
         self._parked: dict[str, _Parked] = {}
@@ -318,10 +326,10 @@ class ConsumerMachine(MachineCore):
         expiry = req.remote.blocks_expiry_time
         if cfg.bound_reads_by_lease:
             req.read_deadline = self._read_deadline(req)
-            declined = now + cfg.expiry_margin_s >= req.read_deadline
+            declined = now + self._expiry_margin_s >= req.read_deadline
         else:  # the old rule: only a stated expiry, without the clock's uncertainty
             declined = (
-                expiry is not None and now + cfg.expiry_margin_s >= expiry - engine.clock_offset
+                expiry is not None and now + self._expiry_margin_s >= expiry - engine.clock_offset
             )
         if declined:
             self.stats.reads_declined_expiry += 1
@@ -354,14 +362,14 @@ class ConsumerMachine(MachineCore):
         return math.inf
 
     def _transfer_deadline(self, req: _Req, now: float) -> float:
-        deadline = now + self.config.transfer_timeout_s
+        deadline = now + self._transfer_timeout_s
         if self.config.bound_reads_by_lease:
-            deadline = min(deadline, req.read_deadline - self.config.completion_margin_s)
+            deadline = min(deadline, req.read_deadline - self._completion_margin_s)
         return deadline
 
     def _completion_too_late(self, req: _Req, now: float) -> bool:
         cfg = self.config
-        if cfg.bound_reads_by_lease and now > req.read_deadline - cfg.completion_margin_s:
+        if cfg.bound_reads_by_lease and now > req.read_deadline - self._completion_margin_s:
             self.stats.reads_late += 1
             return True
         return False
@@ -370,7 +378,7 @@ class ConsumerMachine(MachineCore):
         cfg = self.config
         if (
             cfg.bound_reads_by_lease
-            and self._last_now >= req.read_deadline - cfg.completion_margin_s
+            and self._last_now >= req.read_deadline - self._completion_margin_s
         ):
             detail = "read did not end before the producer's lease: its bytes cannot be trusted"
             self._begin_failure(req, FailReason.EXPIRED, detail, out)
@@ -385,7 +393,7 @@ class ConsumerMachine(MachineCore):
             cfg = self.config
             try:
                 peers = topology.remote_ranks(cfg.tp_rank, cfg.tp_size, *key)
-                if cfg.mla:
+                if self.mla:
                     src = [topology.replicated_source(cfg.tp_rank, cfg.tp_size, key[0])]
                 else:
                     src = topology.remote_tp_ranks(cfg.tp_rank, cfg.tp_size, key[0])
@@ -449,8 +457,8 @@ class ConsumerMachine(MachineCore):
         reg = PushRegistration(
             request_id=req.rid,
             decode_engine_id=cfg.engine_id,
-            decode_host=cfg.host,
-            decode_port=cfg.port,
+            decode_host=self.host,
+            decode_port=self.port,
             decode_tp_size=cfg.tp_size,
             local_block_ids=[list(g) for g in blocks],
             remote_engine_id=remote.engine_id,
@@ -664,7 +672,7 @@ class ConsumerMachine(MachineCore):
         return req
 
 
-def _check_remote(remote: RemotePrefill, config: MachineConfig) -> str | None:
+def _check_remote(remote: RemotePrefill, config: KVWireConfig) -> str | None:
     """Why the producer's parameters cannot be used, or None. They come from the peer."""
     if not remote.engine_id or not remote.request_id:
         return "kv_transfer_params lack the producer's engine or request id"

@@ -16,6 +16,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from kvwire.config import KVWireConfig
 from kvwire.errors import KVWireError, LocalProtocolError
 from kvwire.layout import topology
 from kvwire.machine._core import (
@@ -35,7 +36,6 @@ from kvwire.machine.actions import (
     PostWrite,
     RemoteRank,
 )
-from kvwire.machine.config import MachineConfig
 from kvwire.machine.events import (
     Abort,
     BlockIds,
@@ -123,7 +123,7 @@ class ProducerMachine(MachineCore):
     _end_actions = (FreeBlocks,)
     _ended_word = "freed"
 
-    def __init__(self, config: MachineConfig) -> None:
+    def __init__(self, config: KVWireConfig) -> None:
         super().__init__(config)
         self._reqs: dict[str, _Req] = {}
         # Push matching indexes (all O(1)): finished prompts waiting for a registration,

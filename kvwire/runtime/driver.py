@@ -215,13 +215,10 @@ class Driver:
             self._registration = self.transport.register(spans)
             self.geometry = geometry
             self.advertise = advertise
-            machine_cfg = cfg.machine_config(
-                mla=geometry.is_mla, host=advertise[0], port=advertise[1]
-            )
             self.machine = (
-                ProducerMachine(machine_cfg)
+                ProducerMachine(cfg)
                 if self.role == "producer"
-                else ConsumerMachine(machine_cfg)
+                else ConsumerMachine(cfg, mla=geometry.is_mla, host=advertise[0], port=advertise[1])
             )
             self._pool = concurrent.futures.ThreadPoolExecutor(
                 max_workers=4, thread_name_prefix=f"kvwire-{self.role}-handshake"

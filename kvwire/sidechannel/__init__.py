@@ -3,18 +3,17 @@ ROUTER would (without libzmq's unbounded buffering), and a retrying REQ client.
 
 Wire-compatible with vLLM 0.31.0's NIXL connector: a vLLM decode worker can fetch
 kvwire's metadata and kvwire can fetch a vLLM prefill engine's. Opt-in beyond vLLM: a
-shared-secret authenticated handshake (``secret=``, ``load_secret``) and rate limits.
+shared-secret authenticated handshake (``secret=``; the secret file is read by
+:func:`kvwire.config.secret.load_secret`) and rate limits.
 """
 
 from __future__ import annotations
 
 from kvwire.sidechannel.address import parse_host_port, tcp_endpoint
-from kvwire.sidechannel.auth import load_secret
 from kvwire.sidechannel.client import (
     HandshakeClient,
     PayloadReplies,
     RankReply,
-    RetryPolicy,
 )
 from kvwire.sidechannel.engine_handshake import PeerHandshake, fetch_agent_metadata
 from kvwire.sidechannel.frames import ERROR_PREFIX, encode_refusal, refusal_reason
@@ -31,10 +30,8 @@ __all__ = [
     "PeerHandshake",
     "RankReply",
     "RateLimit",
-    "RetryPolicy",
     "encode_refusal",
     "fetch_agent_metadata",
-    "load_secret",
     "parse_host_port",
     "refusal_reason",
     "tcp_endpoint",

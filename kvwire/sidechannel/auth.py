@@ -39,17 +39,16 @@ import hashlib
 import hmac
 import logging
 import os
-import stat
 import struct
 import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import msgspec
 
-from kvwire.errors import ConfigError, HandshakeAuthError, WireDecodeError
+from kvwire.config.secret import check_secret
+from kvwire.errors import HandshakeAuthError, WireDecodeError
 from kvwire.wire.handshake import MAX_RANK
 
 log = logging.getLogger(__name__)
@@ -60,8 +59,6 @@ CHALLENGE_PREFIX = b"KVWIRE_CHALLENGE:"
 NONCE_BYTES = 32
 CHALLENGE_BYTES = 40
 MAC_BYTES = 32
-MIN_SECRET_BYTES = 16
-MAX_SECRET_BYTES = 4096
 
 _CLIENT_LABEL = b"kvwire-auth-v1 client proof\x00"
 _LISTENER_LABEL = b"kvwire-auth-v1 listener answer\x00"
@@ -75,45 +72,6 @@ _encoder = msgspec.msgpack.Encoder()
 
 
 # -- the secret ----------------------------------------------------------------------------
-
-
-def load_secret(path: str | os.PathLike[str]) -> bytes:
-    """The shared secret in ``path`` (trailing newlines dropped), checked but never shown.
-
-    A file others can read is refused: anyone who reads it can fetch every engine's memory
-    keys. A group-readable one is accepted with a warning (a deployment may share it with a
-    service group on purpose).
-    """
-    where = os.fspath(path)
-    try:
-        info = os.stat(where)
-        if not stat.S_ISREG(info.st_mode):
-            raise ConfigError(f"secret file {where} is not a regular file")
-        if info.st_mode & stat.S_IROTH:
-            raise ConfigError(
-                f"secret file {where} is readable by every user; run `chmod 600 {where}`"
-            )
-        if info.st_mode & stat.S_IRGRP:
-            log.warning("secret file %s is readable by its group", where)
-        if info.st_size > MAX_SECRET_BYTES + 2:
-            raise ConfigError(f"secret file {where} is larger than {MAX_SECRET_BYTES} bytes")
-        data = Path(where).read_bytes()
-    except OSError as exc:
-        raise ConfigError(f"cannot read secret file {where}: {exc.strerror or exc}") from None
-    return check_secret(data.rstrip(b"\r\n"), where)
-
-
-def check_secret(secret: bytes, where: str = "the secret") -> bytes:
-    if not isinstance(secret, bytes):
-        raise ConfigError("a handshake secret must be bytes")
-    if len(secret) < MIN_SECRET_BYTES:
-        raise ConfigError(
-            f"{where} holds {len(secret)} bytes; a handshake secret needs at least "
-            f"{MIN_SECRET_BYTES} (e.g. `openssl rand -hex 32`)"
-        )
-    if len(secret) > MAX_SECRET_BYTES:
-        raise ConfigError(f"{where} is longer than {MAX_SECRET_BYTES} bytes")
-    return secret
 
 
 @dataclass(frozen=True, repr=False)

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import zmq
 
+from kvwire.config.retry import RetryPolicy
 from kvwire.errors import (
     ConfigError,
     HandshakeAuthError,
@@ -64,24 +65,6 @@ class PayloadReplies:
     best_rtt: float
     attempts: int
     """Requests sent, retries included."""
-
-
-@dataclass(frozen=True)
-class RetryPolicy:
-    """How long to wait for an answer and how to retry a missing one."""
-
-    timeout: float = 5.0
-    retries: int = 2
-    backoff: float = 0.1
-    backoff_max: float = 2.0
-
-    def __post_init__(self) -> None:
-        if self.timeout <= 0 or self.retries < 0 or self.backoff < 0 or self.backoff_max < 0:
-            raise ConfigError(f"invalid handshake retry policy: {self}")
-
-    def delay(self, attempt: int) -> float:
-        """Seconds to wait before retry number ``attempt`` (1-based)."""
-        return float(min(self.backoff_max, self.backoff * (2 ** (attempt - 1))))
 
 
 class HandshakeClient:

@@ -96,7 +96,7 @@ class HandshakeListener:
     ``clock`` must be the clock of the process that stamps lease deadlines: the client
     derives its clock offset to us from it. ``limits`` bound what peers may cost
     (``max_request_bytes``, when given, overrides the one in ``limits``). With ``secret``
-    (see :func:`~kvwire.sidechannel.auth.load_secret`) only clients holding the same secret
+    (see :func:`~kvwire.config.secret.load_secret`) only clients holding the same secret
     get a payload; without it the listener is vLLM's, byte for byte.
     """
 

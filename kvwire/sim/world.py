@@ -23,10 +23,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgspec
 import numpy as np
 import numpy.typing as npt
 
+from kvwire.config import MAX_SECONDS, KVWireConfig
 from kvwire.errors import KVWireError
 from kvwire.machine import (
     Abort,
@@ -41,7 +41,6 @@ from kvwire.machine import (
     FreeReason,
     HandshakeDone,
     HandshakeFailed,
-    MachineConfig,
     NotificationReceived,
     PeerLost,
     PeerMisbehaved,
@@ -487,22 +486,15 @@ class World:
         cluster = engine.cluster
         engine.ranks = []
         for i in range(spec.tp):
-            config = MachineConfig(
-                engine_id=engine.engine_id,
-                tp_rank=i,
-                tp_size=spec.tp,
-                mode=cluster.mode,
-                mla=cluster.mla,
-                lease_s=spec.lease_s,
-                host=spec.name,
-                port=1,
+            config = KVWireConfig(
+                **_sim_settings(engine.engine_id, spec, i, cluster.mode, self.legacy)
             )
-            if self.legacy:
-                config = msgspec.structs.replace(
-                    config, bound_reads_by_lease=False, lease_grace_s=0.0, transfer_timeout_s=1e12
-                )
             machine: ConsumerMachine | ProducerMachine
-            machine = ProducerMachine(config) if spec.role == "P" else ConsumerMachine(config)
+            machine = (
+                ProducerMachine(config)
+                if spec.role == "P"
+                else ConsumerMachine(config, mla=cluster.mla, host=spec.name, port=1)
+            )
             engine.ranks.append(Rank(engine, i, machine, engine.slice_of(i)[1], engine.blocks))
 
     def _crash(self, _: Any) -> None:
@@ -992,3 +984,30 @@ def simulate(
     the producer's lease, no quarantine, no transfer deadline): with ``partition`` it
     shows what the new rule prevents (``stale_done > 0``)."""
     return World(seed, requests, faults, legacy_lease_rule).run()
+
+
+def _sim_settings(
+    engine_id: str, spec: EngineSpec, tp_rank: int, mode: TransferMode, legacy: bool
+) -> dict[str, Any]:
+    """One simulated rank's configuration, never read from the environment. The durations
+    the lease would derive are fixed at the values every recorded run used (5 s expiry
+    margin, 1 s completion margin, 30 s transfer timeout, a 5 s handshake: 4 s x one
+    attempt + 1 s), so the same seed gives the same run whatever the lease."""
+    settings: dict[str, Any] = {
+        "environ": {},
+        "engine_id": engine_id,
+        "tp_rank": tp_rank,
+        "tp_size": spec.tp,
+        "mode": mode,
+        "lease_s": spec.lease_s,
+        "expiry_margin_s": 5.0,
+        "completion_margin_s": 1.0,
+        "transfer_timeout_s": 30.0,
+        "handshake_timeout_s": 4.0,
+        "handshake_retries": 0,
+    }
+    if legacy:  # the old rule: unbounded reads, no quarantine, no transfer deadlines
+        settings.update(
+            bound_reads_by_lease=False, lease_grace_s=0.0, transfer_timeout_s=MAX_SECONDS
+        )
+    return settings

@@ -27,6 +27,12 @@ class TransferMode(str, enum.Enum):
     PULL = "pull"
     PUSH = "push"
 
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
 
 NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
 PositiveInt = Annotated[int, msgspec.Meta(ge=1)]

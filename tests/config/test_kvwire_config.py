@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-from kvwire.config import ENV_VARS, KNOBS, VLLM_EXTRA_CONFIG_KEYS, KVWireConfig
+from kvwire.config import ENV_VARS, KNOBS, VLLM_EXTRA_CONFIG_KEYS, KVWireConfig, RetryPolicy
 from kvwire.errors import ConfigError
-from kvwire.sidechannel import RetryPolicy
+from kvwire.machine import ConsumerMachine, ProducerMachine
 
 # A valid, non-default raw value for every variable, and the typed value it must become.
 SAMPLES: dict[str, tuple[str, Any]] = {
@@ -42,6 +42,8 @@ SAMPLES: dict[str, tuple[str, Any]] = {
     "KVWIRE_POLL_INTERVAL_S": ("0.005", 0.005),
     "KVWIRE_COALESCE": ("false", False),
     "KVWIRE_CHECK_INVARIANTS": ("0", False),
+    "KVWIRE_MAX_PARKED_COMPLETIONS": ("500", 500),
+    "KVWIRE_RELEASE_RETRY_S": ("2", 2.0),
     "KVWIRE_LOG_LEVEL": ("debug", "DEBUG"),
 }
 
@@ -62,6 +64,8 @@ BAD: dict[str, str] = {
     "KVWIRE_HANDSHAKE_BACKOFF_S": "-0.1",
     "KVWIRE_POLL_INTERVAL_S": "1e12",
     "KVWIRE_COALESCE": "2",
+    "KVWIRE_MAX_PARKED_COMPLETIONS": "0",
+    "KVWIRE_RELEASE_RETRY_S": "never",
     "KVWIRE_LOG_LEVEL": "loud",
 }
 
@@ -110,18 +114,20 @@ def test_os_environ_is_read_when_built_directly(monkeypatch: pytest.MonkeyPatch)
     assert config.handshake_budget_s() < 3
 
 
-def test_the_machine_gets_its_sub_structure() -> None:
+def test_the_machines_run_on_the_same_object() -> None:
     env = {var: raw for var, (raw, _) in SAMPLES.items() if raw}
     env["KVWIRE_MODE"] = "pull"
-    machine = cfg(env, tp_rank=1, tp_size=2).machine_config(host="10.1.2.3", port=5601)
-    assert (machine.engine_id, machine.tp_rank, machine.tp_size) == ("prefill-7", 1, 2)
-    assert (machine.host, machine.port) == ("10.1.2.3", 5601)
-    assert (machine.lease_s, machine.heartbeat_interval_s, machine.registration_timeout_s) == (
-        90,
-        2.5,
-        12,
-    )
-    assert machine.engine_idle_ttl_s == 600 and not machine.check_invariants
+    config = cfg(env, tp_rank=1, tp_size=2)
+    consumer = ConsumerMachine(config, host="10.1.2.3", port=5601)
+    producer = ProducerMachine(config)
+    assert consumer.config is config and producer.config is config
+    assert (consumer.host, consumer.port, consumer.mla) == ("10.1.2.3", 5601, False)
+    # What the environment set is what the machine runs on: lease 90 s, heartbeat 2.5 s,
+    # margins 2 s / 0.5 s, grace 10 s, transfer timeout 45 s, a handshake of 1.5 s + 1 s.
+    assert (config.heartbeat_s, config.expiry_margin, config.completion_margin) == (2.5, 2, 0.5)
+    assert (config.lease_grace, config.transfer_timeout) == (10, 45)
+    assert config.handshake_budget_s() == 2.5
+    assert (config.max_parked_completions, config.release_retry_s) == (500, 2.0)
 
 
 def test_the_secret_is_read_from_the_file_the_variable_names(tmp_path: Path) -> None:

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvwire.config import KVWireConfig
 from kvwire.machine import (
     Abort,
     Action,
     AllocationDone,
     ConsumerMachine,
     HandshakeDone,
-    MachineConfig,
     NotificationReceived,
     PostRead,
     PostWrite,
@@ -30,14 +30,30 @@ PULL = TransferMode.PULL
 PUSH = TransferMode.PUSH
 
 
-def consumer(**kw: Any) -> ConsumerMachine:
+MACHINE_DEFAULTS: dict[str, Any] = {
+    "environ": {},
+    "expiry_margin_s": 5.0,
+    "completion_margin_s": 1.0,
+    "transfer_timeout_s": 30.0,
+    "handshake_timeout_s": 4.0,
+    "handshake_retries": 0,
+}
+"""Fixed durations for machine tests (a 5 s handshake budget: 4 s x one attempt + 1 s), so
+a test's numbers do not move with the lease-derived defaults or the environment."""
+
+
+def machine_config(**kw: Any) -> KVWireConfig:
+    return KVWireConfig(**{**MACHINE_DEFAULTS, **kw})
+
+
+def consumer(*, mla: bool = False, host: str = "", port: int = 0, **kw: Any) -> ConsumerMachine:
     kw.setdefault("engine_id", "D")
-    return ConsumerMachine(MachineConfig(**kw))
+    return ConsumerMachine(machine_config(**kw), mla=mla, host=host, port=port)
 
 
 def producer(**kw: Any) -> ProducerMachine:
     kw.setdefault("engine_id", "P")
-    return ProducerMachine(MachineConfig(**kw))
+    return ProducerMachine(machine_config(**kw))
 
 
 def remote(

@@ -3,18 +3,28 @@
 from __future__ import annotations
 
 import pytest
-from machine_helpers import PUSH, consumer, of, one, producer, registration, remote
+from machine_helpers import (
+    PUSH,
+    consumer,
+    machine_config,
+    of,
+    one,
+    producer,
+    registration,
+    remote,
+)
 
+from kvwire.config import KVWireConfig
 from kvwire.errors import ConfigError, LocalProtocolError
 from kvwire.machine import (
     AllocationDone,
+    ConsumerMachine,
     EvictEngine,
     FailReason,
     FreeBlocks,
     FreeReason,
     HandshakeDone,
     HandshakeFailed,
-    MachineConfig,
     NotificationReceived,
     PeerMisbehaved,
     PostRead,
@@ -88,7 +98,7 @@ def test_one_handshake_in_flight_per_engine_and_failures_are_not_cached() -> Non
 
 
 def test_handshake_times_out_and_a_late_answer_is_ignored() -> None:
-    c = consumer(handshake_timeout_s=5.0)
+    c = consumer(handshake_timeout_s=4.0, handshake_retries=0)  # one 4 s attempt + 1 s: 5 s
     attempt = one(c.handle(RequestAdded("d1", remote()), 0.0), StartHandshake).attempt
     c.handle(AllocationDone("d1", ((1,),)), 0.0)
     failed = one(c.handle(Timer(), 5.0), RequestFailed)
@@ -226,10 +236,20 @@ def test_refused_events_change_nothing_and_time_cannot_go_backwards() -> None:
 
 
 def test_config_is_validated() -> None:
+    with pytest.raises(ConfigError, match="engine_id is not set"):
+        consumer(engine_id="")
     with pytest.raises(ConfigError):
-        MachineConfig(engine_id="")
+        machine_config(engine_id="x", tp_size=2, tp_rank=2)
     with pytest.raises(ConfigError):
-        MachineConfig(engine_id="x", tp_size=2, tp_rank=2)
-    with pytest.raises(ConfigError):
-        MachineConfig(engine_id="x", lease_s=0)
-    assert MachineConfig(engine_id="x", lease_s=30).heartbeat_s == 5.0
+        machine_config(engine_id="x", lease_s=0)
+    with pytest.raises(TypeError, match="KVWireConfig"):
+        ConsumerMachine({"engine_id": "x"})  # type: ignore[arg-type]
+    assert machine_config(engine_id="x", lease_s=30).heartbeat_s == 5.0
+
+
+def test_unset_durations_are_derived_from_the_lease_in_one_place() -> None:
+    short = KVWireConfig(environ={}, engine_id="x", lease_s=3.0)
+    assert (short.expiry_margin, short.completion_margin) == (0.5, 0.3)
+    assert (short.transfer_timeout, short.lease_grace) == (30.0, 1.5)
+    long = KVWireConfig(environ={}, engine_id="x", lease_s=120.0, expiry_margin_s=2.0)
+    assert (long.expiry_margin, long.completion_margin, long.transfer_timeout) == (2.0, 1.0, 120.0)

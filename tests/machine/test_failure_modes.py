@@ -6,6 +6,7 @@ from typing import Any
 
 from machine_helpers import consumer, of, one, producer, remote
 
+from kvwire.config import MAX_SECONDS
 from kvwire.machine import (
     Abort,
     AllocationDone,
@@ -88,7 +89,7 @@ def test_mla_notifications_use_the_producer_request_id_and_free_every_producer_r
     assert len(notes) == 1 and notes[0].ranks == ((0, 1),)
     assert notes[0].data == b"prefill-id-9:1"
     for rank, data in ((0, reads[0].notification), (1, notes[0].data)):
-        p = producer(tp_size=2, tp_rank=rank, mla=True)
+        p = producer(tp_size=2, tp_rank=rank)
         p.handle(RequestAdded("prefill-id-9"), 0.0)
         p.handle(PrefillFinished("prefill-id-9", ((1, 2),)), 0.0)
         freed = one(p.handle(NotificationReceived("decode-rank-0", data), 1.0), FreeBlocks)
@@ -290,7 +291,7 @@ def test_a_push_write_past_its_transfer_timeout_is_cancelled() -> None:
 def test_the_old_rule_reports_a_late_read_done() -> None:
     """``bound_reads_by_lease=False`` (kept only to reproduce the old behaviour) reports the
     late READ of the first test as done: what the new rule exists to prevent."""
-    c = consumer(lease_s=30.0, bound_reads_by_lease=False, transfer_timeout_s=1e9)
+    c = consumer(lease_s=30.0, bound_reads_by_lease=False, transfer_timeout_s=MAX_SECONDS)
     attempt = one(c.handle(RequestAdded("d1", remote(expiry=1020.0)), 0.0), StartHandshake)
     c.handle(AllocationDone("d1", ((7, 8),)), 0.5)
     read = one(c.handle(HandshakeDone("P", attempt.attempt, 1, clock_offset=1000.0), 1.0), PostRead)

@@ -21,7 +21,9 @@ from typing import Any
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from machine_helpers import machine_config
 
+from kvwire.config import KVWireConfig
 from kvwire.machine import (
     Abort,
     Action,
@@ -32,7 +34,6 @@ from kvwire.machine import (
     FreeReason,
     HandshakeDone,
     HandshakeFailed,
-    MachineConfig,
     NotificationReceived,
     PeerLost,
     PostRead,
@@ -74,7 +75,7 @@ class _ConsumerSide(RuleBasedStateMachine):
     """What both consumer models share: their clock and the handshake with producer engine
     ``P`` (TP 2), of which at most one may be in flight; the machine times it out after 5 s."""
 
-    def __init__(self, config: MachineConfig) -> None:
+    def __init__(self, config: KVWireConfig) -> None:
         super().__init__()
         self.m = ConsumerMachine(config)
         self.now = 0.0
@@ -117,7 +118,7 @@ class ConsumerModel(_ConsumerSide):
     """A pull consumer (TP 1) reading a producer engine with TP 2: two READs per request."""
 
     def __init__(self) -> None:
-        super().__init__(MachineConfig(engine_id="D", tp_size=1, lease_s=30.0))
+        super().__init__(machine_config(engine_id="D", tp_size=1, lease_s=30.0))
         self.live: set[str] = set()
         self.allocated: set[str] = set()
         self.ended: dict[str, Action] = {}
@@ -296,7 +297,7 @@ class ProducerModel(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.m = ProducerMachine(MachineConfig(engine_id="P", tp_size=1, lease_s=30.0))
+        self.m = ProducerMachine(machine_config(engine_id="P", tp_size=1, lease_s=30.0))
         self.now = 0.0
         self.added: set[str] = set()
         self.holding: dict[str, tuple[int, ...]] = {}
@@ -407,7 +408,7 @@ class PushConsumerModel(_ConsumerSide):
 
     def __init__(self) -> None:
         super().__init__(
-            MachineConfig(engine_id="D", mode=TransferMode.PUSH, registration_timeout_s=self.REG_S)
+            machine_config(engine_id="D", mode=TransferMode.PUSH, registration_timeout_s=self.REG_S)
         )
         self.state: dict[str, str] = {}  # live request -> wait_alloc | wait_peer | await
         self.ended: set[str] = set()

@@ -28,9 +28,9 @@ CORE = (
     "kvwire.wire",
     "kvwire.layout",
     "kvwire.transport",
+    "kvwire.config",
     "kvwire.machine",
     "kvwire.sidechannel",
-    "kvwire.config",
     "kvwire.runtime",
     "kvwire",
 )

@@ -18,14 +18,13 @@ import pytest
 import zmq
 
 from kvwire import cli, encode_handshake_request
-from kvwire.config import KVWireConfig
+from kvwire.config import KVWireConfig, RetryPolicy
+from kvwire.config.secret import load_secret
 from kvwire.errors import ConfigError, HandshakeAuthError
 from kvwire.sidechannel import (
     ERROR_PREFIX,
     HandshakeClient,
     HandshakeListener,
-    RetryPolicy,
-    load_secret,
     refusal_reason,
 )
 from kvwire.sidechannel.auth import CHALLENGE_PREFIX, ClientAuth, encode_hello, encode_proof

@@ -10,12 +10,12 @@ import pytest
 import zmq
 
 from kvwire import decode_clock_reply, encode_handshake_request
+from kvwire.config import RetryPolicy
 from kvwire.errors import HandshakeError, HandshakeTimeoutError, PeerUnreachableError
 from kvwire.sidechannel import (
     HandshakeClient,
     HandshakeListener,
     ListenerLimits,
-    RetryPolicy,
     refusal_reason,
 )
 

@@ -27,13 +27,13 @@ import pytest
 import zmq
 
 from kvwire import encode_handshake_request
+from kvwire.config import RetryPolicy
 from kvwire.errors import HandshakeError
 from kvwire.sidechannel import (
     HandshakeClient,
     HandshakeListener,
     ListenerLimits,
     RateLimit,
-    RetryPolicy,
     refusal_reason,
 )
 

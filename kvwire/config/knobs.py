@@ -1,63 +1,30 @@
-"""kvwire's one configuration: a typed, frozen object filled in documented layers.
+"""Every knob of :class:`~kvwire.config.KVWireConfig` and the layers that fill them.
 
-A serving engine has its own configuration system, an operator has ``KVWIRE_*`` variables
-and maybe a file, and a deployment moving from vLLM has its ``kv_transfer_config``.
-:class:`KVWireConfig` is where they meet, on every path: the runtime
-(:class:`~kvwire.runtime.Producer`, :class:`~kvwire.runtime.Consumer`), the demo and every
-``kvwire`` command build one the same way. Each knob is filled from the first of
-
-1. an explicit argument (a constructor keyword, a command-line flag);
-2. its ``KVWIRE_*`` environment variable;
-3. vLLM's ``kv_transfer_config`` (``kv_transfer_config=``; the connector name gives the
-   mode, ``kv_connector_extra_config`` the knobs it shares with kvwire);
-4. the configuration file (``config_file=`` or ``KVWIRE_CONFIG``: TOML or JSON);
-5. the default,
-
-so ``KVWireConfig(engine_id="p0", compat=factors)`` already honours
-``KVWIRE_HANDSHAKE_TIMEOUT_S``, while a value the code passes is never overridden behind its
-back. Every bad value is a :class:`~kvwire.errors.ConfigError` naming where it came from
-(``KVWIRE_LEASE_S='soon': ...``), and a misspelt key or variable is reported with the
-closest known name, because a knob that silently does nothing costs an operator an hour.
-
-The sans-IO machine gets the plain sub-structure it needs
-(:meth:`KVWireConfig.machine_config`, a :class:`~kvwire.machine.MachineConfig`).
+One table (:data:`KNOBS`) names each field's parser, its ``KVWIRE_*`` variable and its
+meaning; the environment, the configuration file and vLLM's ``kv_transfer_config`` are each
+read into plain ``{field: value}`` dicts by one function, and every value passes through the
+same parser whatever its source, so a bad value is reported the same way from anywhere.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
 import json
 import logging
 import math
 import os
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import tomllib
 
+from kvwire.config.secret import check_secret
 from kvwire.errors import ConfigError
-from kvwire.sidechannel import RetryPolicy, load_secret
-from kvwire.sidechannel.auth import check_secret
 from kvwire.wire.compat import CompatFactors
 from kvwire.wire.schemas import TransferMode
 from kvwire.wire.versions import SUPPORTED_VERSIONS
-
-if TYPE_CHECKING:
-    from kvwire.machine import MachineConfig
-
-__all__ = [
-    "CONFIG_FILE_VAR",
-    "ENV_PREFIX",
-    "ENV_VARS",
-    "KNOBS",
-    "LOG_LEVELS",
-    "VLLM_CONNECTORS",
-    "VLLM_EXTRA_CONFIG_KEYS",
-    "KVWireConfig",
-]
 
 ENV_PREFIX = "KVWIRE_"
 CONFIG_FILE_VAR = "KVWIRE_CONFIG"
@@ -127,6 +94,13 @@ def _size(raw: Any) -> int:
     return value
 
 
+def _capacity(raw: Any) -> int:
+    value = _int(raw)
+    if not 1 <= value <= 100_000_000:
+        raise ValueError("expected an integer from 1 to 100000000")
+    return value
+
+
 def _rank(raw: Any) -> int:
     value = _int(raw)
     if not 0 <= value < 1024:
@@ -173,6 +147,10 @@ def _seconds_or_zero(raw: Any) -> float:
 
 def _optional_seconds(raw: Any) -> float | None:
     return None if raw is None else _seconds(raw)
+
+
+def _optional_seconds_or_zero(raw: Any) -> float | None:
+    return None if raw is None else _seconds_or_zero(raw)
 
 
 _TRUE = ("1", "true", "yes", "on")
@@ -279,13 +257,15 @@ KNOBS: dict[str, Knob] = {
         _seconds, "KVWIRE_ENGINE_IDLE_TTL_S", "forget a peer engine unused this long"
     ),
     "expiry_margin_s": Knob(
-        _optional_seconds, "KVWIRE_EXPIRY_MARGIN_S", "no READ this close to P's lease end"
+        _optional_seconds_or_zero, "KVWIRE_EXPIRY_MARGIN_S", "no READ this close to P's lease end"
     ),
     "completion_margin_s": Knob(
-        _optional_seconds, "KVWIRE_COMPLETION_MARGIN_S", "a READ done this late fails"
+        _optional_seconds_or_zero, "KVWIRE_COMPLETION_MARGIN_S", "a READ done this late fails"
     ),
     "lease_grace_s": Knob(
-        _optional_seconds, "KVWIRE_LEASE_GRACE_S", "P quarantines expired blocks this long"
+        _optional_seconds_or_zero,
+        "KVWIRE_LEASE_GRACE_S",
+        "P quarantines expired blocks this long (0: frees at expiry)",
     ),
     "transfer_timeout_s": Knob(
         _optional_seconds, "KVWIRE_TRANSFER_TIMEOUT_S", "longest a READ/WRITE may run"
@@ -298,6 +278,13 @@ KNOBS: dict[str, Knob] = {
     "poll_interval_s": Knob(_seconds, "KVWIRE_POLL_INTERVAL_S", "longest idle sleep"),
     "coalesce": Knob(_bool, "KVWIRE_COALESCE", "merge adjacent blocks into one descriptor"),
     "check_invariants": Knob(_bool, "KVWIRE_CHECK_INVARIANTS", "the machines' self-checks"),
+    "max_parked_completions": Knob(
+        _capacity, "KVWIRE_MAX_PARKED_COMPLETIONS", "push: early write notifications held"
+    ),
+    "release_retry_s": Knob(
+        _seconds, "KVWIRE_RELEASE_RETRY_S", "retry a failed handle release after this"
+    ),
+    "bound_reads_by_lease": Knob(_bool, None, "end every READ before P's lease (keep on)"),
     "agent_name": Knob(_optional_text, None, "the transport agent's name"),
     "log_level": Knob(_log_level, "KVWIRE_LOG_LEVEL", "DEBUG, INFO, WARNING or ERROR"),
     "tp_rank": Knob(_rank, None, "this rank's tensor-parallel index"),
@@ -369,12 +356,12 @@ VLLM_TRANSFER_CONFIG_IGNORED = frozenset(
 """``kv_transfer_config`` fields vLLM knows that mean nothing to kvwire."""
 
 
-def _suggest(name: str, known: list[str]) -> str:
+def suggest(name: str, known: list[str]) -> str:
     close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
     return f" (did you mean {close[0]}?)" if close else ""
 
 
-def _parsed(source: str, raw: Any, parse: Parser) -> Any:
+def parsed(source: str, raw: Any, parse: Parser) -> Any:
     try:
         return parse(raw)
     except (ValueError, TypeError) as exc:
@@ -394,11 +381,11 @@ def env_layer(environ: Mapping[str, str]) -> dict[str, Any]:
         if name is None:
             if var not in _NOT_KNOBS:
                 _log.warning(
-                    "ignoring unknown environment variable %s%s", var, _suggest(var, list(ENV_VARS))
+                    "ignoring unknown environment variable %s%s", var, suggest(var, list(ENV_VARS))
                 )
             continue
         if raw.strip():
-            values[name] = _parsed(var, raw, KNOBS[name].parse)
+            values[name] = parsed(var, raw, KNOBS[name].parse)
     return values
 
 
@@ -424,9 +411,9 @@ def file_layer(path: str | os.PathLike[str]) -> dict[str, Any]:
             continue
         knob = KNOBS.get(key)
         if knob is None or knob.env is None:  # ranks and objects come from the engine
-            hint = _suggest(key, [k for k, v in KNOBS.items() if v.env is not None])
+            hint = suggest(key, [k for k, v in KNOBS.items() if v.env is not None])
             raise ConfigError(f"config file {text_path}: unknown setting {key!r}{hint}")
-        values[key] = _parsed(f"{text_path}: {key}", raw, knob.parse)
+        values[key] = parsed(f"{text_path}: {key}", raw, knob.parse)
     if "kv_transfer_config" in doc:
         values.update(vllm_layer(doc["kv_transfer_config"]))
     return values
@@ -450,7 +437,7 @@ def vllm_layer(config: Mapping[str, Any] | str) -> dict[str, Any]:
     known = ["kv_connector", "engine_id", "kv_connector_extra_config"]
     for key in config:
         if key not in known and key not in VLLM_TRANSFER_CONFIG_IGNORED:
-            hint = _suggest(key, known + sorted(VLLM_TRANSFER_CONFIG_IGNORED))
+            hint = suggest(key, known + sorted(VLLM_TRANSFER_CONFIG_IGNORED))
             _log.warning("ignoring unknown kv_transfer_config key %r%s", key, hint)
     connector = config.get("kv_connector")
     if connector is not None:
@@ -462,7 +449,7 @@ def vllm_layer(config: Mapping[str, Any] | str) -> dict[str, Any]:
         values["mode"] = VLLM_CONNECTORS[connector]
         values["transport"] = "nixl"
     if config.get("engine_id") is not None:
-        values["engine_id"] = _parsed(
+        values["engine_id"] = parsed(
             "kv_transfer_config['engine_id']", config["engine_id"], _engine_id
         )
     extra = config.get("kv_connector_extra_config") or {}
@@ -473,7 +460,7 @@ def vllm_layer(config: Mapping[str, Any] | str) -> dict[str, Any]:
         entry = VLLM_EXTRA_CONFIG_KEYS.get(key)
         if entry is None:
             if key not in VLLM_EXTRA_CONFIG_IGNORED:
-                hint = _suggest(
+                hint = suggest(
                     key, sorted(VLLM_EXTRA_CONFIG_KEYS) + sorted(VLLM_EXTRA_CONFIG_IGNORED)
                 )
                 _log.warning("ignoring unknown kv_connector_extra_config key %r%s", key, hint)
@@ -481,7 +468,7 @@ def vllm_layer(config: Mapping[str, Any] | str) -> dict[str, Any]:
         if raw is None:
             continue
         name, parse = entry
-        value = _parsed(f"kv_connector_extra_config[{key!r}]", raw, parse)
+        value = parsed(f"kv_connector_extra_config[{key!r}]", raw, parse)
         if name == "transport_options":
             options.update(value)
         elif key == "decoder_kv_blocks_ttl" and "push_registration_timeout" in extra:
@@ -491,208 +478,3 @@ def vllm_layer(config: Mapping[str, Any] | str) -> dict[str, Any]:
     if options:
         values["transport_options"] = options
     return values
-
-
-# -- the object -------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, init=False)
-class KVWireConfig:
-    """Every knob of one rank's transfer runtime and of the ``kvwire`` commands.
-
-    Build it with keywords (the explicit layer); ``environ`` (default ``os.environ``),
-    ``config_file`` (default ``$KVWIRE_CONFIG``) and ``kv_transfer_config`` supply the other
-    layers. Rank facts and the compatibility factors come from the engine.
-    ``dataclasses.replace`` works and keeps every value as it is.
-    """
-
-    engine_id: str = ""
-    tp_rank: int = 0
-    tp_size: int = 1
-    pp_rank: int = 0
-    pp_size: int = 1
-    mode: TransferMode = TransferMode.PULL
-    version: int = 13
-    """Protocol version: 13 (vLLM 0.31), 14 (0.32) or 15 (0.33)."""
-    transport: Any = "shm"
-    """``shm``, ``nixl``, ``ucx``, ``module:factory``, or a created transport object."""
-    transport_options: Mapping[str, Any] = field(default_factory=dict)
-    side_channel_host: str = "127.0.0.1"
-    """Where this engine's handshake listener binds (``0.0.0.0``: every interface)."""
-    side_channel_port: int = 0
-    """The engine's listener port; 0: the runtime starts a listener of its own."""
-    advertise_host: str | None = None
-    """The address put in ``kv_transfer_params`` and registrations; None: the bind host,
-    or for a wildcard bind the host's one routable address (else a ConfigError)."""
-    enforce_compat: bool = True
-    compat: CompatFactors | None = None
-    compat_hash: str | None = None
-    secret_file: str | None = None
-    """A file holding the handshake secret (read and checked when the config is built)."""
-    secret: bytes | None = field(default=None, repr=False)
-    """Shared secret of the authenticated handshake (``kvwire.sidechannel.auth``); never in
-    a repr or a log. None: vLLM's plain handshake."""
-    lease_s: float = 30.0
-    heartbeat_interval_s: float | None = None
-    registration_timeout_s: float = 30.0
-    engine_idle_ttl_s: float = 3600.0
-    expiry_margin_s: float | None = None
-    """A READ is not started this close to the producer's lease end; default
-    ``min(5 s, L/6)`` (vLLM's 5 s, scaled down for short leases)."""
-    completion_margin_s: float | None = None
-    """A READ completion observed this close to (or after) the producer's lease end fails
-    the request instead of finishing it; default ``min(1 s, L/10)``."""
-    lease_grace_s: float | None = None
-    """Producer: how long blocks of an expired lease stay quarantined before they are
-    freed; default L/2."""
-    transfer_timeout_s: float | None = None
-    """Longest a posted READ/WRITE may run before it is cancelled; default ``max(30 s, L)``."""
-    handshake_timeout_s: float = 5.0
-    """Per attempt; a handshake may take ``(retries + 1)`` times this plus backoff."""
-    handshake_retries: int = 2
-    handshake_backoff_s: float = 0.1
-    poll_interval_s: float = 0.02
-    """Longest the background thread sleeps when nothing wakes it (timers, handshakes)."""
-    coalesce: bool = True
-    check_invariants: bool = True
-    agent_name: str | None = None
-    """The transport agent's name; default ``{engine_id}-{role}-pp{p}-tp{t}-{pid}``."""
-    log_level: str = "WARNING"
-
-    def __init__(
-        self,
-        *,
-        environ: Mapping[str, str] | None = None,
-        config_file: str | os.PathLike[str] | None = None,
-        kv_transfer_config: Mapping[str, Any] | str | None = None,
-        **given: Any,
-    ) -> None:
-        env = os.environ if environ is None else environ
-        unknown = sorted(set(given) - set(KNOBS))
-        if unknown:
-            hint = _suggest(unknown[0], list(KNOBS))
-            raise ConfigError(f"unknown configuration field {unknown[0]!r}{hint}")
-        values: dict[str, Any] = {
-            f.name: f.default_factory() if f.default_factory is not dataclasses.MISSING
-            else f.default
-            for f in dataclasses.fields(self)
-        }  # fmt: skip
-        path = config_file if config_file is not None else env.get(CONFIG_FILE_VAR) or None
-        if path is not None:
-            values.update(file_layer(path))
-        if kv_transfer_config is not None:
-            values.update(vllm_layer(kv_transfer_config))
-        values.update(env_layer(env))
-        for name, raw in given.items():
-            values[name] = _parsed(name, raw, KNOBS[name].parse)
-        if values["secret"] is None and values["secret_file"] is not None:
-            values["secret"] = load_secret(values["secret_file"])
-        for name, value in values.items():
-            object.__setattr__(self, name, value)
-        self._validate()
-
-    def _validate(self) -> None:
-        if not 0 <= self.tp_rank < self.tp_size:
-            raise ConfigError(f"tp_rank {self.tp_rank} outside [0, {self.tp_size})")
-        if not 0 <= self.pp_rank < self.pp_size:
-            raise ConfigError(f"pp_rank {self.pp_rank} outside [0, {self.pp_size})")
-        if self.compat is not None and self.compat.transfer_mode != self.mode:
-            raise ConfigError(
-                f"compat factors say transfer_mode {self.compat.transfer_mode!r}, "
-                f"the runtime runs {self.mode!r} (set both, or build the factors "
-                "with transfer_mode=config.mode)"
-            )
-
-    # -- views for the parts ---------------------------------------------------------
-
-    @property
-    def handshake(self) -> RetryPolicy:
-        """The handshake client's retry policy."""
-        return RetryPolicy(
-            timeout=self.handshake_timeout_s,
-            retries=self.handshake_retries,
-            backoff=self.handshake_backoff_s,
-        )
-
-    @property
-    def local_hash(self) -> str | None:
-        """The hash peers must present (None: unchecked)."""
-        if not self.enforce_compat:
-            return None
-        if self.compat_hash is not None:
-            return self.compat_hash
-        return self.compat.hash() if self.compat is not None else None
-
-    @property
-    def advertised_hash(self) -> str:
-        """The hash this rank puts in its own handshake payload."""
-        if self.compat_hash is not None:
-            return self.compat_hash
-        if self.compat is not None:
-            return self.compat.hash()
-        raise ConfigError("a rank that serves handshakes needs compat factors or compat_hash")
-
-    def handshake_budget_s(self) -> float:
-        """Longest a handshake may take with every retry: the machine's own timeout."""
-        policy = self.handshake
-        waits = sum(policy.delay(i) for i in range(1, policy.retries + 1))
-        return policy.timeout * (policy.retries + 1) + waits + 1.0
-
-    def machine_config(self, *, mla: bool = False, host: str = "", port: int = 0) -> MachineConfig:
-        """The sans-IO machine's sub-structure; ``host``/``port`` are what the runtime
-        advertises (its listener's real address)."""
-        from kvwire.machine import MachineConfig
-
-        if not self.engine_id:
-            raise ConfigError("engine_id is not set (pass engine_id=... or set KVWIRE_ENGINE_ID)")
-        return MachineConfig(
-            engine_id=self.engine_id,
-            tp_rank=self.tp_rank,
-            tp_size=self.tp_size,
-            pp_rank=self.pp_rank,
-            pp_size=self.pp_size,
-            mode=self.mode,
-            host=host,
-            port=port,
-            mla=mla,
-            lease_s=self.lease_s,
-            heartbeat_interval_s=self.heartbeat_interval_s,
-            handshake_timeout_s=self.handshake_budget_s(),
-            engine_idle_ttl_s=self.engine_idle_ttl_s,
-            registration_timeout_s=self.registration_timeout_s,
-            check_invariants=self.check_invariants,
-            expiry_margin_s=(
-                min(5.0, self.lease_s / 6) if self.expiry_margin_s is None else self.expiry_margin_s
-            ),
-            completion_margin_s=(
-                min(1.0, self.lease_s / 10)
-                if self.completion_margin_s is None
-                else self.completion_margin_s
-            ),
-            lease_grace_s=self.lease_grace_s,
-            transfer_timeout_s=(
-                max(30.0, self.lease_s)
-                if self.transfer_timeout_s is None
-                else self.transfer_timeout_s
-            ),
-        )
-
-    def transport_kwargs(self) -> dict[str, Any]:
-        """The options to create :attr:`transport` with."""
-        return dict(self.transport_options)
-
-    def as_env(self) -> dict[str, str]:
-        """This configuration as ``KVWIRE_*`` variables (to hand to a worker process);
-        fields without a variable (ranks, factors, the secret's bytes) are left out."""
-        out: dict[str, str] = {}
-        for var, name in ENV_VARS.items():
-            value = getattr(self, name)
-            if value is None or (name == "transport" and not isinstance(value, str)):
-                continue
-            if isinstance(value, bool):
-                out[var] = "1" if value else "0"
-            elif isinstance(value, Mapping):
-                out[var] = json.dumps(dict(value), sort_keys=True)
-            else:
-                out[var] = str(value)
-        return out
