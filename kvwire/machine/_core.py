@@ -3,6 +3,9 @@
 Nothing here reads a clock or touches I/O. Per-event work is O(1) apart from the actions an
 event genuinely causes (one per queued request when a handshake ends, one per due deadline
 when the timer fires).
+
+Why one module of ~690 lines: timers, engines, transfers and the invariant checks are the
+shared half of both machines and call into each other on every event.
 """
 
 from __future__ import annotations

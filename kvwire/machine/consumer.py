@@ -10,6 +10,11 @@ writes yet is parked, bounded in number and age, and counted when the request ge
 
 A request ends in exactly one of ``RequestDone`` / ``RequestFailed``, and only once no
 transfer into its blocks is running; after that the machine forgets it.
+
+Why one module of ~720 lines: a consumer request's life (added, allocated, handshaken,
+read or registered, finished) is one state machine whose handlers hand off to each other;
+splitting it by event would scatter one request's path across files. The transitions
+themselves are in :mod:`kvwire.machine.table`.
 """
 
 from __future__ import annotations
