@@ -110,3 +110,28 @@ def test_it_records_only_when_asked(tmp_path: Path) -> None:
         "test_in_a_class": "passed",
     }
     assert {row["capability"] for row in rows.values()} == {"core"}
+
+
+def test_each_suite_test_declares_its_needs_once_and_each_is_a_capability() -> None:
+    import dataclasses
+
+    from kvwire_conformance import TransportSuite
+    from kvwire_conformance.capabilities import MARKER, MEMORY_KINDS
+
+    from kvwire.transport import Capabilities
+
+    flags = {f.name for f in dataclasses.fields(Capabilities)}
+    tests = [name for name in dir(TransportSuite) if name.startswith("test_")]
+    assert len(tests) >= 31
+    wrong = []
+    for name in tests:
+        marks = [m for m in getattr(getattr(TransportSuite, name), "pytestmark", [])]
+        declared = [m for m in marks if m.name == MARKER]
+        if len(declared) > 1:
+            wrong.append(f"{name}: {len(declared)} capability markers")
+        for mark in declared:
+            for need in mark.args:
+                for op in ("read", "write"):
+                    if str(need).format(op=op) not in flags | set(MEMORY_KINDS):
+                        wrong.append(f"{name}: {need!r}")
+    assert wrong == []
