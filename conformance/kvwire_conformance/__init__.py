@@ -8,8 +8,8 @@ conformance run (:mod:`kvwire_conformance.plugin`). The optional extras a transp
 offer are Protocols in :mod:`kvwire_conformance.extras`.
 
 The suite's names load lazily, so importing the package does not pull in pytest or
-Hypothesis. ``PeerAgent`` and ``PeerAgentError`` are re-exported from :mod:`kvwire.peer`,
-where the peer process machinery lives (``kvwire bench transport`` drives it too).
+Hypothesis. The peer process the suite drives is :mod:`kvwire.peer` (``kvwire bench
+transport`` drives it too).
 """
 
 from __future__ import annotations
@@ -34,8 +34,6 @@ _EXPORTS = {
     "WrapsTransport": "kvwire_conformance.extras",
     "DeclaresAllocators": "kvwire_conformance.extras",
     "DeclaresThresholds": "kvwire_conformance.extras",
-    "PeerAgent": "kvwire.peer.agent",
-    "PeerAgentError": "kvwire.peer.agent",
 }
 
 __all__ = sorted(_EXPORTS)
