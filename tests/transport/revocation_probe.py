@@ -36,7 +36,7 @@ import subprocess
 import sys
 import time
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -54,7 +54,8 @@ GONE = "n/a (P's memory is gone)"
 TCP_ENV = {"UCX_TLS": "tcp,self", "UCX_NET_DEVICES": "lo"}
 """The network path, as between two hosts: a GET is then served by P's UCX worker."""
 SAME_HOST_ENV = {"UCX_NET_DEVICES": "lo"}
-"""UCX's own choice on one host: cross-memory attach (D's process reads P's pages)."""
+"""UCX's own choice on one host, with the adapters' default error handling (peer error
+handling would rule out UCX's shared-memory transports)."""
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
@@ -105,10 +106,12 @@ class _Child:
         self.handle: object = None
         self.peer = ""
         self.protected = False
+        self.n = NBYTES
 
     def handle_cmd(self, cmd: dict[str, Any]) -> Any:
         op = cmd["op"]
         if op == "init":
+            self.n = cmd["nbytes"]
             return self._init(cmd["transport"], cmd["options"], cmd["allocator"], cmd["seed"])
         if op == "add_peer":
             self.peer = self.t.add_peer(bytes.fromhex(cmd["blob"]))
@@ -121,9 +124,11 @@ class _Child:
         if op == "fill":
             if self.protected:  # reuse: P writes into its memory again
                 rw = mmap.PROT_READ | mmap.PROT_WRITE
-                _check(_libc.mprotect(self.addr, NBYTES, rw), "mprotect")
-            _view(self.addr, NBYTES)[:] = _pattern(cmd["seed"], NBYTES)
+                _check(_libc.mprotect(self.addr, self.n, rw), "mprotect")
+            _view(self.addr, self.n)[:] = _pattern(cmd["seed"], self.n)
             return None
+        if op == "ping":  # P's worker has served (or failed) D's READs and is still here
+            return os.getpid()
         if op == "close":
             self.t.close()
             return None
@@ -136,28 +141,28 @@ class _Child:
         if allocator == "shm":
             from kvwire_shm import allocate
 
-            self.array = allocate(NBYTES)
+            self.array = allocate(self.n)
             self.addr = int(self.array.ctypes.data)
         elif allocator == "mmap":
-            self.addr = _raw_mmap(NBYTES, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            self.addr = _raw_mmap(self.n, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         else:
-            self.array = np.zeros(NBYTES, dtype=np.uint8)
+            self.array = np.zeros(self.n, dtype=np.uint8)
             self.addr = int(self.array.ctypes.data)
         if seed:
-            _view(self.addr, NBYTES)[:] = _pattern(seed, NBYTES)
-        self.handle = self.t.register([Region(self.addr, NBYTES)])
+            _view(self.addr, self.n)[:] = _pattern(seed, self.n)
+        self.handle = self.t.register([Region(self.addr, self.n)])
         return {"blob": self.t.local_metadata().hex(), "addr": self.addr, "pid": os.getpid()}
 
     def _read(self, remote: int, wait_s: float) -> dict[str, Any]:
         from kvwire.transport import XferState
 
-        local = _view(self.addr, NBYTES)
+        local = _view(self.addr, self.n)
         local[:] = SENTINEL
-        descs = (np.array([[self.addr, NBYTES, 0]]), np.array([[remote, NBYTES, 0]]))
+        descs = (np.array([[self.addr, self.n, 0]]), np.array([[remote, self.n, 0]]))
         try:
             xfer = self.t.read(self.peer, descs[0].astype(np.int64), descs[1].astype(np.int64))
         except Exception as exc:
-            return {"state": "failed", "why": f"post: {type(exc).__name__}: {exc}"}
+            return {"state": "failed", "why": f"post: {type(exc).__name__}: {exc}", "took": 0.0}
         start = time.monotonic()
         deadline = start + wait_s
         state = self.t.poll(xfer)
@@ -182,20 +187,20 @@ class _Child:
             self.t.remove_peer(self.peer)
         elif method == "unmap":
             self.t.deregister(self.handle)
-            _check(_libc.munmap(self.addr, NBYTES), "munmap")
+            _check(_libc.munmap(self.addr, self.n), "munmap")
         elif method == "punch_hole":
             from kvwire_shm._segments import segment_of
 
-            seg = segment_of(self.addr, NBYTES)
+            seg = segment_of(self.addr, self.n)
             assert seg is not None, "punch_hole needs memory from kvwire_shm.allocate"
             flags = _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE
-            _check(_libc.fallocate(seg.fd, flags, self.addr - seg.base, NBYTES), "fallocate")
+            _check(_libc.fallocate(seg.fd, flags, self.addr - seg.base, self.n), "fallocate")
         elif method == "remap":
             # P's own range gets fresh private pages; a peer's mapping keeps the old ones.
             flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | 0x10  # MAP_FIXED
-            assert _raw_mmap(NBYTES, flags, self.addr) == self.addr
+            assert _raw_mmap(self.n, flags, self.addr) == self.addr
         elif method == "mprotect":
-            _check(_libc.mprotect(self.addr, NBYTES, 0), "mprotect")
+            _check(_libc.mprotect(self.addr, self.n, 0), "mprotect")
             self.protected = True
         else:
             raise ValueError(method)
@@ -244,7 +249,10 @@ class _Proc:
         self.buf = b""
 
     def call(self, **cmd: Any) -> Any:
-        self.chan.sendall(json.dumps(cmd).encode() + b"\n")
+        try:
+            self.chan.sendall(json.dumps(cmd).encode() + b"\n")
+        except OSError:
+            raise _Died(self.death()) from None
         deadline = time.monotonic() + STEP_TIMEOUT_S
         while b"\n" not in self.buf:
             self.chan.settimeout(max(0.01, deadline - time.monotonic()))
@@ -292,11 +300,12 @@ class Case:
     """``tcp`` (UCX's network path, as across hosts), ``same-host`` (UCX's own choice) or,
     for shm, how P's memory is reached: ``mapped`` (memfd) or ``cma`` (process_vm_readv)."""
     method: str
-    options: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
+    nbytes: int = NBYTES
 
     @property
     def label(self) -> str:
-        return f"{self.transport}/{self.path}/{self.method}"
+        size = "" if self.nbytes == NBYTES else f"/{self.nbytes >> 10}KiB"
+        return f"{self.transport}/{self.path}/{self.method}{size}"
 
 
 @dataclass
@@ -335,7 +344,7 @@ def _classify(reply: dict[str, Any], crcs: dict[int, str], verbose: bool) -> str
     if reply["state"] == "pending" and verbose:
         return "pending (" + crcs.get(reply["crc"], "other") + " in D's buffer)"
     if reply["state"] == "failed" and verbose:
-        return f"failed after {reply['took']:.1f} s ({reply['why'].strip()[:80]})"
+        return f"failed after {reply['took']:.1f} s ({reply['why'].strip()[:160]})"
     if reply["state"] != "done":
         return str(reply["state"])
     return "done:" + crcs.get(reply["crc"], "other")
@@ -345,16 +354,19 @@ def run_case(case: Case, wait_s: float = READ_WAIT_S, *, verbose: bool = False) 
     """Run one case in two fresh processes; every outcome, a death included, is a result."""
     env = _env(case)
     p, d = _Proc(env), _Proc(env)
+    n = case.nbytes
     crcs = {
-        zlib.crc32(_pattern(SEED_OLD, NBYTES).tobytes()): "old",
-        zlib.crc32(_pattern(SEED_NEW, NBYTES).tobytes()): "new",
-        zlib.crc32(bytes(NBYTES)): "zeros",
-        zlib.crc32(bytes([SENTINEL]) * NBYTES): "untouched",
+        zlib.crc32(_pattern(SEED_OLD, n).tobytes()): "old",
+        zlib.crc32(_pattern(SEED_NEW, n).tobytes()): "new",
+        zlib.crc32(bytes(n)): "zeros",
+        zlib.crc32(bytes([SENTINEL]) * n): "untouched",
     }
     after_revoke = after_reuse = "not run"
     try:
-        options = {**_PEER_ERRORS[case.transport], **case.options}
-        init = {"op": "init", "transport": case.transport, "options": options}
+        peer_errors = _PEER_ERRORS[case.transport] if case.path == "tcp" else {}
+        init: dict[str, Any] = {"op": "init", "transport": case.transport}
+        init["options"] = peer_errors
+        init["nbytes"] = case.nbytes
         p_info = p.call(**init, allocator=_allocator(case), seed=SEED_OLD)
         d_info = d.call(**init, allocator="numpy", seed=0)
         d.call(op="add_peer", blob=p_info["blob"])
@@ -375,6 +387,7 @@ def run_case(case: Case, wait_s: float = READ_WAIT_S, *, verbose: bool = False) 
         else:
             p.call(op="fill", seed=SEED_NEW)
             after_reuse = read()
+        p.call(op="ping")
         p_state = "alive"
     except _Died:
         deaths = ((name, proc.death()) for name, proc in (("P", p), ("D", d)))
@@ -409,6 +422,8 @@ CASES: list[Case] = [
         for path in ("tcp", "same-host")
         for method in ("deregister", "remove_peer", "unmap")
     ),
+    # A small READ takes UCX's copy path, where P's worker itself copies out of its memory:
+    *(Case(t, "tcp", "unmap", 4 << 10) for t in ("nixl", "ucx")),
 ]
 
 
