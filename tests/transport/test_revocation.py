@@ -37,8 +37,8 @@ EXPECTED: dict[str, tuple[str, str]] = {
     "shm/cma/mprotect": ("failed", "done:new"),
     "shm/cma/unmap": ("failed", GONE),
     # nixl and ucx: deregistering leaves the memory readable; only unmapping it fails a
-    # READ: on one host D's cross-memory attach meets a bad address, over TCP P's worker
-    # does and P dies (below).
+    # READ: on one host P lives, over TCP P's worker copies from the bad address and P
+    # dies (below).
     **{
         f"{transport}/{path}/{method}": outcome
         for transport in ("nixl", "ucx")
