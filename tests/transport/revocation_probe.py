@@ -36,7 +36,9 @@ import subprocess
 import sys
 import time
 import zlib
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -105,6 +107,8 @@ class _Child:
         self.addr = 0
         self.handle: object = None
         self.peer = ""
+        self.xfer: object = None
+        self.start = 0.0
         self.protected = False
         self.n = NBYTES
 
@@ -118,6 +122,12 @@ class _Child:
             return self.peer
         if op == "read":
             return self._read(cmd["remote"], cmd["wait_s"])
+        if op == "post":
+            return self._post(cmd["remote"])
+        if op == "poll":
+            return str(self.t.poll(self.xfer).value.lower())
+        if op == "finish":
+            return self._finish(cmd["wait_s"])
         if op == "revoke":
             self._revoke(cmd["method"])
             return None
@@ -154,31 +164,42 @@ class _Child:
         return {"blob": self.t.local_metadata().hex(), "addr": self.addr, "pid": os.getpid()}
 
     def _read(self, remote: int, wait_s: float) -> dict[str, Any]:
-        from kvwire.transport import XferState
+        posted = self._post(remote)
+        return posted if posted is not None else self._finish(wait_s)
 
+    def _post(self, remote: int) -> dict[str, Any] | None:
+        """Post a READ of P's span into ours (filled with the sentinel); a failure to post
+        is the READ's outcome."""
         local = _view(self.addr, self.n)
         local[:] = SENTINEL
         descs = (np.array([[self.addr, self.n, 0]]), np.array([[remote, self.n, 0]]))
+        self.start = time.monotonic()
         try:
-            xfer = self.t.read(self.peer, descs[0].astype(np.int64), descs[1].astype(np.int64))
+            self.xfer = self.t.read(self.peer, descs[0].astype(np.int64), descs[1].astype(np.int64))
         except Exception as exc:
             return {"state": "failed", "why": f"post: {type(exc).__name__}: {exc}", "took": 0.0}
-        start = time.monotonic()
-        deadline = start + wait_s
-        state = self.t.poll(xfer)
+        return None
+
+    def _finish(self, wait_s: float) -> dict[str, Any]:
+        from kvwire.transport import XferState
+
+        deadline = time.monotonic() + wait_s
+        state = self.t.poll(self.xfer)
         while state is XferState.PENDING and time.monotonic() < deadline:
             self.t.wait(0.05)
-            state = self.t.poll(xfer)
+            state = self.t.poll(self.xfer)
         why = ""
         if state is XferState.FAILED and hasattr(self.t, "failure_reason"):
-            why = str(self.t.failure_reason(xfer))
+            why = str(self.t.failure_reason(self.xfer))
         try:
-            self.t.release(xfer)
+            self.t.release(self.xfer)
         except Exception as exc:
             why += f" (release: {type(exc).__name__})"
-        took = time.monotonic() - start
-        crc = zlib.crc32(local.tobytes())
-        return {"state": state.value.lower(), "why": why, "crc": crc, "took": took}
+        took = time.monotonic() - self.start
+        got = _view(self.addr, self.n)
+        mix = [float((got == _pattern(seed, self.n)).mean()) for seed in (SEED_OLD, SEED_NEW)]
+        reply = {"state": state.value.lower(), "why": why, "took": took, "mix": mix}
+        return {**reply, "crc": zlib.crc32(got.tobytes())}
 
     def _revoke(self, method: str) -> None:
         if method == "deregister":
@@ -235,11 +256,11 @@ class _Child:
 
 
 class _Proc:
-    def __init__(self, env: dict[str, str]) -> None:
+    def __init__(self, env: Mapping[str, str], prefix: Sequence[str] = ()) -> None:
         ours, theirs = socket.socketpair()
         self.chan = ours
         self.proc = subprocess.Popen(
-            [sys.executable, __file__, "--child", str(theirs.fileno())],
+            [*prefix, sys.executable, __file__, "--child", str(theirs.fileno())],
             pass_fds=[theirs.fileno()],
             env={**os.environ, **env},
             stdout=subprocess.DEVNULL,
@@ -347,13 +368,45 @@ def _classify(reply: dict[str, Any], crcs: dict[int, str], verbose: bool) -> str
         return f"failed after {reply['took']:.1f} s ({reply['why'].strip()[:160]})"
     if reply["state"] != "done":
         return str(reply["state"])
-    return "done:" + crcs.get(reply["crc"], "other")
+    what = crcs.get(reply["crc"], "other")
+    if what == "other" and verbose:  # bytes equal to A's, to B's (1/256 agree by chance)
+        old, new = reply["mix"]
+        what += f" ({old:.0%} old, {new:.0%} new)"
+    return "done:" + what
 
 
-def run_case(case: Case, wait_s: float = READ_WAIT_S, *, verbose: bool = False) -> Result:
-    """Run one case in two fresh processes; every outcome, a death included, is a result."""
-    env = _env(case)
-    p, d = _Proc(env), _Proc(env)
+@dataclass(frozen=True)
+class InFlight:
+    """Where the in-flight variant runs: P and D each behind an argv prefix (``ip netns
+    exec``), with their environments, and ``slow(on)`` throttling P's egress so a READ is
+    still running when P acts."""
+
+    p_prefix: Sequence[str]
+    d_prefix: Sequence[str]
+    p_env: Mapping[str, str]
+    d_env: Mapping[str, str]
+    slow: Callable[[bool], None]
+
+
+def run_case(
+    case: Case,
+    wait_s: float = READ_WAIT_S,
+    *,
+    verbose: bool = False,
+    in_flight: InFlight | None = None,
+) -> Result:
+    """Run one case in two fresh processes; every outcome, a death included, is a result.
+
+    With ``in_flight``, "after revocation" is a READ posted before P revokes and reuses
+    (and checked to be still running when P starts), waited for afterwards.
+    """
+    if in_flight is None:
+        env = _env(case)
+        p, d = _Proc(env), _Proc(env)
+    else:
+        p = _Proc(in_flight.p_env, in_flight.p_prefix)
+        d = _Proc(in_flight.d_env, in_flight.d_prefix)
+    slowed = False
     n = case.nbytes
     crcs = {
         zlib.crc32(_pattern(SEED_OLD, n).tobytes()): "old",
@@ -380,13 +433,22 @@ def run_case(case: Case, wait_s: float = READ_WAIT_S, *, verbose: bool = False) 
         baseline = read()
         if baseline != "done:old":
             raise RuntimeError(f"{case.label}: the healthy READ gave {baseline}")
-        p.call(op="revoke", method=case.method)
-        after_revoke = read()
-        if case.method == "unmap":
-            after_reuse = GONE
+        if in_flight is None:
+            p.call(op="revoke", method=case.method)
+            after_revoke = read()
+            if case.method != "unmap":
+                p.call(op="fill", seed=SEED_NEW)
         else:
-            p.call(op="fill", seed=SEED_NEW)
-            after_reuse = read()
+            in_flight.slow(True)
+            slowed = True
+            failed_post = d.call(op="post", remote=p_info["addr"])
+            if failed_post is not None or d.call(op="poll") != "pending":
+                raise RuntimeError(f"{case.label}: the READ was not in flight ({failed_post})")
+            p.call(op="revoke", method=case.method)
+            if case.method != "unmap":
+                p.call(op="fill", seed=SEED_NEW)
+            after_revoke = _classify(d.call(op="finish", wait_s=wait_s), crcs, verbose)
+        after_reuse = GONE if case.method == "unmap" else read()
         p.call(op="ping")
         p_state = "alive"
     except _Died:
@@ -397,6 +459,8 @@ def run_case(case: Case, wait_s: float = READ_WAIT_S, *, verbose: bool = False) 
     except _Stuck as exc:
         p_state = f"stuck in {exc}"
     finally:
+        if slowed and in_flight is not None:
+            in_flight.slow(False)
         for proc in (p, d):
             if proc.proc.poll() is None:
                 try:
@@ -432,17 +496,45 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--child", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--only", help="run the cases whose label contains this")
     parser.add_argument("--why", action="store_true", help="show each failure's reason")
+    parser.add_argument(
+        "--in-flight", action="store_true", help="READs in flight, across two namespaces"
+    )
     parser.add_argument("--wait", type=float, default=READ_WAIT_S, help="seconds per READ")
     args = parser.parse_args(argv)
     if args.child is not None:
         _Child().serve(socket.socket(fileno=args.child))
         return 0
+    if args.in_flight:
+        return _main_in_flight(args.only, args.why)
     print("| case | READ after revocation | READ after reuse | P |")
     print("|---|---|---|---|")
     for case in CASES:
         if args.only and args.only not in case.label:
             continue
         print(run_case(case, args.wait, verbose=args.why).row(), flush=True)
+    return 0
+
+
+def _main_in_flight(only: str | None, verbose: bool) -> int:
+    """The in-flight cases of tests/netns/test_netns_revocation.py (root, iproute2, tc)."""
+    netns = Path(__file__).resolve().parents[1] / "netns"
+    sys.path.insert(0, str(netns))
+    from netns_fixtures import netns_pair_context, unavailable_reason  # type: ignore[import-not-found]
+    from test_netns_revocation import CASES as NETNS_CASES  # type: ignore[import-not-found]
+    from test_netns_revocation import in_flight
+
+    reason = unavailable_reason()
+    if reason is not None:
+        print(f"network namespaces unavailable: {reason}", file=sys.stderr)
+        return 2
+    print("| case | READ in flight while P revokes and reuses | READ after reuse | P |")
+    print("|---|---|---|---|")
+    for case in NETNS_CASES:
+        if only and only not in case.label:
+            continue
+        with netns_pair_context() as pair:
+            result = run_case(case, 30.0, verbose=verbose, in_flight=in_flight(pair))
+        print(result.row(), flush=True)
     return 0
 
 

@@ -1,0 +1,60 @@
+"""A READ already in flight when P revokes and reuses its memory (issue 18), across a link.
+
+The in-flight half of :mod:`revocation_probe` (tests/transport): P in one namespace, D in
+the other, UCX on TCP over the veth with peer error handling, P's egress throttled so a
+4 MiB READ takes about two seconds; D posts the READ, the probe checks it is still running,
+P revokes and writes another pattern over the memory, and D waits for the READ. The
+expectations are the measured table of docs/reliability.md section 2.1.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from netns_fixtures import NetnsPair
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "transport"))
+from revocation_probe import Case, InFlight, run_case
+
+pytestmark = pytest.mark.slow
+
+SLOW_RATE = "16mbit"
+"""4 MiB take about two seconds: P acts well inside the READ."""
+
+CASES = [Case(t, "tcp", m) for t in ("nixl", "ucx") for m in ("deregister", "remove_peer", "unmap")]
+
+EXPECTED: dict[str, tuple[str, str, str]] = {
+    "nixl/tcp/deregister": ("done:other", "done:new", "alive"),
+    "nixl/tcp/remove_peer": ("done:other", "done:new", "alive"),
+    "nixl/tcp/unmap": ("failed", "n/a (P's memory is gone)", "P died: signal SIGSEGV"),
+    "ucx/tcp/deregister": ("done:other", "done:new", "alive"),
+    "ucx/tcp/remove_peer": ("failed", "failed", "alive"),
+    "ucx/tcp/unmap": ("failed", "n/a (P's memory is gone)", "P died: signal SIGSEGV"),
+}
+
+
+def in_flight(pair: NetnsPair) -> InFlight:
+    def slow(on: bool) -> None:
+        ns = pair.a
+        tail = ["tbf", "rate", SLOW_RATE, "burst", "64kb", "latency", "100ms"] if on else []
+        argv = ["tc", "-n", ns.name, "qdisc", "add" if on else "del", "dev", ns.device, "root"]
+        subprocess.run([*argv, *tail], check=True, capture_output=True, timeout=30)
+
+    return InFlight(
+        p_prefix=pair.a.exec_argv([]),
+        d_prefix=pair.b.exec_argv([]),
+        p_env=pair.a.ucx_env(),
+        d_env=pair.b.ucx_env(),
+        slow=slow,
+    )
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda case: case.label)
+def test_a_read_in_flight_when_the_producer_revokes_and_reuses(
+    netns_pair: NetnsPair, case: Case
+) -> None:
+    result = run_case(case, 30.0, in_flight=in_flight(netns_pair))
+    assert (result.after_revoke, result.after_reuse, result.p) == EXPECTED[case.label], result.row()
