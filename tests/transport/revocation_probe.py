@@ -14,12 +14,14 @@ with JSON lines (stdout stays free for what NIXL and UCX print). Per case:
 
 Each READ is reported as ``failed``, ``pending`` (still running after the wait: a hang),
 ``done:old`` (pattern A), ``done:new`` (B: another request's KV), ``done:zeros``,
-``done:untouched`` (D's sentinel: reported done, nothing moved) or ``done:other``; P's death
-(a signal) is reported as ``P died: <signal>``. Only READs posted after the revocation are
-measured here; a READ already in flight needs the cut-link namespace test
-(``tests/netns``) and is not covered.
+``done:untouched`` (D's sentinel: reported done, nothing moved) or ``done:other`` (a mix of
+A and B: ``--why`` shows the fractions); P's death (a signal) is reported as ``P died:
+<signal>``. With ``--in-flight`` (root: two network
+namespaces, tests/netns/test_netns_revocation.py) the READ of step 3 is posted before P
+revokes and reuses, over a throttled link, and waited for afterwards.
 
-Run ``python tests/transport/revocation_probe.py`` for the whole table (about a minute).
+Run ``python tests/transport/revocation_probe.py --why`` for the whole table (about two
+minutes), ``--in-flight --why`` for the in-flight one.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ revoke") was written: the table there is this test's expectations. A case that s
 behave differently (a new UCX or NIXL that invalidates on deregistration, say) fails here,
 and the table and the decision not to build a revocation hook must be revisited.
 
-Only READs posted after the revocation are covered; a READ already in flight is not.
+READs already in flight when P acts: tests/netns/test_netns_revocation.py.
 """
 
 from __future__ import annotations
