@@ -26,11 +26,15 @@ SLOW_RATE = "16mbit"
 
 CASES = [Case(t, "tcp", m) for t in ("nixl", "ucx") for m in ("deregister", "remove_peer", "unmap")]
 
+REUSED = "done with reused bytes"
+"""``done:other`` (a mix: the part already in P's socket buffer is old, 30-43% measured) or
+``done:new``; which depends on the kernel's send buffer, what matters is that it is done."""
+
 EXPECTED: dict[str, tuple[str, str, str]] = {
-    "nixl/tcp/deregister": ("done:other", "done:new", "alive"),
-    "nixl/tcp/remove_peer": ("done:other", "done:new", "alive"),
+    "nixl/tcp/deregister": (REUSED, "done:new", "alive"),
+    "nixl/tcp/remove_peer": (REUSED, "done:new", "alive"),
     "nixl/tcp/unmap": ("failed", "n/a (P's memory is gone)", "P died: signal SIGSEGV"),
-    "ucx/tcp/deregister": ("done:other", "done:new", "alive"),
+    "ucx/tcp/deregister": (REUSED, "done:new", "alive"),
     "ucx/tcp/remove_peer": ("failed", "failed", "alive"),
     "ucx/tcp/unmap": ("failed", "n/a (P's memory is gone)", "P died: signal SIGSEGV"),
 }
@@ -57,4 +61,8 @@ def test_a_read_in_flight_when_the_producer_revokes_and_reuses(
     netns_pair: NetnsPair, case: Case
 ) -> None:
     result = run_case(case, 30.0, in_flight=in_flight(netns_pair))
-    assert (result.after_revoke, result.after_reuse, result.p) == EXPECTED[case.label], result.row()
+    in_flight_read = result.after_revoke
+    if in_flight_read in ("done:other", "done:new"):
+        in_flight_read = REUSED
+    observed = (in_flight_read, result.after_reuse, result.p)
+    assert observed == EXPECTED[case.label], result.row()
