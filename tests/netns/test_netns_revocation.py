@@ -10,13 +10,9 @@ expectations are the measured table of docs/reliability.md section 2.1.
 from __future__ import annotations
 
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 from netns_fixtures import NetnsPair
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "transport"))
 from revocation_probe import Case, InFlight, run_case
 
 pytestmark = pytest.mark.slow

@@ -11,12 +11,7 @@ READs already in flight when P acts: tests/netns/test_netns_revocation.py.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
-
-sys.path.insert(0, str(Path(__file__).parent))
 from revocation_probe import CASES, GONE, Case, run_case
 
 pytestmark = pytest.mark.slow
