@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import importlib
 import json
 import mmap
 import os
@@ -521,21 +522,20 @@ def _main_in_flight(only: str | None, verbose: bool) -> int:
     """The in-flight cases of tests/netns/test_netns_revocation.py (root, iproute2, tc)."""
     netns = Path(__file__).resolve().parents[1] / "netns"
     sys.path.insert(0, str(netns))
-    from netns_fixtures import netns_pair_context, unavailable_reason  # type: ignore[import-not-found]
-    from test_netns_revocation import CASES as NETNS_CASES  # type: ignore[import-not-found]
-    from test_netns_revocation import in_flight
+    fixtures = importlib.import_module("netns_fixtures")
+    netns_test = importlib.import_module("test_netns_revocation")
 
-    reason = unavailable_reason()
+    reason = fixtures.unavailable_reason()
     if reason is not None:
         print(f"network namespaces unavailable: {reason}", file=sys.stderr)
         return 2
     print("| case | READ in flight while P revokes and reuses | READ after reuse | P |")
     print("|---|---|---|---|")
-    for case in NETNS_CASES:
+    for case in netns_test.CASES:
         if only and only not in case.label:
             continue
-        with netns_pair_context() as pair:
-            result = run_case(case, 30.0, verbose=verbose, in_flight=in_flight(pair))
+        with fixtures.netns_pair_context() as pair:
+            result = run_case(case, 30.0, verbose=verbose, in_flight=netns_test.in_flight(pair))
         print(result.row(), flush=True)
     return 0
 
