@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Annotated
+from typing import Annotated, Any, cast
 
 import msgspec
 
@@ -62,9 +62,10 @@ def decode_lease_query(
     data: bytes | bytearray | memoryview, *, max_size: int = MAX_LEASE_QUERY_SIZE
 ) -> LeaseQuery:
     """The query a consumer sent; a wrong tag, shape or id is a ``WireDecodeError``."""
-    tag, pp_rank, tp_rank, ids = decode_struct(
-        data, _QueryWire, max_size=max_size, what="lease query"
+    fields: tuple[bytes, int, int, list[str]] = decode_struct(
+        data, cast(Any, _QueryWire), max_size=max_size, what="lease query"
     )
+    tag, pp_rank, tp_rank, ids = fields
     if tag != LEASE_QUERY_TAG:
         raise WireDecodeError(f"lease query: unknown tag {tag[:32]!r}")
     _check_query(pp_rank, tp_rank, ids)
