@@ -30,6 +30,7 @@ from kvwire.machine.events import (
     Event,
     HandshakeDone,
     HandshakeFailed,
+    LeaseConfirmed,
     NotificationReceived,
     PeerLost,
     PrefillFinished,
@@ -156,6 +157,14 @@ CONSUMER: dict[tuple[ConsumerState, type[Event]], frozenset[ConsumerState]] = {
     (C.DRAINING, TransferFailed): frozenset({C.DRAINING, C.FAILED}),
     (C.DRAINING, ReleaseFailed): frozenset({C.DRAINING}),
     (C.DRAINING, Abort): frozenset({C.DRAINING}),
+    # The answer to our own lease query, which may come in any state (even after the end):
+    # it can only move a live read deadline later, never change the state.
+    (C.ABSENT, LeaseConfirmed): frozenset({C.ABSENT}),
+    (C.WAIT_ALLOC, LeaseConfirmed): frozenset({C.WAIT_ALLOC}),
+    (C.WAIT_PEER, LeaseConfirmed): frozenset({C.WAIT_PEER}),
+    (C.TRANSFERRING, LeaseConfirmed): frozenset({C.TRANSFERRING}),
+    (C.AWAIT_WRITES, LeaseConfirmed): frozenset({C.AWAIT_WRITES}),
+    (C.DRAINING, LeaseConfirmed): frozenset({C.DRAINING}),
 }
 
 P = ProducerState
