@@ -270,9 +270,12 @@ class ConsumerModel(_ConsumerSide):
             self.failed.add(rid)
         self.feed(Abort(rid))
 
-    @rule(rid=st.sampled_from(IDS), left=st.sampled_from([None, -3.0, 2.0, 15.0, 40.0]))
-    def lease_answer(self, rid: str, left: float | None) -> None:
-        """The producer says its lease for ``rid`` runs ``left`` s more (None: not held)."""
+    @precondition(lambda self: self.live or self.ended)
+    @rule(data=st.data(), left=st.sampled_from([None, -3.0, 2.0, 15.0, 40.0]))
+    def lease_answer(self, data: st.DataObject, left: float | None) -> None:
+        """The producer says its lease for a live (or ended) request runs ``left`` s more
+        (None: not held)."""
+        rid = data.draw(st.sampled_from(sorted(self.live | set(self.ended))))
         at = self.now + 0.01
         deadline = None if left is None else at + OFFSET + left
         current = self.read_deadline.get(rid, math.inf)
