@@ -6,8 +6,8 @@ The driver executes actions in list order and reports their outcomes as events:
 ``HandshakeFailed``; ``CancelTransfer``/``ReleaseTransfer`` -> ``TransferDone`` /
 ``TransferFailed`` once the handle is released, ``ReleaseFailed`` if it could not be.
 ``QueryLeases`` -> one ``LeaseConfirmed`` per request it names, or nothing (an unanswered
-query is no evidence). ``SendNotification``, ``FreeBlocks``, ``RequestDone``, ``RequestFailed``, ``EvictEngine``,
-``PeerMisbehaved`` and ``ArmTimer`` need no answer.
+query is no evidence). ``SendNotification``, ``FreeBlocks``, ``RequestDone``,
+``RequestFailed``, ``EvictEngine``, ``PeerMisbehaved`` and ``ArmTimer`` need no answer.
 
 A remote rank is ``(pp_rank, tp_rank)`` of the remote engine.
 """
