@@ -57,12 +57,16 @@ def test_a_rank_without_a_lease_table_refuses_and_the_client_says_so() -> None:
 def test_with_a_secret_the_query_is_neither_served_nor_sent() -> None:
     secret = b"s" * 32
     with _listener(secret=secret) as listener:
-        with HandshakeClient(RetryPolicy(timeout=5.0)) as plain:
-            with pytest.raises(HandshakeError, match="authentication"):
-                plain.query_leases("127.0.0.1", listener.port, (0, 1), ["held"])
-        with HandshakeClient(RetryPolicy(timeout=5.0), secret=secret) as authed:
-            with pytest.raises(HandshakeAuthError):
-                authed.query_leases("127.0.0.1", listener.port, (0, 1), ["held"])
+        with (
+            HandshakeClient(RetryPolicy(timeout=5.0)) as plain,
+            pytest.raises(HandshakeError, match="authentication"),
+        ):
+            plain.query_leases("127.0.0.1", listener.port, (0, 1), ["held"])
+        with (
+            HandshakeClient(RetryPolicy(timeout=5.0), secret=secret) as authed,
+            pytest.raises(HandshakeAuthError),
+        ):
+            authed.query_leases("127.0.0.1", listener.port, (0, 1), ["held"])
         assert listener.stats().leases_answered == 0
 
 
@@ -106,9 +110,11 @@ def test_a_silent_peer_is_a_timeout_after_one_attempt() -> None:
     silent.setsockopt(zmq.LINGER, 0)
     port = silent.bind_to_random_port("tcp://127.0.0.1")
     try:
-        with HandshakeClient(RetryPolicy(timeout=0.05, retries=3)) as client:
-            with pytest.raises(HandshakeTimeoutError, match="no lease answer"):
-                client.query_leases("127.0.0.1", port, (0, 0), ["a"])
+        with (
+            HandshakeClient(RetryPolicy(timeout=0.05, retries=3)) as client,
+            pytest.raises(HandshakeTimeoutError, match="no lease answer"),
+        ):
+            client.query_leases("127.0.0.1", port, (0, 0), ["a"])
     finally:
         silent.close(linger=0)
         ctx.term()
