@@ -59,11 +59,12 @@ from kvwire.machine.events import (
 )
 from kvwire.machine.producer import ProducerMachine, base_request_id
 from kvwire.machine.table import ConsumerState, EngineState, ProducerState, TransferState
-from kvwire.wire.schemas import TransferMode
+from kvwire.wire.schemas import FEATURES, TransferMode
 
 __all__ = [
     "ACTION_TYPES",
     "EVENT_TYPES",
+    "FEATURES",
     "Abort",
     "Action",
     "AllocationDone",

@@ -29,6 +29,7 @@ import numpy.typing as npt
 from kvwire.config import MAX_SECONDS, KVWireConfig
 from kvwire.errors import KVWireError
 from kvwire.machine import (
+    FEATURES,
     Abort,
     Action,
     AllocationDone,
@@ -65,7 +66,6 @@ from kvwire.machine import (
     TransferPosted,
 )
 from kvwire.sim.fault_plan import Faults
-from kvwire.wire.schemas import FEATURES
 
 HEADS = 4
 UNIT = 16
