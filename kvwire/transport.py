@@ -37,7 +37,8 @@ docs/writing-a-transport.md lists each clause with the conformance test that enf
 Descriptors are ``(N, 3)`` ``int64`` numpy arrays of ``(address, length, device_id)``; the
 local and remote arrays of one transfer pair up row by row and must have equal lengths.
 
-Optional extras (not part of the Protocol; used when present): a ``failure_reason(handle)``
+Optional extras (not part of the Protocol; used when present; each declared as a Protocol
+in ``kvwire_conformance.extras``): a ``failure_reason(handle)``
 method saying why a transfer FAILED; a ``resource_counts()`` method counting what the agent
 holds; on the factory or the agent's class, a ``conformance_allocators`` tuple of
 ``"module:function"`` host allocators, which the conformance suite and

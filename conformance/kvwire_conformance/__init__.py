@@ -1,12 +1,15 @@
 """kvwire transport conformance suite.
 
-Subclass :class:`TransportSuite` in an adapter's tests, or run ``kvwire conformance NAME``.
-The pytest plugin (``pytest11`` entry point ``kvwire_conformance.plugin``) adds the
-``--kvwire-transport`` / ``--kvwire-option`` options and the capability report.
+Subclass :class:`TransportSuite` (every mixin) or compose the capability mixins it is made
+of in an adapter's tests, or run ``kvwire conformance NAME``. The pytest plugin
+(``pytest11`` entry point ``kvwire_conformance.plugin``) registers the ``--kvwire-*``
+options and the ``kvwire_capability`` marker; its recording and timeouts act only on a
+conformance run (:mod:`kvwire_conformance.plugin`). The optional extras a transport may
+offer are Protocols in :mod:`kvwire_conformance.extras`.
 
 The suite's names load lazily, so importing the package does not pull in pytest or
-Hypothesis. ``PeerAgent`` and ``PeerAgentError`` are re-exported from :mod:`kvwire.peer`,
-where the peer process machinery lives (``kvwire bench transport`` drives it too).
+Hypothesis. The peer process the suite drives is :mod:`kvwire.peer` (``kvwire bench
+transport`` drives it too).
 """
 
 from __future__ import annotations
@@ -15,12 +18,22 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "CASES": "kvwire_conformance.suite",
-    "Link": "kvwire_conformance.suite",
+    "CASES": "kvwire_conformance.transfers",
+    "Link": "kvwire_conformance.link",
     "TransportSuite": "kvwire_conformance.suite",
-    "capability": "kvwire_conformance.suite",
-    "PeerAgent": "kvwire.peer.agent",
-    "PeerAgentError": "kvwire.peer.agent",
+    "SuiteBase": "kvwire_conformance.base",
+    "TransferTests": "kvwire_conformance.transfers",
+    "NotificationTests": "kvwire_conformance.notifications",
+    "LifecycleTests": "kvwire_conformance.lifecycle",
+    "RegistrationTests": "kvwire_conformance.registration",
+    "FailureTests": "kvwire_conformance.failures",
+    "PathTests": "kvwire_conformance.paths",
+    "capability": "kvwire_conformance.capabilities",
+    "ExplainsFailures": "kvwire_conformance.extras",
+    "CountsResources": "kvwire_conformance.extras",
+    "WrapsTransport": "kvwire_conformance.extras",
+    "DeclaresAllocators": "kvwire_conformance.extras",
+    "DeclaresThresholds": "kvwire_conformance.extras",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -5,8 +5,8 @@ a syscall per batch for the rest, threads from some size on) and bugs hide in th
 plain test never takes. Here each test picks the shape on purpose: rows of zero length,
 transfers spanning several regions of a peer, sizes just below, at and above every
 threshold the adapter documents (``conformance_thresholds``, beside the defaults below),
-peers that registered one kind of memory only, several peers at once, and a peer dying
-while it holds each kind of memory.
+peers that registered one kind of memory only, and several peers at once. The helpers
+that start a single-kind peer (:func:`new_solo`) serve the failure tests too.
 
 Expected memory is mirrored in this process (:class:`Mirror`), so each check compares
 whole local regions and every touched remote span with a guard byte on each side.
@@ -15,12 +15,11 @@ whole local regions and every touched remote span with a guard byte on each side
 from __future__ import annotations
 
 import contextlib
-import functools
 import uuid
 import zlib
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any
 
 import numpy as np
 import pytest
@@ -30,12 +29,11 @@ from kvwire.peer import protocol as p
 from kvwire.peer.agent import PeerAgent
 from kvwire.transport import XferState, load, region_of_array
 from kvwire_conformance import memory
+from kvwire_conformance.base import SuiteBase
+from kvwire_conformance.capabilities import capability
+from kvwire_conformance.extras import declared_thresholds
+from kvwire_conformance.link import Link, assert_bytes
 from kvwire_conformance.memory import I64, U8
-
-if TYPE_CHECKING:
-    from kvwire_conformance.suite import Link
-
-capability = pytest.mark.kvwire_capability
 
 DEFAULT_THRESHOLDS: dict[str, tuple[int, ...]] = {
     "transfer_bytes": (1 << 20,),
@@ -52,30 +50,10 @@ REGION_SIZES = (1 << 20, 3 << 20, 2 << 20)
 """The separately registered regions of each single-kind peer."""
 
 
-def agent_classes_declare(agent: object, attribute: str) -> list[Any]:
-    """An optional class ``attribute`` of the agent and of every agent it wraps (through
-    ``.inner``), outermost first."""
-    out: list[Any] = []
-    seen: set[int] = set()
-    while agent is not None and id(agent) not in seen:
-        seen.add(id(agent))
-        if hasattr(type(agent), attribute):
-            out.append(getattr(type(agent), attribute))
-        agent = getattr(agent, "inner", None)
-    return out
-
-
-def declared(transport: str, agent: object, attribute: str) -> list[Any]:
-    """An optional ``attribute`` of the factory, then of the agent's classes."""
-    factory = load(transport)
-    own = [getattr(factory, attribute)] if hasattr(factory, attribute) else []
-    return own + agent_classes_declare(agent, attribute)
-
-
 def thresholds(transport: str, agent: object) -> dict[str, list[int]]:
     """The defaults merged with every ``conformance_thresholds`` the adapter declares."""
     out = {kind: list(values) for kind, values in DEFAULT_THRESHOLDS.items()}
-    for table in declared(transport, agent, "conformance_thresholds"):
+    for table in declared_thresholds(load(transport), agent):
         for kind, values in dict(table).items():
             if kind not in THRESHOLD_KINDS:
                 raise ValueError(f"conformance_thresholds: unknown kind {kind!r}")
@@ -202,8 +180,6 @@ def settle(rows: Rows, write: bool) -> None:
 def check_local(mirrors: Sequence[Mirror], what: str, rows: Rows | None = None) -> None:
     """Local regions hold what they must: whole, or (``rows``) every span of ``rows`` with
     a guard byte either side."""
-    from kvwire_conformance.suite import assert_bytes
-
     for i, m in enumerate(mirrors):
         got = memory.view(m.addr, m.nbytes)
         if rows is not None:
@@ -225,8 +201,6 @@ def check_local(mirrors: Sequence[Mirror], what: str, rows: Rows | None = None) 
 
 def check_remote(peer: PeerAgent, rows: Rows, what: str) -> None:
     """Every remote span of ``rows`` and one guard byte either side hold what they must."""
-    from kvwire_conformance.suite import assert_bytes
-
     for r, m in enumerate(rows.remote):
         mask = rows.ri == r
         if not mask.any():
@@ -294,13 +268,8 @@ def local_mirror(link: Link, alloc: str, nbytes: int, seed: int) -> tuple[Mirror
     return Mirror(int(array.ctypes.data), nbytes, np.array(array, copy=True), array), handle
 
 
-class PathTests:
-    """Mixed into :class:`~kvwire_conformance.suite.TransportSuite`."""
-
-    timeout: ClassVar[float]
-    require: Any
-    expect_rejected: Any
-    roundtrip: Any
+class PathTests(SuiteBase):
+    """Each test picks a shape of work that sends the adapter down a particular path."""
 
     @pytest.fixture(scope="class")
     @classmethod
@@ -333,14 +302,13 @@ class PathTests:
 
     # -- zero-length rows ----------------------------------------------------------------
 
-    @capability("read")
+    @capability("{op}", "dram")
     @pytest.mark.parametrize("op", ["read", "write"])
     def test_zero_length_rows_move_nothing(
         self, link: Link, solos: dict[str, Solo], op: str
     ) -> None:
         """Contract: a row of length 0 is legal anywhere in registered memory and moves
         nothing; the rows around it move as usual; a transfer of only such rows is DONE."""
-        self.require(link, op, "dram")
         write = op == "write"
         for alloc, solo in solos.items():
             local, remote = solo.local, solo.remote
@@ -362,7 +330,7 @@ class PathTests:
 
     # -- several regions ------------------------------------------------------------------
 
-    @capability("read")
+    @capability("{op}", "dram")
     @pytest.mark.parametrize("op", ["read", "write"])
     def test_one_transfer_spans_several_regions(
         self, link: Link, solos: dict[str, Solo], op: str
@@ -370,7 +338,6 @@ class PathTests:
         """Contract: the rows of one transfer may fall in any of the peer's (and this
         agent's) registered regions, in any order, up to each region's first and last byte.
         The peer registered one kind of memory only: the path a production peer takes."""
-        self.require(link, op, "dram")
         write = op == "write"
         for alloc, solo in solos.items():
             local, remote = solo.local, solo.remote
@@ -414,14 +381,13 @@ class PathTests:
 
     # -- thresholds -----------------------------------------------------------------------
 
-    @capability("read")
+    @capability("{op}", "dram")
     @pytest.mark.parametrize("op", ["read", "write"])
     def test_sizes_on_both_sides_of_each_threshold(
         self, link: Link, solos: dict[str, Solo], op: str
     ) -> None:
         """Contract: every size moves exactly, whichever copy strategy the adapter picks
         for it (its ``conformance_thresholds`` say where strategies change)."""
-        self.require(link, op, "dram")
         write = op == "write"
         cases = threshold_cases(thresholds(link.spec.transport, link.local))
         for alloc, solo in solos.items():
@@ -447,12 +413,11 @@ class PathTests:
 
     # -- several peers --------------------------------------------------------------------
 
-    @capability("notifications")
+    @capability("notifications", "read", "write", "dram")
     def test_several_peers_at_once(self, link: Link, solos: dict[str, Solo]) -> None:
         """Contract: transfers to several peers may run at once; each peer gets its own
         bytes and notifications, and every notification names the agent that sent it,
         whichever agents are connected."""
-        self.require(link, "read", "write", "notifications", "dram")
         if len(solos) < 1:
             pytest.skip("needs host memory")
         tag = uuid.uuid4().hex[:8]
@@ -509,33 +474,6 @@ class PathTests:
             "notifications from several agents were lost or named the wrong sender: "
             f"{sorted(set(got) ^ set(expected))[:3]}"
         )
-
-    # -- peer death, each kind of memory --------------------------------------------------
-
-    @capability("cross_process")
-    def test_a_peer_dying_holding_each_kind_of_memory(self, link: Link) -> None:
-        """Contract: once a peer is dead, transfers to it end FAILED (or raise), whatever
-        memory it held, even memory this agent could still reach (a mapping)."""
-        self.require(link, "read", "write", "dram")
-        lr = next(iter(link.local_regions.values()))
-        for alloc in link.spec.allocators:
-            doomed = new_solo(link, alloc, (1 << 20,), self.timeout)
-            try:
-                region = doomed.remote[0]
-                local = memory.descs(lr.addr, np.array([0]), np.array([65536]))
-                remote = memory.descs(region.addr, np.array([0]), np.array([65536]))
-                handle = link.local.read(doomed.name, local, remote)
-                assert link.wait(handle) is XferState.DONE, f"[{alloc}] a live READ failed"
-                link.local.release(handle)
-                doomed.agent.die()
-                for op in ("read", "write"):
-                    post = functools.partial(getattr(link.local, op), doomed.name, local, remote)
-                    self.expect_rejected(link, post, f"[{alloc}] {op} from a dead peer")
-            finally:
-                doomed.agent.kill()
-                with contextlib.suppress(TransportError):
-                    link.local.remove_peer(doomed.name)
-        self.roundtrip(link, tag="after-deaths")
 
 
 def _only_zero(rows: Rows) -> Rows:

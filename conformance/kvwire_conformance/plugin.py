@@ -1,17 +1,25 @@
-"""pytest plugin of the conformance suite (loaded in every pytest run through ``pytest11``).
+"""pytest plugin of the conformance suite (``pytest11`` entry point, so loaded in every
+pytest run of an environment where kvwire is installed).
 
-It stays inert unless asked: it adds the options that pick a transport for the generic
-suite module, the ``kvwire_capability`` marker, and, with ``--kvwire-report PATH``, a JSON
-record of every test's outcome and capability that ``kvwire conformance`` turns into a table.
+Installed, it only registers: the ``kvwire_capability`` marker and the ``--kvwire-*``
+options. Everything else acts only when asked:
 
-Every suite test runs under pytest-timeout (``--kvwire-timeout``, setup and teardown
-included): an adapter that hangs in ``close()`` or never delivers a notification fails the
-test it hangs in, by name, instead of freezing the run. The startup probe is bounded too.
+* ``--kvwire-report PATH`` registers the recorder (:mod:`kvwire_conformance.report`),
+  which writes each test's outcome and capability as JSON for ``kvwire conformance``;
+  without it nothing is recorded.
+* Tests of a :class:`~kvwire_conformance.base.SuiteBase` subclass (found without importing
+  the suite: a run that never imported it has none) run under pytest-timeout
+  (``--kvwire-timeout``, setup and teardown included), so an adapter that hangs in
+  ``close()`` or never delivers a notification fails the test it hangs in, by name,
+  instead of freezing the run.
+* Collecting the generic module (``kvwire conformance``'s) checks up front that the
+  transport named by ``--kvwire-transport`` starts, within the timeout.
 """
 
 from __future__ import annotations
 
 import json
+import sys
 import threading
 from typing import Any
 
@@ -20,8 +28,8 @@ import pytest
 GENERIC_MODULE = "kvwire_conformance.test_selected_transport"
 DEFAULT_TIMEOUT_S = 120.0
 """Seconds one suite test (setup, call and teardown) may take before it fails as hung."""
-UNCHECKED = "could not check"
-"""How a test's skip reason starts when the host cannot verify a claimed capability."""
+RECORDER = "kvwire-conformance-recorder"
+"""The name the recorder is registered under, when ``--kvwire-report`` asks for it."""
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -60,32 +68,38 @@ def parse_options(pairs: list[str]) -> dict[str, Any]:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
-        "markers", "kvwire_capability(name): the transport capability a conformance test checks"
+        "markers",
+        "kvwire_capability(*needs, group=None): what a conformance test needs of the transport",
     )
-    config._kvwire_outcomes = {}  # type: ignore[attr-defined]
+    path = config.getoption("--kvwire-report")
+    if path:
+        from kvwire_conformance.report import Recorder
+
+        config.pluginmanager.register(Recorder(str(path)), RECORDER)
 
 
 def pytest_collection_modifyitems(
     session: pytest.Session, config: pytest.Config, items: list[pytest.Item]
 ) -> None:
-    generic = [i for i in items if i.path.name == "test_selected_transport.py"]
-    if generic:
+    if any(i.path.name == "test_selected_transport.py" for i in items):
         _check_selected_transport(config)
-    capabilities: dict[str, str] = {}
+    base = _suite_base()
+    if base is None:
+        return
     timeout = float(config.getoption("--kvwire-timeout"))
     for item in items:
-        marker = item.get_closest_marker("kvwire_capability")
-        capabilities[item.nodeid] = str(marker.args[0]) if marker else "core"
-        if _in_suite(item) and item.get_closest_marker("timeout") is None:
+        cls = getattr(item, "cls", None)
+        in_suite = cls is not None and issubclass(cls, base)
+        if in_suite and item.get_closest_marker("timeout") is None:
             item.add_marker(pytest.mark.timeout(timeout, method="signal", func_only=False))
-    config._kvwire_capabilities = capabilities  # type: ignore[attr-defined]
 
 
-def _in_suite(item: pytest.Item) -> bool:
-    from kvwire_conformance.suite import TransportSuite
-
-    cls = getattr(item, "cls", None)
-    return cls is not None and issubclass(cls, TransportSuite)
+def _suite_base() -> type | None:
+    """The suite's base class if this run imported it (every suite test class did), else
+    None: looked up, never imported, so an unrelated project's run pulls nothing in."""
+    module = sys.modules.get("kvwire_conformance.base")
+    base = getattr(module, "SuiteBase", None)
+    return base if isinstance(base, type) else None
 
 
 def _check_selected_transport(config: pytest.Config) -> None:
@@ -128,50 +142,3 @@ def _check_selected_transport(config: pytest.Config) -> None:
             raise pytest.UsageError(f"cannot start transport {name!r} with {options}: {exc}")
         raise exc
     thread.join(timeout)
-
-
-def pytest_runtest_logreport(report: pytest.TestReport) -> None:
-    outcomes: dict[str, dict[str, Any]] = _outcomes
-    entry = outcomes.setdefault(report.nodeid, {"outcome": UNFINISHED, "detail": ""})
-    if report.passed and report.when == "call" and entry["outcome"] == UNFINISHED:
-        entry["outcome"] = "passed"
-    elif report.skipped:
-        entry["outcome"] = "skipped"
-        longrepr = report.longrepr
-        if isinstance(longrepr, tuple) and len(longrepr) == 3:
-            entry["detail"] = str(longrepr[2]).removeprefix("Skipped: ")
-        if entry["detail"].startswith(UNCHECKED):
-            entry["outcome"] = "unchecked"
-    elif report.failed:
-        if entry["outcome"] in ("failed", "error"):
-            return  # a teardown failing after the call failed keeps the first reason
-        entry["outcome"] = "failed" if report.when == "call" else "error"
-        message = str(report.longrepr).strip().splitlines()
-        failures = [line for line in message if line.startswith("E ")]
-        timed_out = [line for line in message if "Timeout" in line and ">" in line]
-        first = (timed_out or failures or message[-1:] or [""])[0]
-        entry["detail"] = first[1:].strip() if first.startswith("E ") else first.strip()
-        if timed_out:
-            entry["detail"] = f"hung in {report.when}: {entry['detail']}"
-
-
-_outcomes: dict[str, dict[str, Any]] = {}
-UNFINISHED = "unfinished"
-"""A test whose call never reported: the run stopped (or died) inside it."""
-
-
-def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    path = session.config.getoption("--kvwire-report")
-    if not path:
-        return
-    capabilities: dict[str, str] = getattr(session.config, "_kvwire_capabilities", {})
-    for entry in _outcomes.values():
-        if entry["outcome"] == UNFINISHED:
-            entry["outcome"] = "error"
-            entry["detail"] = "the test never finished (the run was interrupted inside it)"
-    rows = [
-        {"test": nodeid, "capability": capabilities.get(nodeid, "core"), **entry}
-        for nodeid, entry in _outcomes.items()
-    ]
-    with open(path, "w") as out:
-        json.dump({"exitstatus": int(exitstatus), "tests": rows}, out, indent=1)

@@ -25,6 +25,10 @@ length) segments that depends only on the layouts, the heads each rank holds and
 this producer rank supplies; it is computed once per region shape. Descriptors are the
 broadcast ``base + block * stride + sub * shift + pattern`` over regions x chunks x segments,
 in region-major order (attention regions, then SSM), optionally coalesced.
+
+Why one module of ~640 lines: the pattern, chunk and cluster functions are the steps of
+one vectorised algorithm (:class:`PeerLayout`) and are only meaningful together; the
+descriptor-array operations the adapters share are in :mod:`kvwire.layout.descs`.
 """
 
 from __future__ import annotations

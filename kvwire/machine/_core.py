@@ -3,13 +3,16 @@
 Nothing here reads a clock or touches I/O. Per-event work is O(1) apart from the actions an
 event genuinely causes (one per queued request when a handshake ends, one per due deadline
 when the timer fires).
+
+Why one module of ~700 lines: timers, engines, transfers and the invariant checks are the
+shared half of both machines and call into each other on every event.
 """
 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable
+from typing import Any, ClassVar
 
 from kvwire.config import KVWireConfig
 from kvwire.errors import ConfigError, KVWireError, LocalProtocolError
@@ -32,7 +35,19 @@ from kvwire.machine.events import (
     TransferFailed,
     TransferPosted,
 )
-from kvwire.machine.table import ENGINE, TRANSFER, EngineState, TransferState, successors
+from kvwire.machine.table import (
+    ENGINE,
+    TRANSFER,
+    Cancel,
+    Dial,
+    EngineState,
+    Post,
+    Table,
+    TransferState,
+    Trigger,
+    next_state,
+    successors,
+)
 
 # Timer kinds; an entry is (deadline, seq, kind, subject, token) and is stale (skipped) when
 # the subject is no longer the live object the entry was armed for.
@@ -146,6 +161,7 @@ class Engine:
         "clock_offset",
         "clock_uncertainty",
         "engine_id",
+        "entry",
         "features",
         "hb_armed",
         "hb_ids",
@@ -157,6 +173,7 @@ class Engine:
         "pp_size",
         "refs",
         "state",
+        "step",
         "tp_size",
         "waiting",
     )
@@ -164,6 +181,9 @@ class Engine:
     def __init__(self, engine_id: str, host: str, port: int, tp_size: int, pp_size: int) -> None:
         self.engine_id = engine_id
         self.state = EngineState.ABSENT
+        self.entry = EngineState.ABSENT
+        """The state when the current event (or fired timer) arrived: the table's key."""
+        self.step = -1
         self.attempt = 0
         self.host = host
         self.port = port
@@ -188,14 +208,16 @@ class Engine:
 class Transfer:
     """One READ or WRITE the machine asked for, until its handle is released."""
 
-    __slots__ = ("owner", "posted", "state", "xfer_id")
+    __slots__ = ("entry", "owner", "posted", "state", "step", "xfer_id")
 
     def __init__(self, xfer_id: int, owner: Any, posted: float) -> None:
         self.xfer_id = xfer_id
         self.owner = owner
-        self.state = TransferState.REQUESTED
         self.posted = posted
         """When it was asked for: its deadline is recomputed from it (it may move later)."""
+        self.state = TransferState.ABSENT
+        self.entry = TransferState.ABSENT
+        self.step = -1
 
 
 class MachineCore:
@@ -209,7 +231,7 @@ class MachineCore:
     """
 
     role = "machine"
-    _requests: Mapping[tuple[Any, type[Event]], frozenset[Any]] = {}
+    _requests: ClassVar[Table] = {}
     """The request table of this side (``CONSUMER`` / ``PRODUCER``)."""
     _moving: Any = None
     """The request state in which transfers are being posted (TRANSFERRING / WRITING)."""
@@ -252,6 +274,9 @@ class MachineCore:
         """Events both sides handle here; each machine adds its request events."""
         self._event_type: type[Event] = Timer
         """The type of the event being handled (the table key of what it causes)."""
+        self._step = 0
+        """Counts events and fired timers: a thing's ``entry`` state is the one it had when
+        the current step began."""
         self._ended: set[str] = set()
         """With invariant checks on: every request id that has ended (they never come back)."""
         self._ended_now: set[str] = set()
@@ -272,6 +297,7 @@ class MachineCore:
             raise LocalProtocolError(f"time went backwards: {now} < {self._last_now}")
         self._last_now = now
         self._event_type = type(event)
+        self._step += 1
         heap = self._heap
         before = heap[0][0] if heap else None
         out: list[Action] = []
@@ -308,6 +334,23 @@ class MachineCore:
     def transfers_in_flight(self) -> int:
         return len(self._xfers)
 
+    # ----------------------------------------------------------------- transitions
+
+    def _move(self, thing: Any, table: Table, outcome: str, trigger: Trigger | None = None) -> None:
+        """Assign ``thing`` the state ``table`` names for ``outcome``, keyed by the state it
+        was in when this step (event or fired timer) began and by the step's event type (or
+        an internal ``trigger``). Every state change of every machine comes through here;
+        it runs on every transition, so the lookup is inlined (``next_state`` is the same
+        lookup with its error)."""
+        step = self._step
+        if thing.step != step:
+            thing.step = step
+            thing.entry = thing.state
+        try:
+            thing.state = table[thing.entry, trigger or self._event_type][outcome]
+        except KeyError:
+            next_state(table, thing.entry, trigger or self._event_type, outcome)  # raises
+
     # ----------------------------------------------------------------- timers
 
     def _arm(self, deadline: float, kind: int, subject: Any, token: Any = None) -> None:
@@ -323,6 +366,7 @@ class MachineCore:
         heap = self._heap
         while heap and heap[0][0] <= now:
             _, _, kind, subject, token = heapq.heappop(heap)
+            self._step += 1  # each due timer is its own step: the table keys on its start
             self._fire(kind, subject, token, now, out)
 
     def _fire(self, kind: int, subject: Any, token: Any, now: float, out: list[Action]) -> None:
@@ -341,9 +385,7 @@ class MachineCore:
         elif kind == T_RELEASE:
             xfer: Transfer = subject
             if self._xfers.get(xfer.xfer_id) is xfer and xfer.state is TransferState.RELEASE_FAILED:
-                if self._check:
-                    successors(TRANSFER, xfer.state, Timer, "transfer")
-                xfer.state = TransferState.RELEASING
+                self._move(xfer, TRANSFER, "releasing")
                 out.append(ReleaseTransfer(xfer.xfer_id, xfer.owner.rid))
         elif kind == T_XFER:
             self._transfer_deadline_passed(subject, out)
@@ -370,7 +412,7 @@ class MachineCore:
             return
         self._attempts += 1
         engine.attempt = self._attempts
-        engine.state = EngineState.HANDSHAKING
+        self._move(engine, ENGINE, "handshaking", Dial)
         self.stats.handshakes_started += 1
         out.append(
             StartHandshake(
@@ -408,7 +450,7 @@ class MachineCore:
         engine.clock_offset = event.clock_offset
         engine.clock_uncertainty = event.clock_uncertainty
         engine.features = event.peer_features
-        engine.state = EngineState.READY
+        self._move(engine, ENGINE, "ready")
         engine.last_active = now
         self._engine_ready(engine, event, now, out)
         if engine.state is EngineState.READY and not engine.idle_armed:
@@ -425,7 +467,7 @@ class MachineCore:
         """Failures are not cached: the engine goes back to ABSENT and the next request
         starts a new handshake; everything queued behind this one fails with it."""
         self.stats.handshakes_failed += 1
-        engine.state = EngineState.ABSENT
+        self._move(engine, ENGINE, "absent")
         engine.notes.clear()
         waiting = list(engine.waiting)
         engine.waiting.clear()
@@ -438,7 +480,7 @@ class MachineCore:
             return
         successors(ENGINE, engine.state, PeerLost, "engine")
         if engine.state is EngineState.READY:
-            engine.state = EngineState.ABSENT
+            self._move(engine, ENGINE, "absent")
             engine.hb_armed = False
             engine.idle_armed = False
             self._maybe_forget(engine)
@@ -465,8 +507,7 @@ class MachineCore:
         if now < engine.last_active + ttl:
             self._arm(engine.last_active + ttl, T_IDLE, engine)
             return
-        successors(ENGINE, engine.state, Timer, "engine")
-        engine.state = EngineState.ABSENT
+        self._move(engine, ENGINE, "absent")
         engine.idle_armed = False
         engine.hb_armed = False
         del self._engines[engine.engine_id]
@@ -490,6 +531,7 @@ class MachineCore:
 
     def _new_transfer(self, owner: Any) -> Transfer:
         xfer = Transfer(self._next_xfer, owner, self._last_now)
+        self._move(xfer, TRANSFER, "requested", Post)
         self._next_xfer += 1
         self._xfers[xfer.xfer_id] = xfer
         self.stats.transfers_posted += 1
@@ -565,10 +607,10 @@ class MachineCore:
         successors(self._requests, req.state, etype, f"request {req.rid!r}")
         if etype is TransferPosted:
             if req.state is self._draining:  # it failed while this post was under way
-                xfer.state = TransferState.CANCELLING
+                self._move(xfer, TRANSFER, "cancelling")
                 out.append(CancelTransfer(xfer.xfer_id, req.rid))
                 return
-            xfer.state = TransferState.POSTED
+            self._move(xfer, TRANSFER, "posted")
             if req.next_post < len(req.plan):
                 self._post_next(req, out)
             return
@@ -576,7 +618,7 @@ class MachineCore:
             self._release_failed(xfer, now)
             return
         # Released: the transfer is over either way.
-        xfer.state = TransferState.ENDED
+        self._move(xfer, TRANSFER, "ended")
         del self._xfers[xfer.xfer_id]
         del req.xfers[xfer.xfer_id]
         if etype is TransferFailed:
@@ -601,10 +643,10 @@ class MachineCore:
         until every handle is released (their DMA may still touch its blocks). A transfer
         still being posted is cancelled once its ``TransferPosted`` arrives."""
         req.next_post = len(req.plan)
-        req.state = self._draining
+        self._move(req, self._requests, "draining")
         for xfer in req.xfers.values():
             if xfer.state is TransferState.POSTED:
-                xfer.state = TransferState.CANCELLING
+                self._move(xfer, TRANSFER, "cancelling", Cancel)
                 out.append(CancelTransfer(xfer.xfer_id, req.rid))
 
     def _post_next(self, req: Any, out: list[Action]) -> None:
@@ -627,7 +669,7 @@ class MachineCore:
         """The handle could not be released: DMA may still be running, so the owner keeps
         its blocks; ask again after ``release_retry_s``."""
         self.stats.release_failures += 1
-        xfer.state = TransferState.RELEASE_FAILED
+        self._move(xfer, TRANSFER, "release_failed")
         self._arm(now + self.config.release_retry_s, T_RELEASE, xfer)
 
     def _verify(self, out: list[Action]) -> None:

@@ -10,6 +10,11 @@ writes yet is parked, bounded in number and age, and counted when the request ge
 
 A request ends in exactly one of ``RequestDone`` / ``RequestFailed``, and only once no
 transfer into its blocks is running; after that the machine forgets it.
+
+Why one module of ~820 lines: a consumer request's life (added, allocated, handshaken,
+read or registered, finished) is one state machine whose handlers hand off to each other;
+splitting it by event would scatter one request's path across files. The transitions
+themselves are in :mod:`kvwire.machine.table`.
 """
 
 from __future__ import annotations
@@ -58,6 +63,7 @@ from kvwire.machine.table import (
     ConsumerState,
     EngineState,
     ParkedState,
+    Trigger,
     successors,
 )
 from kvwire.wire.notifications import (
@@ -88,6 +94,7 @@ class _Req:
         "arrival",
         "confirmed",
         "engine",
+        "entry",
         "expected",
         "fail_detail",
         "fail_reason",
@@ -102,6 +109,7 @@ class _Req:
         "rid",
         "senders",
         "state",
+        "step",
         "xfers",
     )
 
@@ -112,7 +120,9 @@ class _Req:
         """Pull: our-clock moment after which the producer may no longer hold the blocks."""
         self.confirmed = -math.inf
         """Pull, before the read starts: the latest lease the producer confirmed (ours)."""
-        self.state = S.WAIT_ALLOC
+        self.state = S.ABSENT
+        self.entry = S.ABSENT
+        self.step = -1
         self.remote = remote
         self.engine = engine
         self.local: BlockIds = ()
@@ -132,11 +142,13 @@ class _Parked:
     """Push write notifications for one request id that is not awaiting writes yet: the
     first world size each distinct sender announced (a repeat is a duplicate)."""
 
-    __slots__ = ("counts", "rid", "state")
+    __slots__ = ("counts", "entry", "rid", "state", "step")
 
     def __init__(self, rid: str) -> None:
         self.rid = rid
-        self.state = ParkedState.PARKED
+        self.state = ParkedState.ABSENT
+        self.entry = ParkedState.ABSENT
+        self.step = -1
         self.counts: dict[str, int] = {}
 
 
@@ -218,6 +230,7 @@ class ConsumerMachine(MachineCore):
             remote.engine_id, remote.host, remote.port, remote.tp_size, remote.pp_size
         )
         req = _Req(rid, remote, engine, now)
+        self._move(req, CONSUMER, "added")
         req.notif = notif
         self._reqs[rid] = req
         engine.refs += 1
@@ -246,7 +259,7 @@ class ConsumerMachine(MachineCore):
         if engine.state is EngineState.READY:
             self._start(req, now, out)
         else:
-            req.state = S.WAIT_PEER
+            self._move(req, CONSUMER, "wait_peer")
             engine.waiting[req.rid] = None
             self._ensure_handshake(engine, now, out)
 
@@ -292,7 +305,7 @@ class ConsumerMachine(MachineCore):
         for rid in waiting:
             req = self._reqs[rid]
             successors(CONSUMER, req.state, HandshakeFailed, f"request {rid!r}")
-            self._fail_now(req, FailReason.HANDSHAKE, why, out)
+            self._fail_now(req, FailReason.HANDSHAKE, why, out, HandshakeFailed)
 
     def _heartbeat(self, engine: Engine, now: float, out: list[Action]) -> None:
         """Keep the producer's leases alive: ``HB:`` with every remote id still wanted."""
@@ -427,7 +440,7 @@ class ConsumerMachine(MachineCore):
             return
         req.plan = plan
         req.next_post = 0
-        req.state = S.TRANSFERRING
+        self._move(req, CONSUMER, "read")
         self._post_next(req, out)
 
     def _read_deadline(self, req: _Req) -> float:
@@ -532,9 +545,9 @@ class ConsumerMachine(MachineCore):
                 engine.engine_id, _ALL_RANKS, self._registration(req, req.local), req.rid
             )
         )
-        req.state = S.AWAIT_WRITES
+        self._move(req, CONSUMER, "register")
         self._arm(now + self.config.registration_timeout_s, T_WATCHDOG, req)
-        entry = self._unpark(req.rid, ParkedState.APPLIED)
+        entry = self._unpark(req.rid, "applied")
         if entry is not None:
             self.stats.completions_parked_applied += len(entry.counts)
             for sender, count in entry.counts.items():
@@ -634,38 +647,28 @@ class ConsumerMachine(MachineCore):
             self.stats.completions_parked_dropped += 1
             return
         if entry is None:
-            self._parked_step(ParkedState.ABSENT, ParkedState.PARKED, rid)
             entry = _Parked(rid)
+            self._move(entry, PARKED, "parked")
             self._parked[rid] = entry
             self._arm(now + self.config.registration_timeout_s, T_PARKED, entry)
-        else:
-            self._parked_step(entry.state, ParkedState.PARKED, rid)
         entry.counts[sender] = count
         self._parked_count += 1
         self.stats.completions_parked += 1
 
-    def _unpark(self, rid: str, outcome: ParkedState) -> _Parked | None:
-        """Take ``rid``'s parked notifications out of the buffer, ending in ``outcome``."""
+    def _unpark(self, rid: str, outcome: str) -> _Parked | None:
+        """Take ``rid``'s parked notifications out of the buffer with ``outcome``
+        (``applied``, ``discarded`` or ``expired``)."""
         entry = self._parked.pop(rid, None)
         if entry is None:
             return None
-        self._parked_step(entry.state, outcome, rid)
-        entry.state = outcome
+        self._move(entry, PARKED, outcome)
         self._parked_count -= len(entry.counts)
         return entry
 
     def _discard_parked(self, rid: str) -> None:
-        entry = self._unpark(rid, ParkedState.DISCARDED)
+        entry = self._unpark(rid, "discarded")
         if entry is not None:
             self.stats.completions_parked_dropped += len(entry.counts)
-
-    def _parked_step(self, state: ParkedState, outcome: ParkedState, rid: str) -> None:
-        """With invariant checks on: the table allows ``outcome`` for the current event."""
-        if self._check and outcome not in PARKED.get((state, self._event_type), ()):
-            raise InvariantViolation(
-                f"parked completions for {rid!r}: {state.value} -> {outcome.value} "
-                f"on {self._event_type.__name__} is not in the table"
-            )
 
     # ----------------------------------------------------------------- timers
 
@@ -680,7 +683,7 @@ class ConsumerMachine(MachineCore):
         elif kind == T_PARKED:
             entry: _Parked = subject
             if self._parked.get(entry.rid) is entry:
-                self._unpark(entry.rid, ParkedState.EXPIRED)
+                self._unpark(entry.rid, "expired")
                 self.stats.completions_parked_expired += len(entry.counts)
 
     # ----------------------------------------------------------------- endings
@@ -724,11 +727,22 @@ class ConsumerMachine(MachineCore):
         self._fail_now(req, FailReason.PROTOCOL, detail, out)
 
     def _finish(self, req: _Req, out: list[Action]) -> None:
+        self._move(req, CONSUMER, "done")
         self._end(req)
         self._terminal_out(req.rid, RequestDone(req.rid), out)
 
-    def _fail_now(self, req: _Req, reason: FailReason, detail: str, out: list[Action]) -> None:
+    def _fail_now(
+        self,
+        req: _Req,
+        reason: FailReason,
+        detail: str,
+        out: list[Action],
+        trigger: Trigger | None = None,
+    ) -> None:
+        """End ``req`` as failed. ``trigger``: what the table knows the cause as, when it is
+        not the event being handled (a handshake that timed out is a ``HandshakeFailed``)."""
         self._release_producer(req, out)
+        self._move(req, CONSUMER, "failed", trigger)
         self._end(req)
         self._terminal_out(req.rid, RequestFailed(req.rid, req.local, reason, detail), out)
 

@@ -50,6 +50,7 @@ from kvwire.machine.table import (
     PRODUCER,
     EngineState,
     ProducerState,
+    Trigger,
     successors,
 )
 from kvwire.wire.notifications import PUSH_REG_PREFIX, decode_notification, encode_completion
@@ -81,6 +82,7 @@ class _Req:
         "blocks",
         "deadline",
         "engine",
+        "entry",
         "fail_reason",
         "local_w",
         "needed",
@@ -92,12 +94,15 @@ class _Req:
         "rid",
         "senders",
         "state",
+        "step",
         "xfers",
     )
 
     def __init__(self, rid: str) -> None:
         self.rid = rid
-        self.state = S.PREFILLING
+        self.state = S.ABSENT
+        self.entry = S.ABSENT
+        self.step = -1
         self.blocks: BlockIds = ()
         self.deadline = 0.0
         self.senders: set[str] = set()
@@ -174,7 +179,9 @@ class ProducerMachine(MachineCore):
             raise LocalProtocolError("a producer request has no remote side yet (remote=None)")
         if self._check and rid in self._ended:
             raise LocalProtocolError(f"request {rid!r} was added twice")
-        self._reqs[rid] = _Req(rid)
+        req = _Req(rid)
+        self._move(req, PRODUCER, "added")
+        self._reqs[rid] = req
 
     def _on_prefill_finished(self, event: PrefillFinished, now: float, out: list[Action]) -> None:
         req = self._req_state(event.request_id, PrefillFinished)
@@ -204,7 +211,7 @@ class ProducerMachine(MachineCore):
             req.deadline = rebase_deadline(event.lease_deadline, event.scheduler_clock, now)
         else:
             req.deadline = now + self.config.lease_s
-        req.state = S.LEASED
+        self._move(req, PRODUCER, "leased")
         self._arm(req.deadline, T_LEASE, req)
         if self.config.mode is TransferMode.PUSH:
             reg = self._take_registration(req.rid)
@@ -221,6 +228,7 @@ class ProducerMachine(MachineCore):
         successors(PRODUCER, req.state, Abort, f"request {req.rid!r}")
         state = req.state
         if state is S.PREFILLING:
+            self._move(req, PRODUCER, "forgotten")
             del self._reqs[req.rid]  # nothing held yet: the engine frees its own blocks
         elif state is S.LEASED or state is S.WAIT_PEER:
             self._free(req, FreeReason.ABORTED, out)
@@ -366,7 +374,7 @@ class ProducerMachine(MachineCore):
         if engine.state is EngineState.READY:
             self._start_writes(req, engine, out)
         else:
-            req.state = S.WAIT_PEER
+            self._move(req, PRODUCER, "wait_peer")
             engine.waiting[req.rid] = None
             self._ensure_handshake(engine, now, out)
 
@@ -409,7 +417,7 @@ class ProducerMachine(MachineCore):
         )
         req.plan = [(0, d) for d in targets]
         req.next_post = 0
-        req.state = S.WRITING
+        self._move(req, PRODUCER, "writing")
         self._post_next(req, out)
 
     def _post_next(self, req: _Req, out: list[Action]) -> None:
@@ -447,7 +455,7 @@ class ProducerMachine(MachineCore):
         for rid in waiting:
             req = self._reqs[rid]
             successors(PRODUCER, req.state, HandshakeFailed, f"request {rid!r}")
-            self._free(req, FreeReason.FAILED, out)
+            self._free(req, FreeReason.FAILED, out, HandshakeFailed)
 
     # ----------------------------------------------------------------- transfers
 
@@ -493,7 +501,7 @@ class ProducerMachine(MachineCore):
                     # A READ stalled on a cut link may still resume: keep the blocks
                     # unchanged a while longer rather than hand them to another prompt.
                     self.stats.leases_quarantined += 1
-                    req.state = S.QUARANTINED
+                    self._move(req, PRODUCER, "quarantined")
                     req.deadline = now + grace
                     self._arm(req.deadline, T_LEASE, req)
                     return
@@ -510,7 +518,11 @@ class ProducerMachine(MachineCore):
 
     # ----------------------------------------------------------------- endings
 
-    def _free(self, req: _Req, reason: FreeReason, out: list[Action]) -> None:
+    def _free(
+        self, req: _Req, reason: FreeReason, out: list[Action], trigger: Trigger | None = None
+    ) -> None:
+        """Give the blocks back. ``trigger``: what the table knows the cause as, when it is
+        not the event being handled (a handshake that timed out is a ``HandshakeFailed``)."""
         rid = req.rid
         if self._check:
             if req.xfers:
@@ -544,7 +556,7 @@ class ProducerMachine(MachineCore):
                     reg_id,
                     token,
                 )
-        req.state = S.FREED
+        self._move(req, PRODUCER, "freed", trigger)
         out.append(FreeBlocks(rid, req.blocks, reason))
 
     def _req_state(self, rid: str, etype: type[Any]) -> _Req:

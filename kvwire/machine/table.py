@@ -1,20 +1,29 @@
-"""Every legal transition of the transfer state machines, in one place.
+"""Every transition of the transfer state machines, in one place: the table decides.
 
 Five tables, one per kind of thing that has a state: a consumer request, a producer request,
 a transfer (a posted READ/WRITE), a remote engine (its handshake), and a parked completion
 (push: a producer's write notification that reached a consumer rank before the request it
-names was awaiting writes). Each maps
-``(state, event type) -> the states the thing may be in afterwards``. The machines look the
-pair up *before* acting: a pair that is missing is an event the state does not accept and
+names was awaiting writes). Each maps ``(state, trigger)`` to the *named outcomes* of that
+trigger in that state and the state each outcome leads to, as h11's ``_state.py`` does for
+HTTP: the handler decides which outcome happened (the read was the last one; the lease ran
+out inside the grace) and names it, and the machine core assigns the state the table gives
+for it (:meth:`~kvwire.machine._core.MachineCore._move`, the only assignment of a state).
+An outcome ``""`` means the thing stays where it is.
+
+A trigger is an event type, or an :class:`Internal` one for a thing moved by another
+thing's event (:class:`Dial`, :class:`Post`, :class:`Cancel`). The key is the state the
+thing was in when the event arrived, so one event may take a thing through several named
+outcomes (a producer's finished prefill: ``leased``, then ``writing`` when a registration
+was waiting), each of which the table lists. Handlers look the pair up *before* acting
+(:func:`successors`): a pair that is missing is an event the state does not accept and
 raises :class:`~kvwire.errors.LocalProtocolError` (the driver broke the protocol), except for
 ``NotificationReceived``, which comes from a peer: a notification a state does not accept is
 the peer's fault, so it is counted and reported as ``PeerMisbehaved``/ignored, never raised.
-The state a transition ends in is checked against the table by ``tests/machine/test_table.py``,
-which drives every pair through the real machines; at run time only a parked completion's
-outcome is checked (with invariant checks on), the lookup that refuses an event runs always.
+``tests/machine/test_table.py`` drives every pair through the real machines, and the state
+diagrams in the docs are drawn from these tables.
 
 ``ABSENT`` stands for "not tracked": never seen, or already terminal. Terminal states
-(``DONE``, ``FAILED``, ``FREED``, ``ENDED``) appear only as successors.
+(``DONE``, ``FAILED``, ``FREED``, ``ENDED``) appear only as outcomes.
 """
 
 from __future__ import annotations
@@ -127,119 +136,176 @@ class EngineState(_State):
     READY = "ready"
 
 
+class Internal:
+    """A trigger that is not an event the driver feeds: a thing moved by another thing's
+    event (an engine dialled because a request needs it, a transfer cancelled because its
+    request drains, a transfer created because its request posts)."""
+
+
+class Dial(Internal):
+    """A request needs this engine: its handshake starts."""
+
+
+class Post(Internal):
+    """The owner posts its next READ/WRITE: a transfer comes into being."""
+
+
+class Cancel(Internal):
+    """The owner drains after its first failure: a posted transfer is cancelled."""
+
+
+Trigger = type[Event] | type[Internal]
+
 C = ConsumerState
-CONSUMER: dict[tuple[ConsumerState, type[Event]], frozenset[ConsumerState]] = {
-    (C.ABSENT, RequestAdded): frozenset({C.WAIT_ALLOC, C.FAILED}),
-    (C.ABSENT, Abort): frozenset({C.ABSENT}),
-    (C.ABSENT, NotificationReceived): frozenset({C.ABSENT}),
-    (C.WAIT_ALLOC, AllocationDone): frozenset(
-        {C.WAIT_PEER, C.TRANSFERRING, C.AWAIT_WRITES, C.DONE, C.FAILED}
-    ),
-    (C.WAIT_ALLOC, Abort): frozenset({C.FAILED}),
-    (C.WAIT_ALLOC, NotificationReceived): frozenset({C.WAIT_ALLOC}),
-    (C.WAIT_PEER, HandshakeDone): frozenset({C.TRANSFERRING, C.AWAIT_WRITES, C.DONE, C.FAILED}),
-    (C.WAIT_PEER, HandshakeFailed): frozenset({C.FAILED}),
-    (C.WAIT_PEER, Abort): frozenset({C.FAILED}),
-    (C.WAIT_PEER, NotificationReceived): frozenset({C.WAIT_PEER}),
-    (C.TRANSFERRING, TransferPosted): frozenset({C.TRANSFERRING}),
+CONSUMER: dict[tuple[ConsumerState, Trigger], dict[str, ConsumerState]] = {
+    # Refused parameters end the request before it is tracked: FAILED, nothing held.
+    (C.ABSENT, RequestAdded): {"added": C.WAIT_ALLOC, "failed": C.FAILED},
+    (C.ABSENT, Abort): {"": C.ABSENT},
+    (C.ABSENT, NotificationReceived): {"": C.ABSENT},
+    (C.WAIT_ALLOC, AllocationDone): {
+        "wait_peer": C.WAIT_PEER,
+        "read": C.TRANSFERRING,
+        "register": C.AWAIT_WRITES,
+        "done": C.DONE,
+        "failed": C.FAILED,
+    },
+    (C.WAIT_ALLOC, Abort): {"failed": C.FAILED},
+    (C.WAIT_ALLOC, NotificationReceived): {"": C.WAIT_ALLOC},
+    (C.WAIT_PEER, HandshakeDone): {
+        "read": C.TRANSFERRING,
+        "register": C.AWAIT_WRITES,
+        "done": C.DONE,
+        "failed": C.FAILED,
+    },
+    (C.WAIT_PEER, HandshakeFailed): {"failed": C.FAILED},
+    (C.WAIT_PEER, Abort): {"failed": C.FAILED},
+    (C.WAIT_PEER, NotificationReceived): {"": C.WAIT_PEER},
+    (C.TRANSFERRING, TransferPosted): {"": C.TRANSFERRING},
     # A completion observed after the read deadline fails the request (late bytes).
-    (C.TRANSFERRING, TransferDone): frozenset({C.TRANSFERRING, C.DONE, C.DRAINING, C.FAILED}),
-    (C.TRANSFERRING, TransferFailed): frozenset({C.DRAINING, C.FAILED}),
-    (C.TRANSFERRING, ReleaseFailed): frozenset({C.TRANSFERRING}),
-    (C.TRANSFERRING, Abort): frozenset({C.DRAINING, C.FAILED}),
+    (C.TRANSFERRING, TransferDone): {
+        "": C.TRANSFERRING,
+        "done": C.DONE,
+        "draining": C.DRAINING,
+        "failed": C.FAILED,
+    },
+    (C.TRANSFERRING, TransferFailed): {"draining": C.DRAINING, "failed": C.FAILED},
+    (C.TRANSFERRING, ReleaseFailed): {"": C.TRANSFERRING},
+    (C.TRANSFERRING, Abort): {"draining": C.DRAINING, "failed": C.FAILED},
     # A READ still running at its deadline (the producer's lease, or the transfer timeout).
-    (C.TRANSFERRING, Timer): frozenset({C.TRANSFERRING, C.DRAINING}),
-    (C.AWAIT_WRITES, NotificationReceived): frozenset({C.AWAIT_WRITES, C.DONE, C.FAILED}),
-    (C.AWAIT_WRITES, Timer): frozenset({C.FAILED}),
-    (C.AWAIT_WRITES, Abort): frozenset({C.FAILED}),
-    (C.DRAINING, TransferPosted): frozenset({C.DRAINING}),
-    (C.DRAINING, TransferDone): frozenset({C.DRAINING, C.FAILED}),
-    (C.DRAINING, TransferFailed): frozenset({C.DRAINING, C.FAILED}),
-    (C.DRAINING, ReleaseFailed): frozenset({C.DRAINING}),
-    (C.DRAINING, Abort): frozenset({C.DRAINING}),
+    (C.TRANSFERRING, Timer): {"": C.TRANSFERRING, "draining": C.DRAINING},
+    (C.AWAIT_WRITES, NotificationReceived): {
+        "": C.AWAIT_WRITES,
+        "done": C.DONE,
+        "failed": C.FAILED,
+    },
+    (C.AWAIT_WRITES, Timer): {"failed": C.FAILED},
+    (C.AWAIT_WRITES, Abort): {"failed": C.FAILED},
+    (C.DRAINING, TransferPosted): {"": C.DRAINING},
+    (C.DRAINING, TransferDone): {"": C.DRAINING, "failed": C.FAILED},
+    (C.DRAINING, TransferFailed): {"": C.DRAINING, "failed": C.FAILED},
+    (C.DRAINING, ReleaseFailed): {"": C.DRAINING},
+    (C.DRAINING, Abort): {"": C.DRAINING},
     # The answer to our own lease query, which may come in any state (even after the end):
     # it can only move a live read deadline later, never change the state.
-    (C.ABSENT, LeaseConfirmed): frozenset({C.ABSENT}),
-    (C.WAIT_ALLOC, LeaseConfirmed): frozenset({C.WAIT_ALLOC}),
-    (C.WAIT_PEER, LeaseConfirmed): frozenset({C.WAIT_PEER}),
-    (C.TRANSFERRING, LeaseConfirmed): frozenset({C.TRANSFERRING}),
-    (C.AWAIT_WRITES, LeaseConfirmed): frozenset({C.AWAIT_WRITES}),
-    (C.DRAINING, LeaseConfirmed): frozenset({C.DRAINING}),
+    (C.ABSENT, LeaseConfirmed): {"": C.ABSENT},
+    (C.WAIT_ALLOC, LeaseConfirmed): {"": C.WAIT_ALLOC},
+    (C.WAIT_PEER, LeaseConfirmed): {"": C.WAIT_PEER},
+    (C.TRANSFERRING, LeaseConfirmed): {"": C.TRANSFERRING},
+    (C.AWAIT_WRITES, LeaseConfirmed): {"": C.AWAIT_WRITES},
+    (C.DRAINING, LeaseConfirmed): {"": C.DRAINING},
 }
 
 P = ProducerState
-PRODUCER: dict[tuple[ProducerState, type[Event]], frozenset[ProducerState]] = {
-    (P.ABSENT, RequestAdded): frozenset({P.PREFILLING}),
-    (P.ABSENT, Abort): frozenset({P.ABSENT}),
-    (P.PREFILLING, PrefillFinished): frozenset({P.LEASED, P.WAIT_PEER, P.WRITING, P.FREED}),
-    (P.PREFILLING, Abort): frozenset({P.ABSENT}),
-    (P.LEASED, NotificationReceived): frozenset({P.LEASED, P.WAIT_PEER, P.WRITING, P.FREED}),
-    (P.LEASED, Timer): frozenset({P.LEASED, P.QUARANTINED, P.FREED}),
-    (P.LEASED, Abort): frozenset({P.FREED}),
-    (P.QUARANTINED, Timer): frozenset({P.QUARANTINED, P.FREED}),
-    (P.QUARANTINED, NotificationReceived): frozenset({P.QUARANTINED, P.FREED}),
-    (P.QUARANTINED, Abort): frozenset({P.QUARANTINED}),
-    (P.WAIT_PEER, HandshakeDone): frozenset({P.WRITING, P.FREED}),
-    (P.WAIT_PEER, HandshakeFailed): frozenset({P.FREED}),
-    (P.WAIT_PEER, Abort): frozenset({P.FREED}),
-    (P.WRITING, TransferPosted): frozenset({P.WRITING}),
-    (P.WRITING, TransferDone): frozenset({P.WRITING, P.FREED}),
-    (P.WRITING, TransferFailed): frozenset({P.DRAINING, P.FREED}),
-    (P.WRITING, ReleaseFailed): frozenset({P.WRITING}),
-    (P.WRITING, Abort): frozenset({P.DRAINING, P.FREED}),
-    (P.WRITING, Timer): frozenset({P.WRITING, P.DRAINING}),
-    (P.DRAINING, TransferPosted): frozenset({P.DRAINING}),
-    (P.DRAINING, TransferDone): frozenset({P.DRAINING, P.FREED}),
-    (P.DRAINING, TransferFailed): frozenset({P.DRAINING, P.FREED}),
-    (P.DRAINING, ReleaseFailed): frozenset({P.DRAINING}),
-    (P.DRAINING, Abort): frozenset({P.DRAINING}),
+PRODUCER: dict[tuple[ProducerState, Trigger], dict[str, ProducerState]] = {
+    (P.ABSENT, RequestAdded): {"added": P.PREFILLING},
+    (P.ABSENT, Abort): {"": P.ABSENT},
+    (P.PREFILLING, PrefillFinished): {
+        "leased": P.LEASED,
+        "wait_peer": P.WAIT_PEER,
+        "writing": P.WRITING,
+        "freed": P.FREED,
+    },
+    # Nothing is held yet: the engine frees its own blocks and the request is forgotten.
+    (P.PREFILLING, Abort): {"forgotten": P.ABSENT},
+    (P.LEASED, NotificationReceived): {
+        "": P.LEASED,
+        "wait_peer": P.WAIT_PEER,
+        "writing": P.WRITING,
+        "freed": P.FREED,
+    },
+    (P.LEASED, Timer): {"": P.LEASED, "quarantined": P.QUARANTINED, "freed": P.FREED},
+    (P.LEASED, Abort): {"freed": P.FREED},
+    (P.QUARANTINED, Timer): {"": P.QUARANTINED, "freed": P.FREED},
+    (P.QUARANTINED, NotificationReceived): {"": P.QUARANTINED, "freed": P.FREED},
+    (P.QUARANTINED, Abort): {"": P.QUARANTINED},
+    (P.WAIT_PEER, HandshakeDone): {"writing": P.WRITING, "freed": P.FREED},
+    (P.WAIT_PEER, HandshakeFailed): {"freed": P.FREED},
+    (P.WAIT_PEER, Abort): {"freed": P.FREED},
+    (P.WRITING, TransferPosted): {"": P.WRITING},
+    (P.WRITING, TransferDone): {"": P.WRITING, "freed": P.FREED},
+    (P.WRITING, TransferFailed): {"draining": P.DRAINING, "freed": P.FREED},
+    (P.WRITING, ReleaseFailed): {"": P.WRITING},
+    (P.WRITING, Abort): {"draining": P.DRAINING, "freed": P.FREED},
+    (P.WRITING, Timer): {"": P.WRITING, "draining": P.DRAINING},
+    (P.DRAINING, TransferPosted): {"": P.DRAINING},
+    (P.DRAINING, TransferDone): {"": P.DRAINING, "freed": P.FREED},
+    (P.DRAINING, TransferFailed): {"": P.DRAINING, "freed": P.FREED},
+    (P.DRAINING, ReleaseFailed): {"": P.DRAINING},
+    (P.DRAINING, Abort): {"": P.DRAINING},
 }
 
 X = TransferState
-TRANSFER: dict[tuple[TransferState, type[Event]], frozenset[TransferState]] = {
-    (X.REQUESTED, TransferPosted): frozenset({X.POSTED, X.CANCELLING}),
-    (X.REQUESTED, TransferFailed): frozenset({X.ENDED}),
+TRANSFER: dict[tuple[TransferState, Trigger], dict[str, TransferState]] = {
+    (X.ABSENT, Post): {"requested": X.REQUESTED},
+    # Cancelled on arrival when its request began draining while it was being posted.
+    (X.REQUESTED, TransferPosted): {"posted": X.POSTED, "cancelling": X.CANCELLING},
+    (X.REQUESTED, TransferFailed): {"ended": X.ENDED},
     # Its deadline passed while being posted: cancelled once TransferPosted comes.
-    (X.REQUESTED, Timer): frozenset({X.REQUESTED}),
-    (X.POSTED, TransferDone): frozenset({X.ENDED}),
-    (X.POSTED, TransferFailed): frozenset({X.ENDED}),
-    (X.POSTED, ReleaseFailed): frozenset({X.RELEASE_FAILED}),
-    (X.POSTED, Timer): frozenset({X.POSTED, X.CANCELLING}),
-    (X.CANCELLING, TransferDone): frozenset({X.ENDED}),
-    (X.CANCELLING, TransferFailed): frozenset({X.ENDED}),
-    (X.CANCELLING, ReleaseFailed): frozenset({X.RELEASE_FAILED}),
-    (X.RELEASE_FAILED, Timer): frozenset({X.RELEASING}),
-    (X.RELEASING, TransferDone): frozenset({X.ENDED}),
-    (X.RELEASING, TransferFailed): frozenset({X.ENDED}),
-    (X.RELEASING, ReleaseFailed): frozenset({X.RELEASE_FAILED}),
+    (X.REQUESTED, Timer): {"": X.REQUESTED},
+    (X.POSTED, TransferDone): {"ended": X.ENDED},
+    (X.POSTED, TransferFailed): {"ended": X.ENDED},
+    (X.POSTED, ReleaseFailed): {"release_failed": X.RELEASE_FAILED},
+    # Its deadline fails the request, whose drain cancels it (``Cancel``).
+    (X.POSTED, Timer): {"": X.POSTED},
+    (X.POSTED, Cancel): {"cancelling": X.CANCELLING},
+    (X.CANCELLING, TransferDone): {"ended": X.ENDED},
+    (X.CANCELLING, TransferFailed): {"ended": X.ENDED},
+    (X.CANCELLING, ReleaseFailed): {"release_failed": X.RELEASE_FAILED},
+    (X.RELEASE_FAILED, Timer): {"releasing": X.RELEASING},
+    (X.RELEASING, TransferDone): {"ended": X.ENDED},
+    (X.RELEASING, TransferFailed): {"ended": X.ENDED},
+    (X.RELEASING, ReleaseFailed): {"release_failed": X.RELEASE_FAILED},
 }
 
 K = ParkedState
-PARKED: dict[tuple[ParkedState, type[Event]], frozenset[ParkedState]] = {
+PARKED: dict[tuple[ParkedState, Trigger], dict[str, ParkedState]] = {
     # Parked, or refused (stays absent) when the buffer is full.
-    (K.ABSENT, NotificationReceived): frozenset({K.PARKED, K.ABSENT}),
-    (K.PARKED, NotificationReceived): frozenset({K.PARKED}),
+    (K.ABSENT, NotificationReceived): {"parked": K.PARKED, "": K.ABSENT},
+    (K.PARKED, NotificationReceived): {"": K.PARKED},
     # The request starts awaiting writes (or ends) while allocating / handshaking.
-    (K.PARKED, AllocationDone): frozenset({K.PARKED, K.APPLIED, K.DISCARDED}),
-    (K.PARKED, HandshakeDone): frozenset({K.PARKED, K.APPLIED, K.DISCARDED}),
-    (K.PARKED, RequestAdded): frozenset({K.PARKED, K.DISCARDED}),
-    (K.PARKED, HandshakeFailed): frozenset({K.PARKED, K.DISCARDED}),
-    (K.PARKED, Abort): frozenset({K.PARKED, K.DISCARDED}),
-    (K.PARKED, Timer): frozenset({K.PARKED, K.EXPIRED, K.DISCARDED}),
+    (K.PARKED, AllocationDone): {"": K.PARKED, "applied": K.APPLIED, "discarded": K.DISCARDED},
+    (K.PARKED, HandshakeDone): {"": K.PARKED, "applied": K.APPLIED, "discarded": K.DISCARDED},
+    (K.PARKED, RequestAdded): {"": K.PARKED, "discarded": K.DISCARDED},
+    (K.PARKED, HandshakeFailed): {"": K.PARKED, "discarded": K.DISCARDED},
+    (K.PARKED, Abort): {"": K.PARKED, "discarded": K.DISCARDED},
+    (K.PARKED, Timer): {"": K.PARKED, "expired": K.EXPIRED, "discarded": K.DISCARDED},
 }
 
 E = EngineState
-ENGINE: dict[tuple[EngineState, type[Event]], frozenset[EngineState]] = {
-    (E.HANDSHAKING, HandshakeDone): frozenset({E.READY, E.ABSENT}),
-    (E.HANDSHAKING, HandshakeFailed): frozenset({E.ABSENT}),
-    (E.HANDSHAKING, Timer): frozenset({E.ABSENT}),
-    (E.HANDSHAKING, PeerLost): frozenset({E.HANDSHAKING}),
-    (E.READY, PeerLost): frozenset({E.ABSENT}),
-    (E.READY, Timer): frozenset({E.READY, E.ABSENT}),
-    (E.ABSENT, PeerLost): frozenset({E.ABSENT}),
+ENGINE: dict[tuple[EngineState, Trigger], dict[str, EngineState]] = {
+    (E.ABSENT, Dial): {"handshaking": E.HANDSHAKING},
+    (E.HANDSHAKING, HandshakeDone): {"ready": E.READY, "absent": E.ABSENT},
+    (E.HANDSHAKING, HandshakeFailed): {"absent": E.ABSENT},
+    (E.HANDSHAKING, Timer): {"absent": E.ABSENT},
+    (E.HANDSHAKING, PeerLost): {"": E.HANDSHAKING},
+    (E.READY, PeerLost): {"absent": E.ABSENT},
+    (E.READY, Timer): {"": E.READY, "absent": E.ABSENT},
+    (E.ABSENT, PeerLost): {"": E.ABSENT},
 }
 
-TABLES: dict[str, Mapping[Any, frozenset[Any]]] = {
+Table = Mapping[tuple[Any, Trigger], Mapping[str, Any]]
+
+TABLES: dict[str, Table] = {
     "consumer": CONSUMER,
     "producer": PRODUCER,
     "transfer": TRANSFER,
@@ -251,15 +317,33 @@ StateT = TypeVar("StateT", bound=enum.Enum)
 
 
 def successors(
-    table: Mapping[tuple[StateT, type[Event]], frozenset[StateT]],
+    table: Mapping[tuple[StateT, Trigger], Mapping[str, StateT]],
     state: StateT,
-    event_type: type[Event],
+    trigger: Trigger,
     what: str,
 ) -> frozenset[StateT]:
-    """The states allowed after ``event_type`` in ``state``, or LocalProtocolError."""
-    allowed = table.get((state, event_type))
-    if allowed is None:
+    """The states a thing may be in after ``trigger`` in ``state``, or LocalProtocolError:
+    the guard every handler runs before acting (a state that does not accept an event)."""
+    outcomes = table.get((state, trigger))
+    if outcomes is None:
         raise LocalProtocolError(
-            f"{what} in state {state.value!r} does not accept {event_type.__name__}"
+            f"{what} in state {state.value!r} does not accept {trigger.__name__}"
         )
-    return allowed
+    return frozenset(outcomes.values())
+
+
+def next_state(
+    table: Mapping[tuple[StateT, Trigger], Mapping[str, StateT]],
+    state: StateT,
+    trigger: Trigger,
+    outcome: str,
+) -> StateT:
+    """The state the table names for ``outcome`` of ``trigger`` in ``state``: the only
+    place a machine learns what state to assign."""
+    try:
+        return table[(state, trigger)][outcome]
+    except KeyError:
+        raise LocalProtocolError(
+            f"no transition {state.value!r} --{trigger.__name__}/{outcome or 'stay'}--> "
+            "in the table"
+        ) from None

@@ -9,6 +9,10 @@ so the machine sees a clock that never runs backwards.
 
 Actions are executed in order; their outcomes become events queued behind the current
 one (never re-entering ``handle``), exactly as :mod:`kvwire.machine.actions` prescribes.
+
+Why one module of ~710 lines: it is the one place the sans-IO machine meets threads,
+sockets and a transport (the executor of every action and the source of every event), so
+its locking can be read in one file.
 """
 
 from __future__ import annotations

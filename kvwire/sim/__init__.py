@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from kvwire.sim.fault_plan import FAULT_NAMES, Faults, parse_faults
-from kvwire.sim.world import SimResult, World, simulate
+from kvwire.sim.model import SimResult
+from kvwire.sim.world import World, simulate
 
 __all__ = ["FAULT_NAMES", "Faults", "SimResult", "World", "parse_faults", "simulate"]

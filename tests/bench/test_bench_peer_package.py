@@ -24,13 +24,3 @@ def test_peer_package_is_not_loaded_by_kvwire_and_needs_no_test_tools() -> None:
     assert [name for name in before if name.startswith("kvwire.peer")] == []
     roots = {name.split(".")[0] for name in after}
     assert roots.isdisjoint({"pytest", "_pytest", "hypothesis", "kvwire_conformance", "torch"})
-
-
-def test_conformance_keeps_the_peer_agent_under_its_old_names() -> None:
-    import kvwire_conformance
-    from kvwire_conformance.agent import PeerAgent, PeerAgentError
-
-    import kvwire.peer
-
-    assert PeerAgent is kvwire.peer.PeerAgent is kvwire_conformance.PeerAgent
-    assert PeerAgentError is kvwire.peer.PeerAgentError

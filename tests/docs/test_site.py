@@ -135,13 +135,16 @@ def test_generated_pages_are_current() -> None:
 
 
 def test_state_diagrams_draw_every_transition_of_the_table() -> None:
-    from kvwire.machine.table import TABLES
+    from kvwire.machine.table import TABLES, Internal
 
     page = (DOCS / "generated" / "state-machines.md").read_text()
     edges = set(re.findall(r"^    (\w+) --> (\w+) : (.+)$", page, re.MULTILINE))
-    drawn = {(src, dst, ev) for src, dst, evs in edges for ev in evs.split(", ")}
+    drawn = {(src, dst, label) for src, dst, labels in edges for label in labels.split(", ")}
     for table in TABLES.values():
-        for (state, event), successors in table.items():
-            for succ in successors:
-                edge = (state.value, succ.value, event.__name__)
+        for (state, trigger), outcomes in table.items():
+            name = trigger.__name__
+            name = name.lower() if issubclass(trigger, Internal) else name
+            for outcome, succ in outcomes.items():
+                label = f"{name} / {outcome}" if outcome else name
+                edge = (state.value, succ.value, label)
                 assert edge in drawn, f"transition {edge} is not drawn"

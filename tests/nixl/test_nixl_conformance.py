@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from typing import ClassVar
 
-from kvwire_conformance.suite import TransportSuite
+from kvwire_conformance import TransportSuite
 
 os.environ.setdefault("UCX_NET_DEVICES", "lo")  # this process's agent; the peer inherits it
 

@@ -9,8 +9,7 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 import pytest
-from kvwire_conformance import TransportSuite
-from kvwire_conformance.suite import Link
+from kvwire_conformance import Link, TransportSuite
 
 
 class TestUcxConformance(TransportSuite):  # type: ignore[misc]

@@ -17,6 +17,10 @@ Design choices, each measured on nixl-cu12 1.5.1 (see docs/transports.md, NIXL s
 
 All calls into the agent hold one lock, so the progress thread and the caller never run
 inside NIXL at the same time (the agent is created without NIXL's own locking).
+
+Why one module of ~800 lines: it is one adapter class over one NIXL agent, whose request
+cache, notification pump and error mapping all act on the same agent state under one
+lock; descriptor preparation lives in ``_descs``.
 """
 
 from __future__ import annotations

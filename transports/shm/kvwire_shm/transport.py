@@ -16,6 +16,10 @@ A transfer's notification is sent after its last byte landed, and ``notify`` goe
 the same queue of jobs, run one after another, so every notification to a peer arrives in
 the order of the calls that produced it. A peer's death is seen through a pidfd and its closed
 socket; transfers touching it end FAILED.
+
+Why one module of ~870 lines: the agent, its registration tables' use, the copy worker and
+the notification channel share one lock and one life cycle; the pure parts (descriptor
+tables, the native copy) already live in their own modules.
 """
 
 from __future__ import annotations

@@ -18,6 +18,10 @@ ever made from inside a callback.
 Every UCS status other than ``UCS_OK``/``UCS_INPROGRESS`` becomes a
 :class:`kvwire.errors.TransportError` (or the subclass the call site names) whose ``status``
 is the UCS name, for example ``"UCS_ERR_UNREACHABLE"``.
+
+Why one module of ~970 lines: it is the whole ctypes binding of the UCP calls the adapter
+uses (structs, constants, function prototypes and their thin wrappers), kept together so
+that every foreign declaration can be checked against ``ucp.h`` in one place.
 """
 
 from __future__ import annotations

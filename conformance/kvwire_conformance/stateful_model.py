@@ -1,4 +1,5 @@
-"""A Hypothesis state machine that drives one agent with random operation sequences.
+"""The Hypothesis stateful model of one agent: a rule-based state machine that drives it
+with random operation sequences (the suite's ``test_random_operation_sequences``).
 
 Each example starts a fresh agent against the suite's peer process and mixes READs,
 WRITEs, polls, early releases, plain notifications and bad posts. Slots keep concurrent
@@ -30,7 +31,7 @@ from kvwire.transport import Transport, XferState, create, region_of_array, wait
 from kvwire_conformance import memory
 
 if TYPE_CHECKING:
-    from kvwire_conformance.suite import Link
+    from kvwire_conformance.link import Link
 
 SLOTS = 32
 SLOT = 64 << 10
