@@ -321,7 +321,11 @@ class ConsumerMachine(MachineCore):
         engine.hb_armed = True
         self._arm(now + self.config.heartbeat_s, T_HEARTBEAT, engine)
         cfg = self.config
-        if LEASE_QUERY in engine.features and cfg.bound_reads_by_lease:
+        if (
+            LEASE_QUERY in engine.features
+            and cfg.bound_reads_by_lease
+            and cfg.mode is TransferMode.PULL
+        ):
             self._query_leases(engine, now, out)
 
     def _query_leases(self, engine: Engine, now: float, out: list[Action]) -> None:

@@ -36,7 +36,7 @@ from kvwire.machine import (
     TransferFailed,
     TransferPosted,
 )
-from kvwire.wire.schemas import LEASE_QUERY, PUSH_RELEASE
+from kvwire.wire.schemas import LEASE_QUERY, PUSH_RELEASE, TransferMode
 
 WITH = frozenset({LEASE_QUERY, PUSH_RELEASE})
 
@@ -211,3 +211,14 @@ def test_only_finite_deadlines_are_events_and_producers_refuse_them() -> None:
             LeaseConfirmed("d1", bad)  # type: ignore[arg-type]
     with pytest.raises(LocalProtocolError):
         producer().handle(LeaseConfirmed("r1", 1.0), 0.0)
+
+
+def test_a_push_consumer_never_asks() -> None:
+    """Push: the producer writes and D holds no read deadline, so there is nothing to
+    extend, even if the params carried an expiry."""
+    c = consumer(lease_s=30.0, mode=TransferMode.PUSH)
+    attempt = one(c.handle(RequestAdded("d1", remote(expiry=1020.0)), 0.0), StartHandshake)
+    c.handle(AllocationDone("d1", ((7, 8),)), 0.5)
+    done = HandshakeDone("P", attempt.attempt, 1, clock_offset=1000.0, peer_features=WITH)
+    acts = c.handle(done, 1.0)
+    assert of(acts + _run_timers(c, 25.0), QueryLeases) == []
