@@ -303,12 +303,19 @@ def test_no_stale_kv_reported_done_over_cut_links_with_default_ucx_timeouts(
     assert wrong_done == 0
     assert p_end["errors"] == [] and d_end["errors"] == [], (p_end, d_end)
     assert d_end["live"] == 0 and d_end["in_flight"] == 0, d_end  # D's pool is whole
-    assert p_end["stats"]["leases_quarantined"] == CYCLES * PER_CYCLE, p_end["stats"]
+    # Every cut request was quarantined (each was freed "expired" above). A prompt sent
+    # while the restored link recovers may be too: P may confirm a lease its heartbeats
+    # extended (lease-query, over the side channel) that then runs out when later
+    # heartbeats are held up on the recovering transport, so D reads on and fails it at that
+    # deadline (never done: it is P's) and its completion reaches P only in the grace.
+    assert p_end["stats"]["leases_quarantined"] >= CYCLES * PER_CYCLE, p_end["stats"]
     print(
         f"{transport}: {CYCLES} cycles, {CYCLES * PER_CYCLE} cut READs failed "
         f"({reasons}) {min(fail_after):.2f}-{max(fail_after):.2f} s after their post; "
         f"P freed them {min(freed_after):.2f}-{max(freed_after):.2f} s after the cut; "
         f"{intact} of {CYCLES * PER_CYCLE} reused prompts served intact after the restore; "
         f"0 wrong bytes done; D stats reads_late={d_end['stats']['reads_late']} "
-        f"timed_out={d_end['stats']['transfers_timed_out']}"
+        f"timed_out={d_end['stats']['transfers_timed_out']} "
+        f"deadlines_extended={d_end['stats']['read_deadlines_extended']}; "
+        f"P quarantined={p_end['stats']['leases_quarantined']}"
     )
