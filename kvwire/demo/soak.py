@@ -21,7 +21,7 @@ from typing import Any, TextIO
 
 from kvwire.demo.engines import DecodeEngine, EngineOptions, PrefillEngine, RequestResult
 from kvwire.demo.run import DemoOptions
-from kvwire.demo.summary import GIB
+from kvwire.demo.summary import GIB, counted, render
 from kvwire.errors import ConfigError
 
 KILLED = "killed"
@@ -125,9 +125,7 @@ class SoakSummary:
         }
 
     def table(self) -> str:
-        failures = ", ".join(f"{k} {v}" for k, v in sorted(self.failures.items())) or "none"
-        faults = ", ".join(f"{k} {v}" for k, v in sorted(self.faults.items())) or "none"
-        freed = ", ".join(f"{k} {v}" for k, v in sorted(self.freed_reasons.items())) or "none"
+        failures, faults, freed = map(counted, (self.failures, self.faults, self.freed_reasons))
         rows = [
             ("requests", f"{self.requests} ({self.done} done, {self.failed} failed)"),
             ("failures", failures),
@@ -147,8 +145,7 @@ class SoakSummary:
             f"kvwire soak: {self.seconds:g} s, {self.mode} over {self.transport}, "
             f"P TP={self.p_tp} -> D TP={self.d_tp}, chaos {'on' if self.chaos else 'off'}"
         )
-        width = max(len(k) for k, _ in rows)
-        return "\n".join([head, *(f"  {k:<{width}}  {v}" for k, v in rows)]) + "\n"
+        return render(head, rows)
 
 
 class ChaosDecodeEngine(DecodeEngine):

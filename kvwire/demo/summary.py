@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
@@ -16,6 +17,17 @@ def percentile(values: list[float], q: float) -> float | None:
     ordered = sorted(values)
     rank = max(1, min(len(ordered), round(q / 100 * len(ordered) + 0.5)))
     return ordered[rank - 1]
+
+
+def counted(counts: Mapping[str, int]) -> str:
+    """``"a 3, b 1"`` in name order, or ``"none"``: how every summary lists its tallies."""
+    return ", ".join(f"{k} {v}" for k, v in sorted(counts.items())) or "none"
+
+
+def render(head: str, rows: Sequence[tuple[str, str]]) -> str:
+    """A summary as the commands print it: a head line, then aligned ``label  value`` rows."""
+    width = max(len(k) for k, _ in rows)
+    return "\n".join([head, *(f"  {k:<{width}}  {v}" for k, v in rows)]) + "\n"
 
 
 class Progress:
@@ -142,5 +154,4 @@ class Summary:
             f"kvwire demo: {self.model} ({self.layers} layers), {self.mode} over "
             f"{self.transport}, P TP={self.p_tp} -> D TP={self.d_tp}"
         )
-        width = max(len(k) for k, _ in rows)
-        return "\n".join([head, *(f"  {k:<{width}}  {v}" for k, v in rows)]) + "\n"
+        return render(head, rows)

@@ -226,6 +226,7 @@ def test_no_stale_kv_reported_done_over_cut_links_with_default_ucx_timeouts(
     reasons: dict[str, int] = {}
     freed_after: list[float] = []
     intact = 0
+    expired_later = 0  # prompts after the cuts whose lease ran out while the link recovered
     try:
         assert prefill.message(timeout=90)["port"] > 0
         decode = netns_pair.b.start(decode_host, transport, options, env=netns_pair.b.ucx_env())
@@ -280,6 +281,7 @@ def test_no_stale_kv_reported_done_over_cut_links_with_default_ucx_timeouts(
             drained = prefill.message(timeout=60)
             assert set(drained["freed"].values()) <= {"sent", "expired"}, drained
             assert drained["held_blocks"] == 0, drained
+            expired_later += sum(why == "expired" for why in drained["freed"].values())
         # The restored link serves: once the connection has recovered, KV arrives intact.
         for attempt in range(5):
             after = _slots(f"after{attempt}", index, PER_CYCLE * BLOCKS)
@@ -288,7 +290,9 @@ def test_no_stale_kv_reported_done_over_cut_links_with_default_ucx_timeouts(
             _recv(decode, after, prefill.message(timeout=60)["params"], timeout=30)
             served = decode.message(timeout=60)
             prefill.send({"op": "drain", "rids": [r for r, *_ in after], "timeout": 15})
-            assert prefill.message(timeout=60)["held_blocks"] == 0
+            drained = prefill.message(timeout=60)
+            assert drained["held_blocks"] == 0, drained
+            expired_later += sum(why == "expired" for why in drained["freed"].values())
             if served["done"] == {rid: [0, REQUEST_BYTES] for rid, *_ in after}:
                 break
         else:
@@ -303,12 +307,10 @@ def test_no_stale_kv_reported_done_over_cut_links_with_default_ucx_timeouts(
     assert wrong_done == 0
     assert p_end["errors"] == [] and d_end["errors"] == [], (p_end, d_end)
     assert d_end["live"] == 0 and d_end["in_flight"] == 0, d_end  # D's pool is whole
-    # Every cut request was quarantined (each was freed "expired" above). A prompt sent
-    # while the restored link recovers may be too: P may confirm a lease its heartbeats
-    # extended (lease-query, over the side channel) that then runs out when later
-    # heartbeats are held up on the recovering transport, so D reads on and fails it at that
-    # deadline (never done: it is P's) and its completion reaches P only in the grace.
-    assert p_end["stats"]["leases_quarantined"] >= CYCLES * PER_CYCLE, p_end["stats"]
+    # Every cut READ's lease was quarantined, and so was any later prompt's that expired
+    # (on a loaded machine the recovering connection can outlast a reused prompt's lease).
+    quarantined = p_end["stats"]["leases_quarantined"]
+    assert quarantined == CYCLES * PER_CYCLE + expired_later, p_end["stats"]
     print(
         f"{transport}: {CYCLES} cycles, {CYCLES * PER_CYCLE} cut READs failed "
         f"({reasons}) {min(fail_after):.2f}-{max(fail_after):.2f} s after their post; "
