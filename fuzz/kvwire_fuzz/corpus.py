@@ -26,6 +26,7 @@ FAMILIES = (
     "metadata",
     "request",
     "clock",
+    "lease",
     "notification",
     "params",
     "params_dict",
@@ -39,6 +40,7 @@ def seeds() -> dict[str, tuple[bytes, ...]]:
     for path in sorted(VECTORS.glob("*.json")):
         _add_vectors(out, json.loads(path.read_text()))
     _add_kvwire_payloads(out)
+    _add_lease_messages(out)
     return {family: tuple(dict.fromkeys(items)) for family, items in out.items()}
 
 
@@ -60,6 +62,18 @@ def _add_vectors(out: dict[str, list[bytes]], doc: dict[str, Any]) -> None:
         out["params"].append(msgspec.msgpack.encode(params))
         out["params"].append(json.dumps(params).encode())
         out["params_dict"].append(b"\x00" + msgspec.msgpack.encode(params))
+
+
+def _add_lease_messages(out: dict[str, list[bytes]]) -> None:
+    """The lease extension's query and answer (only kvwire sends them; no golden vector)."""
+    out["lease"] += [
+        wire.encode_lease_query(wire.LeaseQuery(0, 0, ["cmpl-1-0-deadbeef"])),
+        wire.encode_lease_query(wire.LeaseQuery(1, 3, [f"req-{i}" for i in range(40)])),
+        wire.encode_lease_reply(wire.LeaseReply([1234.5, None, 0.0])),
+        wire.encode_lease_reply(wire.LeaseReply([])),
+        msgspec.msgpack.encode(wire.LeaseQuery(0, 1, ["a"])),
+        msgspec.msgpack.encode(wire.LeaseReply([5.0, None])),
+    ]
 
 
 def _add_kvwire_payloads(out: dict[str, list[bytes]]) -> None:

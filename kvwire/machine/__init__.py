@@ -28,6 +28,7 @@ from kvwire.machine.actions import (
     PeerMisbehaved,
     PostRead,
     PostWrite,
+    QueryLeases,
     ReleaseTransfer,
     RemoteRank,
     RequestDone,
@@ -44,6 +45,7 @@ from kvwire.machine.events import (
     Event,
     HandshakeDone,
     HandshakeFailed,
+    LeaseConfirmed,
     NotificationReceived,
     PeerLost,
     PrefillFinished,
@@ -57,11 +59,12 @@ from kvwire.machine.events import (
 )
 from kvwire.machine.producer import ProducerMachine, base_request_id
 from kvwire.machine.table import ConsumerState, EngineState, ProducerState, TransferState
-from kvwire.wire.schemas import TransferMode
+from kvwire.wire.schemas import FEATURES, TransferMode
 
 __all__ = [
     "ACTION_TYPES",
     "EVENT_TYPES",
+    "FEATURES",
     "Abort",
     "Action",
     "AllocationDone",
@@ -79,6 +82,7 @@ __all__ = [
     "HandshakeDone",
     "HandshakeFailed",
     "InvariantViolation",
+    "LeaseConfirmed",
     "MachineStats",
     "NotificationReceived",
     "PeerLost",
@@ -86,6 +90,7 @@ __all__ = [
     "PostRead",
     "PostWrite",
     "PrefillFinished",
+    "QueryLeases",
     "ProducerMachine",
     "ProducerState",
     "ReleaseFailed",

@@ -4,7 +4,7 @@ Nothing here reads a clock or touches I/O. Per-event work is O(1) apart from the
 event genuinely causes (one per queued request when a handshake ends, one per due deadline
 when the timer fires).
 
-Why one module of ~690 lines: timers, engines, transfers and the invariant checks are the
+Why one module of ~700 lines: timers, engines, transfers and the invariant checks are the
 shared half of both machines and call into each other on every event.
 """
 
@@ -84,11 +84,14 @@ class MachineStats:
         "handshakes_started",
         "heartbeats_received",
         "heartbeats_sent",
+        "lease_answers_unused",
         "lease_extensions",
+        "lease_queries",
         "leases_expired",
         "leases_quarantined",
         "notifications_malformed",
         "notifications_unexpected",
+        "read_deadlines_extended",
         "reads_declined_expiry",
         "reads_late",
         "registrations_duplicate",
@@ -120,12 +123,18 @@ class MachineStats:
         self.handshakes_started = 0
         self.heartbeats_received = 0
         self.heartbeats_sent = 0
+        self.lease_answers_unused = 0
+        """Lease answers that moved nothing (not held, not later, too late, request over)."""
         self.lease_extensions = 0
+        self.lease_queries = 0
+        """Consumer: lease queries asked (``QueryLeases``)."""
         self.leases_expired = 0
         self.leases_quarantined = 0
         """Expired leases whose blocks were held for the grace before being freed."""
         self.notifications_malformed = 0
         self.notifications_unexpected = 0
+        self.read_deadlines_extended = 0
+        """Consumer: read deadlines moved later by a producer's lease answer."""
         self.reads_declined_expiry = 0
         self.reads_late = 0
         """READs whose completion came after the read deadline: failed, never done."""
@@ -190,8 +199,8 @@ class Engine:
         self.last_active = 0.0
         self.notes: list[bytes] = []
         """Completion messages to send once the handshake is done (abort / nothing to read)."""
-        self.hb_ids: dict[str, int] = {}
-        """Remote request ids to heartbeat, with how many local requests want each."""
+        self.hb_ids: dict[str, list[Any]] = {}
+        """Remote request ids to heartbeat, with the local requests that want each."""
         self.hb_armed = False
         self.idle_armed = False
 
@@ -199,11 +208,13 @@ class Engine:
 class Transfer:
     """One READ or WRITE the machine asked for, until its handle is released."""
 
-    __slots__ = ("entry", "owner", "state", "step", "xfer_id")
+    __slots__ = ("entry", "owner", "posted", "state", "step", "xfer_id")
 
-    def __init__(self, xfer_id: int, owner: Any) -> None:
+    def __init__(self, xfer_id: int, owner: Any, posted: float) -> None:
         self.xfer_id = xfer_id
         self.owner = owner
+        self.posted = posted
+        """When it was asked for: its deadline is recomputed from it (it may move later)."""
         self.state = TransferState.ABSENT
         self.entry = TransferState.ABSENT
         self.step = -1
@@ -519,7 +530,7 @@ class MachineCore:
     # ----------------------------------------------------------------- transfers
 
     def _new_transfer(self, owner: Any) -> Transfer:
-        xfer = Transfer(self._next_xfer, owner)
+        xfer = Transfer(self._next_xfer, owner, self._last_now)
         self._move(xfer, TRANSFER, "requested", Post)
         self._next_xfer += 1
         self._xfers[xfer.xfer_id] = xfer
@@ -540,7 +551,7 @@ class MachineCore:
         req.next_post += 1
         xfer = self._new_transfer(req)
         req.xfers[xfer.xfer_id] = xfer
-        self._arm(self._transfer_deadline(req, self._last_now), T_XFER, xfer)
+        self._arm(self._transfer_deadline(req, xfer.posted), T_XFER, xfer)
         return rank, xfer
 
     def _transfer_deadline(self, req: Any, now: float) -> float:
@@ -567,6 +578,12 @@ class MachineCore:
             return
         successors(TRANSFER, state, Timer, f"transfer {xfer.xfer_id}")
         successors(self._requests, req.state, Timer, f"request {req.rid!r}")
+        due = self._transfer_deadline(req, xfer.posted)
+        if due > self._last_now:
+            # Evidence moved the deadline later since this entry was armed: re-arm it
+            # there (one live entry per transfer, as for leases).
+            self._arm(due, T_XFER, xfer)
+            return
         self.stats.transfers_timed_out += 1
         self._transfer_timed_out(req, out)
 

@@ -5,8 +5,9 @@ The driver executes actions in list order and reports their outcomes as events:
 (or ``TransferFailed`` alone when posting raised); ``StartHandshake`` -> ``HandshakeDone`` /
 ``HandshakeFailed``; ``CancelTransfer``/``ReleaseTransfer`` -> ``TransferDone`` /
 ``TransferFailed`` once the handle is released, ``ReleaseFailed`` if it could not be.
-``SendNotification``, ``FreeBlocks``, ``RequestDone``, ``RequestFailed``, ``EvictEngine``,
-``PeerMisbehaved`` and ``ArmTimer`` need no answer.
+``QueryLeases`` -> one ``LeaseConfirmed`` per request it names, or nothing (an unanswered
+query is no evidence). ``SendNotification``, ``FreeBlocks``, ``RequestDone``,
+``RequestFailed``, ``EvictEngine``, ``PeerMisbehaved`` and ``ArmTimer`` need no answer.
 
 A remote rank is ``(pp_rank, tp_rank)`` of the remote engine.
 """
@@ -128,6 +129,21 @@ class SendNotification(Action, frozen=True):
     request_id: str | None = None
 
 
+class QueryLeases(Action, frozen=True):
+    """Consumer, pull: ask the listener of ``engine_id`` (at ``host:port``, a producer that
+    announced :data:`~kvwire.wire.schemas.LEASE_QUERY`) which lease deadline each of
+    ``ranks`` holds for ``remote_request_ids``; answer with a ``LeaseConfirmed`` for the
+    local id at the same position of ``request_ids``, carrying the earliest deadline over
+    the ranks (None if any rank does not hold it)."""
+
+    engine_id: str
+    host: str
+    port: int
+    ranks: tuple[RemoteRank, ...]
+    request_ids: tuple[str, ...]
+    remote_request_ids: tuple[str, ...]
+
+
 class FreeBlocks(Action, frozen=True):
     """Producer: the request's blocks may be reused now. Emitted exactly once per held request."""
 
@@ -185,6 +201,7 @@ ACTION_TYPES: tuple[type[Action], ...] = (
     CancelTransfer,
     ReleaseTransfer,
     SendNotification,
+    QueryLeases,
     FreeBlocks,
     RequestDone,
     RequestFailed,

@@ -11,7 +11,7 @@ writes yet is parked, bounded in number and age, and counted when the request ge
 A request ends in exactly one of ``RequestDone`` / ``RequestFailed``, and only once no
 transfer into its blocks is running; after that the machine forgets it.
 
-Why one module of ~720 lines: a consumer request's life (added, allocated, handshaken,
+Why one module of ~820 lines: a consumer request's life (added, allocated, handshaken,
 read or registered, finished) is one state machine whose handlers hand off to each other;
 splitting it by event would scatter one request's path across files. The transitions
 themselves are in :mod:`kvwire.machine.table`.
@@ -39,6 +39,7 @@ from kvwire.machine.actions import (
     FailReason,
     PeerMisbehaved,
     PostRead,
+    QueryLeases,
     RemoteRank,
     RequestDone,
     RequestFailed,
@@ -50,6 +51,7 @@ from kvwire.machine.events import (
     BlockIds,
     HandshakeDone,
     HandshakeFailed,
+    LeaseConfirmed,
     NotificationReceived,
     RemotePrefill,
     RequestAdded,
@@ -70,10 +72,19 @@ from kvwire.wire.notifications import (
     encode_heartbeat,
     encode_push_registration,
 )
-from kvwire.wire.schemas import PUSH_RELEASE, Completion, PushRegistration, TransferMode
+from kvwire.wire.schemas import (
+    LEASE_QUERY,
+    MAX_LEASE_IDS,
+    PUSH_RELEASE,
+    Completion,
+    PushRegistration,
+    TransferMode,
+)
 
 S = ConsumerState
 _ALL_RANKS: tuple[RemoteRank, ...] = ()
+_TAKES_EVIDENCE = (S.WAIT_ALLOC, S.WAIT_PEER, S.TRANSFERRING)
+"""The states a lease answer can extend: the request may still read, and has not failed."""
 
 
 class _Req:
@@ -81,6 +92,7 @@ class _Req:
 
     __slots__ = (
         "arrival",
+        "confirmed",
         "engine",
         "entry",
         "expected",
@@ -106,6 +118,8 @@ class _Req:
         self.arrival = now
         self.read_deadline = math.inf
         """Pull: our-clock moment after which the producer may no longer hold the blocks."""
+        self.confirmed = -math.inf
+        """Pull, before the read starts: the latest lease the producer confirmed (ours)."""
         self.state = S.ABSENT
         self.entry = S.ABSENT
         self.step = -1
@@ -167,6 +181,7 @@ class ConsumerMachine(MachineCore):
                 AllocationDone: self._on_alloc,
                 Abort: self._on_abort,
                 NotificationReceived: self._on_notification,
+                LeaseConfirmed: self._on_lease_confirmed,
             }
         )
 
@@ -305,11 +320,86 @@ class ConsumerMachine(MachineCore):
         self.stats.heartbeats_sent += 1
         engine.hb_armed = True
         self._arm(now + self.config.heartbeat_s, T_HEARTBEAT, engine)
+        cfg = self.config
+        if (
+            LEASE_QUERY in engine.features
+            and cfg.bound_reads_by_lease
+            and cfg.mode is TransferMode.PULL
+        ):
+            self._query_leases(engine, now, out)
+
+    def _query_leases(self, engine: Engine, now: float, out: list[Action]) -> None:
+        """Ask a producer that answers lease queries to confirm the leases it pushed back
+        on our heartbeats, for the requests whose read deadline comes within two
+        heartbeats (and the expiry margin): the answer arrives, and a lost one is asked
+        again, before the deadline would stop the request. Costs what the heartbeat just
+        cost: one pass over the ids it named."""
+        horizon = now + 2 * self.config.heartbeat_s + self._expiry_margin_s
+        late = self._completion_margin_s
+        local: list[str] = []
+        remote: list[str] = []
+        for pid, reqs in engine.hb_ids.items():
+            for req in reqs:
+                deadline = self._known_deadline(req)
+                if now < deadline - late and deadline - late <= horizon:
+                    local.append(req.rid)
+                    remote.append(pid)
+        if not local:
+            return
+        reads, _ = self._plan_or_empty(engine)
+        if not reads:
+            return
+        for start in range(0, len(local), MAX_LEASE_IDS):
+            out.append(
+                QueryLeases(
+                    engine.engine_id,
+                    engine.host,
+                    engine.port,
+                    tuple(reads),
+                    tuple(local[start : start + MAX_LEASE_IDS]),
+                    tuple(remote[start : start + MAX_LEASE_IDS]),
+                )
+            )
+            self.stats.lease_queries += 1
+
+    def _known_deadline(self, req: _Req) -> float:
+        """The read deadline a request runs under now (ours): fixed when its read starts,
+        before that the stated expiry or a later lease the producer confirmed."""
+        if req.state is S.TRANSFERRING:
+            return req.read_deadline
+        return max(self._read_deadline(req), req.confirmed)
+
+    def _on_lease_confirmed(self, event: LeaseConfirmed, now: float, out: list[Action]) -> None:
+        """Evidence that the producer holds the blocks until ``deadline`` (its clock). Only
+        a live request still ahead of its deadline takes it, and only to move the deadline
+        later: a request past its deadline may already have read blocks the producer
+        gave away, so nothing revives it."""
+        req = self._reqs.get(event.request_id)
+        state = S.ABSENT if req is None else req.state
+        successors(CONSUMER, state, LeaseConfirmed, f"request {event.request_id!r}")
+        if (
+            req is None
+            or event.deadline is None
+            or req.engine.state is not EngineState.READY
+            or state not in _TAKES_EVIDENCE
+        ):
+            self.stats.lease_answers_unused += 1
+            return
+        current = self._known_deadline(req)
+        confirmed = self._in_our_clock(req.engine, event.deadline)
+        if now >= current - self._completion_margin_s or confirmed <= current:
+            self.stats.lease_answers_unused += 1
+            return
+        if state is S.TRANSFERRING:
+            req.read_deadline = confirmed  # transfer timers re-arm when they come due
+        else:
+            req.confirmed = confirmed
+        self.stats.read_deadlines_extended += 1
 
     def _hb_add(self, req: _Req, now: float) -> None:
         engine = req.engine
         pid = req.remote.request_id
-        engine.hb_ids[pid] = engine.hb_ids.get(pid, 0) + 1
+        engine.hb_ids.setdefault(pid, []).append(req)
         req.hb = True
         if engine.state is EngineState.READY and not engine.hb_armed:
             engine.hb_armed = True
@@ -321,10 +411,9 @@ class ConsumerMachine(MachineCore):
         req.hb = False
         ids = req.engine.hb_ids
         pid = req.remote.request_id
-        left = ids[pid] - 1
-        if left:
-            ids[pid] = left
-        else:
+        wanting = ids[pid]
+        wanting.remove(req)  # almost always the only one: one consumer request per id
+        if not wanting:
             del ids[pid]
 
     # ----------------------------------------------------------------- starting a request
@@ -338,7 +427,7 @@ class ConsumerMachine(MachineCore):
         cfg = self.config
         expiry = req.remote.blocks_expiry_time
         if cfg.bound_reads_by_lease:
-            req.read_deadline = self._read_deadline(req)
+            req.read_deadline = max(self._read_deadline(req), req.confirmed)
             declined = now + self._expiry_margin_s >= req.read_deadline
         else:  # the old rule: only a stated expiry, without the clock's uncertainty
             declined = (
@@ -369,10 +458,15 @@ class ConsumerMachine(MachineCore):
         stated expiry the read is unbounded here, as in vLLM, and P's quarantine is the
         guard."""
         expiry = req.remote.blocks_expiry_time
-        engine = req.engine
         if expiry is not None and math.isfinite(expiry):
-            return expiry - engine.clock_offset - engine.clock_uncertainty
+            return self._in_our_clock(req.engine, expiry)
         return math.inf
+
+    @staticmethod
+    def _in_our_clock(engine: Engine, producer_time: float) -> float:
+        """A producer's deadline in our clock, never later than it can be: the offset's
+        uncertainty is taken off."""
+        return producer_time - engine.clock_offset - engine.clock_uncertainty
 
     def _transfer_deadline(self, req: _Req, now: float) -> float:
         deadline = now + self._transfer_timeout_s

@@ -11,6 +11,7 @@ driver turns block ids plus a remote rank into descriptors with :mod:`kvwire.lay
 
 from __future__ import annotations
 
+import math
 from array import array
 
 import msgspec
@@ -221,6 +222,26 @@ class PeerLost(Event, frozen=True):
         _check_id(self.engine_id, "engine_id")
 
 
+class LeaseConfirmed(Event, frozen=True):
+    """Consumer, pull: the producer answered a lease query (``QueryLeases``) for this
+    request: ``deadline`` is the earliest lease deadline its queried ranks hold, in the
+    *producer's* clock (the machine moves it into ours with the handshake's offset and
+    uncertainty, as it does the expiry in the params), or None when a rank does not hold
+    the blocks under a lease. Evidence only ever moves the read deadline later, and only
+    while it is still ahead; an answer for a request that ended is ignored."""
+
+    request_id: str
+    deadline: float | None = None
+
+    def __post_init__(self) -> None:
+        _check_id(self.request_id, "request_id")
+        d = self.deadline
+        if d is not None and (
+            isinstance(d, bool) or not isinstance(d, (int, float)) or not math.isfinite(d)
+        ):
+            raise LocalProtocolError(f"deadline must be a finite float or None, got {d!r}")
+
+
 class Timer(Event, frozen=True):
     """``now`` reached ``machine.next_deadline()``: reap leases, fire watchdogs, heartbeat."""
 
@@ -238,5 +259,6 @@ EVENT_TYPES: tuple[type[Event], ...] = (
     NotificationReceived,
     Abort,
     PeerLost,
+    LeaseConfirmed,
     Timer,
 )

@@ -39,6 +39,7 @@ from kvwire.machine.events import (
     Event,
     HandshakeDone,
     HandshakeFailed,
+    LeaseConfirmed,
     NotificationReceived,
     PeerLost,
     PrefillFinished,
@@ -204,6 +205,14 @@ CONSUMER: dict[tuple[ConsumerState, Trigger], dict[str, ConsumerState]] = {
     (C.DRAINING, TransferFailed): {"": C.DRAINING, "failed": C.FAILED},
     (C.DRAINING, ReleaseFailed): {"": C.DRAINING},
     (C.DRAINING, Abort): {"": C.DRAINING},
+    # The answer to our own lease query, which may come in any state (even after the end):
+    # it can only move a live read deadline later, never change the state.
+    (C.ABSENT, LeaseConfirmed): {"": C.ABSENT},
+    (C.WAIT_ALLOC, LeaseConfirmed): {"": C.WAIT_ALLOC},
+    (C.WAIT_PEER, LeaseConfirmed): {"": C.WAIT_PEER},
+    (C.TRANSFERRING, LeaseConfirmed): {"": C.TRANSFERRING},
+    (C.AWAIT_WRITES, LeaseConfirmed): {"": C.AWAIT_WRITES},
+    (C.DRAINING, LeaseConfirmed): {"": C.DRAINING},
 }
 
 P = ProducerState

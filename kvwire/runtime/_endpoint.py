@@ -91,6 +91,8 @@ class _Endpoint(Generic[FinishedT]):
             if self._listener is not None:
                 key = (cfg.pp_rank, cfg.tp_rank)
                 self._listener.set_payloads({key: self._driver.handshake_payload()})
+                if self._role == "producer":
+                    self._listener.set_lease_source(key, self._driver.lease_deadlines)
         except BaseException:
             self._close_listener()
             raise

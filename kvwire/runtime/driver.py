@@ -10,7 +10,7 @@ so the machine sees a clock that never runs backwards.
 Actions are executed in order; their outcomes become events queued behind the current
 one (never re-entering ``handle``), exactly as :mod:`kvwire.machine.actions` prescribes.
 
-Why one module of ~650 lines: it is the one place the sans-IO machine meets threads,
+Why one module of ~710 lines: it is the one place the sans-IO machine meets threads,
 sockets and a transport (the executor of every action and the source of every event), so
 its locking can be read in one file.
 """
@@ -53,12 +53,14 @@ from kvwire.machine import (
     FreeBlocks,
     HandshakeDone,
     HandshakeFailed,
+    LeaseConfirmed,
     NotificationReceived,
     PeerLost,
     PeerMisbehaved,
     PostRead,
     PostWrite,
     ProducerMachine,
+    QueryLeases,
     ReleaseFailed,
     ReleaseTransfer,
     RemoteRank,
@@ -185,6 +187,8 @@ class Driver:
         self._num_tokens: dict[str, int] = {}
         self._client = HandshakeClient(config.handshake, secret=config.secret)
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._asking: set[str] = set()
+        """Engines with a lease query in flight (one at a time: a slow peer is not piled on)."""
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._closed = False
@@ -335,6 +339,8 @@ class Driver:
         elif isinstance(action, StartHandshake):
             assert self._pool is not None
             self._pool.submit(self._handshake, action)
+        elif isinstance(action, QueryLeases):
+            self._ask_leases(action)
         elif isinstance(action, (FreeBlocks, RequestDone, RequestFailed)):
             self._outcome(action)
         elif isinstance(action, EvictEngine):
@@ -538,13 +544,65 @@ class Driver:
             self.metrics.handshake(False, time.perf_counter() - t0, "transport")
             self._feed_quietly(HandshakeFailed(action.engine_id, action.attempt, str(exc)))
 
-    def _feed_quietly(self, event: Event) -> None:
+    def _feed_quietly(self, *events: Event) -> None:
         try:
-            self.feed(event)
+            self.feed(*events)
         except LocalProtocolError as exc:
             if not self._closed:
-                self.errors.append(f"{type(event).__name__}: {exc}")
-                self.log.error("machine refused %s: %s", type(event).__name__, exc)
+                name = type(events[0]).__name__
+                self.errors.append(f"{name}: {exc}")
+                self.log.error("machine refused %s: %s", name, exc)
+
+    # ------------------------------------------------------------------ lease queries
+
+    def lease_deadlines(self, request_ids: Sequence[str]) -> list[float | None]:
+        """Producer: the deadline each request's lease runs to, in this driver's clock (the
+        one the listener's clock replies sample), or None when its blocks are not held
+        under a lease. What the listener answers a ``lease-query`` with."""
+        with self._lock:
+            machine = self.machine
+            if not isinstance(machine, ProducerMachine):
+                return [None] * len(request_ids)
+            return [machine.lease_deadline(rid) for rid in request_ids]
+
+    def _ask_leases(self, action: QueryLeases) -> None:
+        """Consumer: put the query on the pool, unless one to that engine is still out or
+        the side channel is authenticated (the query is not, so its answers would be
+        evidence anyone on the path could forge)."""
+        if self.config.secret is not None or action.engine_id in self._asking:
+            self.metrics.count("lease_queries_skipped")
+            return
+        assert self._pool is not None
+        self._asking.add(action.engine_id)
+        self._pool.submit(self._query_leases, action)
+
+    def _query_leases(self, action: QueryLeases) -> None:
+        """On the pool: ask every rank the reads come from; a request's lease is the
+        earliest any of them holds (None if one holds none). No answer, no event."""
+        try:
+            per_rank = [
+                self._client.query_leases(action.host, action.port, rank, action.remote_request_ids)
+                for rank in action.ranks
+            ]
+        except KVWireError as exc:
+            self.metrics.count("lease_queries_failed")
+            self.log.info(
+                "lease query to %s failed: %s", action.engine_id, exc,
+                extra={"peer": f"{action.host}:{action.port}"},
+            )  # fmt: skip
+            return
+        finally:
+            with self._lock:
+                self._asking.discard(action.engine_id)
+        self.metrics.count("lease_queries")
+        events: list[Event] = []
+        for i, rid in enumerate(action.request_ids):
+            held = [answer[i] for answer in per_rank]
+            deadline = None if None in held else min(d for d in held if d is not None)
+            events.append(LeaseConfirmed(rid, deadline))
+        with self._lock:
+            if not self._closed:
+                self._feed_quietly(*events)
 
     def _retire_stale(self, peer: _PeerEngine) -> None:
         busy = {x.agent for x in self._xfers.values()}

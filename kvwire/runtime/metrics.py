@@ -84,6 +84,11 @@ class _Totals:
     notifications_dropped: int = 0
     peer_misbehaved: int = 0
     peers_lost: int = 0
+    lease_queries: int = 0
+    """Lease queries answered by a producer (``lease-query``; kvwire producers only)."""
+    lease_queries_failed: int = 0
+    lease_queries_skipped: int = 0
+    """Not sent: one to the engine still out, or an authenticated side channel."""
     failures: dict[str, int] = field(default_factory=dict)
     """Failed requests by reason (``RequestFailure.reason``): each request counted once."""
     handshake_failures: dict[str, int] = field(default_factory=dict)

@@ -161,6 +161,13 @@ class Producer(_Endpoint[list[FreedRequest]]):
             return None
         return machine.lease_deadline(request_id)
 
+    def lease_deadlines(self, request_ids: Sequence[str]) -> list[float | None]:
+        """Per id, the deadline this rank's lease runs to (``time.perf_counter``), or None
+        when it holds no lease for it. An engine that runs the listener itself passes this
+        to :meth:`~kvwire.sidechannel.HandshakeListener.set_lease_source` for the rank, so
+        kvwire consumers can confirm the leases their heartbeats extended."""
+        return self._driver.lease_deadlines(request_ids)
+
     def abort(self, request_id: str) -> None:
         """The engine gave up on the request; its blocks show up in get_finished."""
         self._driver.feed(Abort(request_id))

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import socket
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import zmq
@@ -37,6 +37,12 @@ from kvwire.sidechannel.address import is_ipv6, tcp_endpoint
 from kvwire.sidechannel.auth import ClientAuth, encode_proof
 from kvwire.sidechannel.frames import AUTH_REASON, RATE_LIMITED_REASON, refusal_reason
 from kvwire.wire.handshake import decode_clock_reply, encode_handshake_request
+from kvwire.wire.leases import (
+    MAX_LEASE_QUERY_SIZE,
+    decode_lease_reply,
+    encode_lease_query,
+)
+from kvwire.wire.schemas import MAX_LEASE_IDS, LeaseQuery
 
 
 class _RateLimited(Exception):
@@ -149,6 +155,45 @@ class HandshakeClient:
         best = min(replies.values(), key=lambda r: r.rtt)
         return PayloadReplies(replies, best.offset, best.rtt, attempts)
 
+    def query_leases(
+        self, host: str, port: int, rank: tuple[int, int], request_ids: Sequence[str]
+    ) -> list[float | None]:
+        """Ask a kvwire producer's listener (one that announced ``lease-query``) which
+        lease deadline ``rank`` holds for each id, in the producer's clock; None where it
+        holds none (and for an id too long to ask about). One attempt, no retry: the
+        consumer asks again at its next heartbeat. A silent peer is a
+        ``HandshakeTimeoutError``, a refusal or a bad answer a ``HandshakeError``.
+        """
+        if self._auth is not None:
+            raise HandshakeAuthError("lease queries are not authenticated; not sent")
+        answers: dict[str, float | None] = {}
+        sock = self._open(tcp_endpoint(host, port), is_ipv6(host))
+        try:
+            for chunk in _query_chunks(request_ids):
+                frames = self._roundtrip(sock, encode_lease_query(LeaseQuery(*rank, chunk)))
+                if frames is None:
+                    raise HandshakeTimeoutError(
+                        f"no lease answer from {tcp_endpoint(host, port)} within "
+                        f"{self.policy.timeout:g} s"
+                    )
+                if len(frames) != 2:
+                    raise HandshakeError(f"lease answer has {len(frames)} frames, expected 2")
+                reason = refusal_reason(frames[0])
+                if reason is not None:
+                    raise HandshakeError(f"peer refused the lease query: {reason}")
+                try:
+                    deadlines = decode_lease_reply(frames[0]).deadlines
+                except WireDecodeError as exc:
+                    raise HandshakeError(str(exc)) from None
+                if len(deadlines) != len(chunk):
+                    raise HandshakeError(
+                        f"lease answer has {len(deadlines)} deadlines for {len(chunk)} ids"
+                    )
+                answers.update(zip(chunk, deadlines, strict=True))
+        finally:
+            sock.close(linger=0)
+        return [answers.get(rid) for rid in request_ids]
+
     def _dial(self, host: str, port: int, endpoint: str) -> None:
         """A refusal is final: the peer's kernel says nothing listens, and waiting for a
         restarted engine is the engine's choice (the next request handshakes again)."""
@@ -248,6 +293,25 @@ class HandshakeClient:
         if not reply.payload:
             raise HandshakeError(f"{endpoint} sent an empty handshake payload")
         return reply
+
+
+def _query_chunks(request_ids: Sequence[str]) -> Iterator[list[str]]:
+    """Distinct ids in queries that fit the listener's request limit (an id that cannot
+    fit at all is left out: it stays unconfirmed)."""
+    room = MAX_LEASE_QUERY_SIZE - 32  # the tag, the ranks and the array headers
+    chunk: list[str] = []
+    used = 0
+    for rid in dict.fromkeys(request_ids):
+        size = len(rid.encode("utf-8", "replace")) + 5
+        if size > room:
+            continue
+        if chunk and (used + size > room or len(chunk) == MAX_LEASE_IDS):
+            yield chunk
+            chunk, used = [], 0
+        chunk.append(rid)
+        used += size
+    if chunk:
+        yield chunk
 
 
 def _raise_refusal(frame: bytes, pp_rank: int, tp_rank: int) -> None:

@@ -26,7 +26,7 @@ import dataclasses
 import socket
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from kvwire.errors import HandshakeError, WireDecodeError
@@ -43,8 +43,13 @@ from kvwire.sidechannel.frames import AUTH_REASON, RATE_LIMITED_REASON, encode_r
 from kvwire.sidechannel.limits import ListenerLimits, RequestLimiter
 from kvwire.sidechannel.server import ConnectionServer
 from kvwire.wire.handshake import decode_handshake_request, encode_clock_reply
+from kvwire.wire.leases import decode_lease_query, encode_lease_reply, is_lease_query
+from kvwire.wire.schemas import LeaseReply
 
 Payloads = Mapping[tuple[int, int], bytes]
+LeaseSource = Callable[[Sequence[str]], list[float | None]]
+"""A producer rank's lease table: per request id, the deadline its lease runs to in the
+listener's clock, or None when the blocks are not held under a lease."""
 
 
 @dataclass(frozen=True)
@@ -60,6 +65,8 @@ class ListenerStats:
     refused_rate_limited: int = 0
     refused_auth: int = 0
     """Plain requests to a listener with a secret, hellos to one without, failed proofs."""
+    leases_answered: int = 0
+    """Lease queries answered (the ``lease-query`` extension; kvwire consumers only)."""
     challenges: int = 0
     """Challenges issued (authenticated mode); each is half of a handshake, not a refusal."""
     internal_errors: int = 0
@@ -117,6 +124,7 @@ class HandshakeListener:
             limits = dataclasses.replace(limits, max_request_bytes=max_request_bytes)
         self.limits = limits
         self._payloads: dict[tuple[int, int], bytes] = dict(payloads)
+        self._leases: dict[tuple[int, int], LeaseSource] = {}
         self._host = host
         self._requested_port = port
         self._clock = clock
@@ -231,6 +239,17 @@ class HandshakeListener:
         with self._lock:
             self._payloads = new
 
+    def set_lease_source(self, key: tuple[int, int], source: LeaseSource | None) -> None:
+        """Answer lease queries for rank ``key`` (``(pp_rank, tp_rank)``) from ``source``
+        (a producer's :meth:`~kvwire.runtime.Producer.lease_deadlines`), or stop (None).
+        The source runs on the listener's thread and must use the listener's clock. A rank
+        without one refuses lease queries, which costs its consumers only the extension."""
+        with self._lock:
+            if source is None:
+                self._leases.pop(key, None)
+            else:
+                self._leases[key] = source
+
     # -- the serving thread ------------------------------------------------------------
 
     def _serve(
@@ -268,6 +287,8 @@ class HandshakeListener:
         if len(body) != 1:
             return self._refuse("refused_malformed", f"{len(body)} frames, not 1")
         data = body[0]
+        if is_lease_query(data):
+            return self._answer_lease_query(data)
         try:
             auth = read_auth_request(data)
             request = decode_handshake_request(data) if auth is None else None
@@ -283,6 +304,27 @@ class HandshakeListener:
             )
         assert request is not None
         return self._payload_answer((request.pp_rank, request.tp_rank), None)
+
+    def _answer_lease_query(self, data: bytes) -> list[bytes]:
+        """kvwire's ``lease-query``: the deadlines the rank's producer holds right now.
+        Not served with a secret: the extension is not authenticated yet, and a forged
+        answer could keep a consumer reading blocks that were given away."""
+        if self._challenger is not None:
+            return self._refuse("refused_auth", f"{AUTH_REASON}: lease queries are not served")
+        try:
+            query = decode_lease_query(data)
+        except WireDecodeError as exc:
+            return self._refuse("refused_malformed", str(exc))
+        key = (query.pp_rank, query.tp_rank)
+        with self._lock:
+            source = self._leases.get(key)
+        if source is None:
+            return self._refuse("refused_unknown_rank", f"no lease table for rank {key} here")
+        deadlines = source(query.request_ids)
+        answer = encode_lease_reply(LeaseReply(deadlines=deadlines[: len(query.request_ids)]))
+        clock = encode_clock_reply(self._clock())
+        self._count("leases_answered")
+        return [b"", answer, clock]
 
     def _answer_auth(self, msg: AuthHello | AuthProof) -> list[bytes]:
         challenger = self._challenger

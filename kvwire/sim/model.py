@@ -277,6 +277,8 @@ class SimResult:
     """Requests reported done whose bytes were not the producer's for that request (a READ
     that outlived the lease and read blocks the producer had given to another prompt)."""
     partitions: int = 0
+    lease_queries: int = 0
+    """Lease queries a producer answered (every engine here is kvwire: ``lease-query``)."""
     bytes_verified: int = 0
     quarantined_blocks: int = 0
     machine_events: int = 0

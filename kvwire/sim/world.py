@@ -12,7 +12,7 @@ Bytes are checked end to end: a prompt's KV is a pattern derived from its seed, 
 the producer's blocks at prefill; a consumer request that reports success must hold exactly
 that pattern (for its suffix and its heads) in every rank's blocks.
 
-Why one module of ~750 lines: it is one event loop, and each handler plays a part the
+Why one module of ~780 lines: it is one event loop, and each handler plays a part the
 driver plays in production (proxy, block manager, transport, side channel) on the same
 random stream; split, the order of draws that makes a seed reproducible would be spread
 across files.
@@ -32,6 +32,7 @@ import numpy as np
 from kvwire.config import MAX_SECONDS, KVWireConfig
 from kvwire.errors import KVWireError
 from kvwire.machine import (
+    FEATURES,
     Abort,
     Action,
     AllocationDone,
@@ -44,6 +45,7 @@ from kvwire.machine import (
     FreeReason,
     HandshakeDone,
     HandshakeFailed,
+    LeaseConfirmed,
     NotificationReceived,
     PeerLost,
     PeerMisbehaved,
@@ -51,6 +53,7 @@ from kvwire.machine import (
     PostWrite,
     PrefillFinished,
     ProducerMachine,
+    QueryLeases,
     ReleaseFailed,
     ReleaseTransfer,
     RemotePrefill,
@@ -118,6 +121,7 @@ class World:
             CancelTransfer: self._act_cancel,
             ReleaseTransfer: self._act_release,
             SendNotification: self._act_notify,
+            QueryLeases: self._act_query_leases,
             FreeBlocks: self._act_free,
             RequestDone: self._act_outcome,
             RequestFailed: self._act_outcome,
@@ -320,8 +324,8 @@ class World:
         self.feed_all(p, PrefillFinished(req.p_rid, blocks, deadline, sched_now))
         # kvwire producers export their lease deadline (in the clock the handshake samples),
         # so a consumer declines a read that could outlive it instead of reading blocks that
-        # may already hold another prompt. Heartbeats cannot be relied on to have extended
-        # it: they are fire-and-forget.
+        # may already hold another prompt. Heartbeats alone are no evidence that it moved
+        # (they are fire-and-forget); the producer's answers to lease queries are.
         expiry = deadline if req.cluster.mode is TransferMode.PULL else None
         remote = RemotePrefill(
             engine_id=p.engine_id,
@@ -423,7 +427,10 @@ class World:
         else:
             rank.peers[action.engine_id] = target.inc
             offset = target.sched_skew - rank.engine.skew + rng.uniform(-0.001, 0.001)
-            event = HandshakeDone(action.engine_id, action.attempt, target.spec.tp, 1, offset)
+            # Every engine here is kvwire, so every peer announces kvwire's features.
+            event = HandshakeDone(
+                action.engine_id, action.attempt, target.spec.tp, 1, offset, frozenset(FEATURES)
+            )
         self.at(self.t + delay, self._deliver, (rank, event))
 
     def _act_post(self, rank: Rank, action: PostRead | PostWrite) -> None:
@@ -551,6 +558,31 @@ class World:
             self.violation(f"{rank.agent} released unknown transfer {action.xfer_id}")
             return
         self._answer(x)
+
+    def _act_query_leases(self, rank: Rank, action: QueryLeases) -> None:
+        """The producer's listener answers from its ranks' lease tables, in the clock its
+        handshake samples (the scheduler's here). It is the side channel, as the handshake
+        is: no answer from an engine that is down, restarted, or across a cut link."""
+        target = self.by_id.get(action.engine_id)
+        if (
+            target is None
+            or not target.up
+            or target.engine_id != action.engine_id
+            or self._cut_until(rank.engine, target) > self.t
+        ):
+            return
+        self.result.lease_queries += 1
+        shift = target.sched_skew - target.skew  # a rank's clock -> the listener's
+        delay = self.rng.uniform(0.001, 0.003)
+        for rid, pid in zip(action.request_ids, action.remote_request_ids, strict=True):
+            held: list[float | None] = []
+            for _, tp in action.ranks:
+                machine = target.ranks[tp].machine
+                assert isinstance(machine, ProducerMachine)
+                deadline = machine.lease_deadline(pid)
+                held.append(None if deadline is None else deadline + shift)
+            answer = None if None in held else min(d for d in held if d is not None)
+            self.at(self.t + delay, self._deliver, (rank, LeaseConfirmed(rid, answer)))
 
     def _act_notify(self, rank: Rank, action: SendNotification) -> None:
         target = self.by_id.get(action.engine_id)

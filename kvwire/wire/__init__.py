@@ -19,6 +19,13 @@ from kvwire.wire.handshake import (
     encode_handshake_request,
     peer_version,
 )
+from kvwire.wire.leases import (
+    LEASE_QUERY_TAG,
+    decode_lease_query,
+    decode_lease_reply,
+    encode_lease_query,
+    encode_lease_reply,
+)
 from kvwire.wire.messages import decode, encode
 from kvwire.wire.notifications import (
     HEARTBEAT_PREFIX,
@@ -50,6 +57,8 @@ from kvwire.wire.schemas import (
     HandshakeRequest,
     Heartbeat,
     KVWireHello,
+    LeaseQuery,
+    LeaseReply,
     Notification,
     PushRegistration,
 )
@@ -72,6 +81,7 @@ __all__ = [
     "DEFAULT_VERSION",
     "GET_META_MSG",
     "HEARTBEAT_PREFIX",
+    "LEASE_QUERY_TAG",
     "PUSH_REG_PREFIX",
     "SUPPORTED_VERSIONS",
     "VLLM_RELEASES",
@@ -87,6 +97,8 @@ __all__ = [
     "KVTransferParamsV13",
     "KVTransferParamsV15",
     "KVWireHello",
+    "LeaseQuery",
+    "LeaseReply",
     "Notification",
     "VersionSchemas",
     "PushRegistration",
@@ -104,6 +116,8 @@ __all__ = [
     "decode_handshake_payload",
     "decode_handshake_request",
     "decode_heartbeat",
+    "decode_lease_query",
+    "decode_lease_reply",
     "decode_notification",
     "decode_push_registration",
     "encode",
@@ -112,6 +126,8 @@ __all__ = [
     "encode_handshake_payload",
     "encode_handshake_request",
     "encode_heartbeat",
+    "encode_lease_query",
+    "encode_lease_reply",
     "encode_notification",
     "encode_push_registration",
     "parse_kv_transfer_params",

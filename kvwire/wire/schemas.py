@@ -50,7 +50,12 @@ PUSH_RELEASE = "push-release"
 """A push producer that accepts a registration with no blocks as "free this request now".
 vLLM's push producer fails on one (it indexes the first block group) and keeps the blocks
 until the lease, so a consumer sends it only to producers that name this feature."""
-FEATURES: tuple[str, ...] = (PUSH_RELEASE,)
+LEASE_QUERY = "lease-query"
+"""A pull producer whose listener answers :class:`LeaseQuery`: which lease deadline it
+holds right now for a consumer's requests. vLLM has no such message (its listener would
+refuse it), so a consumer asks only producers that name this feature; the answers are the
+only evidence on which a consumer lets a READ run past the expiry the params stated."""
+FEATURES: tuple[str, ...] = (PUSH_RELEASE, LEASE_QUERY)
 """What this kvwire understands beyond vLLM's protocol, announced in every ``kvwire`` hello."""
 
 BlockIds = Annotated[list[list[NonNegInt]], msgspec.Meta(max_length=MAX_KV_GROUPS)]
@@ -159,6 +164,38 @@ class HandshakeRequest(msgspec.Struct, frozen=True, gc=False):
 
     pp_rank: NonNegInt
     tp_rank: NonNegInt
+
+
+MAX_LEASE_IDS = 64
+"""Request ids per lease query: a query must fit the listener's 1 KiB request limit, and a
+consumer splits a longer list over several queries."""
+LeaseIds = Annotated[
+    list[Annotated[str, msgspec.Meta(min_length=1)]], msgspec.Meta(max_length=MAX_LEASE_IDS)
+]
+LeaseDeadlines = Annotated[list[float | None], msgspec.Meta(max_length=MAX_LEASE_IDS)]
+
+
+class LeaseQuery(msgspec.Struct, frozen=True, gc=False):
+    """D asking P's listener which lease deadline rank ``(pp_rank, tp_rank)`` holds now
+    for each of ``request_ids`` (P's ids, as in ``remote_request_id``).
+
+    On the wire the msgpack array ``[b"kvwire_lease_q", pp_rank, tp_rank, [ids...]]``
+    (the tag as msgpack bin, like the handshake request's); the codec writes and checks it.
+    """
+
+    pp_rank: NonNegInt
+    tp_rank: NonNegInt
+    request_ids: LeaseIds
+
+
+class LeaseReply(msgspec.Struct, frozen=True, gc=False):
+    """P's answer to a :class:`LeaseQuery`: per asked id, in order, the deadline its lease
+    runs to in P's clock (the clock the clock-reply frame samples), or None when P does not
+    hold the blocks under a lease (unknown, freed, expired or quarantined).
+
+    On the wire the bare msgpack array of those values."""
+
+    deadlines: LeaseDeadlines
 
 
 class ClockReply(msgspec.Struct, frozen=True, gc=False):

@@ -107,7 +107,18 @@ def test_fuzz_random_bytes(data: bytes) -> None:
 
 @settings(FUZZ, max_examples=1500)
 @given(
-    st.sampled_from([b"PUSH_REG:", b"HB:", b"{", b" {", b"\x81", b"\x83", b"\xde\x00\x14"]),
+    st.sampled_from(
+        [
+            b"PUSH_REG:",
+            b"HB:",
+            b"{",
+            b" {",
+            b"\x81",
+            b"\x83",
+            b"\xde\x00\x14",
+            b"\x94\xc4\x0ekvwire_lease_q",
+        ]
+    ),
     st.binary(max_size=512),
 )
 def test_fuzz_random_bytes_behind_a_real_prefix(prefix: bytes, data: bytes) -> None:
@@ -182,6 +193,8 @@ BYTE_DECODERS: dict[str, Callable[[Any], Any]] = {
     "decode_completion": wire.decode_completion,
     "decode_heartbeat": wire.decode_heartbeat,
     "decode_push_registration": wire.decode_push_registration,
+    "decode_lease_query": wire.decode_lease_query,
+    "decode_lease_reply": wire.decode_lease_reply,
     "parse_kv_transfer_params": wire.parse_kv_transfer_params,
     **{
         f"decode[{cls.__name__}]": (lambda c: lambda d: kvwire.decode(d, c))(cls)
@@ -194,6 +207,8 @@ BYTE_DECODERS: dict[str, Callable[[Any], Any]] = {
             wire.Completion,
             wire.Heartbeat,
             wire.PushRegistration,
+            wire.LeaseQuery,
+            wire.LeaseReply,
             wire.KVTransferParamsV13,
             wire.KVTransferParamsV15,
         )
@@ -278,6 +293,8 @@ LIMITED: tuple[tuple[str, Callable[[Any], Any], int], ...] = (
     ("decode[AgentMetadataV14]", BYTE_DECODERS["decode[AgentMetadataV14]"], wire.DEFAULT_MAX_SIZE),
     ("decode_handshake_request", wire.decode_handshake_request, 64),
     ("decode_clock_reply", wire.decode_clock_reply, 16),
+    ("decode_lease_query", wire.decode_lease_query, 1024),
+    ("decode_lease_reply", wire.decode_lease_reply, 16 + 9 * 64),
     ("decode_notification", wire.decode_notification, wire.DEFAULT_MAX_NOTIFICATION_SIZE),
     (
         "decode[PushRegistration]",

@@ -106,7 +106,9 @@ def test_partition_old_rule_reports_stale_kv_done_new_rule_never() -> None:
     lease while READs hang, then healed, with producers reusing freed blocks for other
     prompts. Under the old rule (reads not bounded by the lease, no quarantine, no
     transfer deadline) consumers report requests done holding another prompt's KV; under
-    the new rule, on the same seed, none, and the affected requests fail as expired."""
+    the new rule, on the same seed, none, and the affected requests fail as expired. The
+    consumers confirm leases by query (every engine is kvwire), and a partition cuts the
+    queries off with the heartbeats, so the confirmed leases never cover a cut."""
     faults = Faults(partition=0.001, short_lease=True, kinds=("short-lease", "partition"))
     old = simulate(1, 4000, faults, True)
     assert old.partitions > 0
@@ -116,3 +118,4 @@ def test_partition_old_rule_reports_stale_kv_done_new_rule_never() -> None:
     assert new.stale_done == 0 and new.corrupt == 0
     assert new.ok, new.violations
     assert new.failures_by_reason.get("expired", 0) > 0
+    assert new.lease_queries > 0 and old.lease_queries == 0

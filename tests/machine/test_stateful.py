@@ -30,15 +30,18 @@ from kvwire.machine import (
     AllocationDone,
     CancelTransfer,
     ConsumerMachine,
+    EngineState,
     FreeBlocks,
     FreeReason,
     HandshakeDone,
     HandshakeFailed,
+    LeaseConfirmed,
     NotificationReceived,
     PeerLost,
     PostRead,
     PrefillFinished,
     ProducerMachine,
+    QueryLeases,
     ReleaseFailed,
     ReleaseTransfer,
     RemotePrefill,
@@ -54,7 +57,7 @@ from kvwire.machine import (
     TransferPosted,
 )
 from kvwire.wire.notifications import decode_notification, encode_heartbeat
-from kvwire.wire.schemas import PushRegistration
+from kvwire.wire.schemas import LEASE_QUERY, PushRegistration
 
 SETTINGS = settings(
     max_examples=150,
@@ -74,6 +77,9 @@ MARGIN = 1.0
 class _ConsumerSide(RuleBasedStateMachine):
     """What both consumer models share: their clock and the handshake with producer engine
     ``P`` (TP 2), of which at most one may be in flight; the machine times it out after 5 s."""
+
+    features: frozenset[str] = frozenset()
+    """What producer ``P`` announces in its handshake."""
 
     def __init__(self, config: KVWireConfig) -> None:
         super().__init__()
@@ -97,7 +103,14 @@ class _ConsumerSide(RuleBasedStateMachine):
         assert attempt is not None
         self.attempt = None
         self.feed(
-            HandshakeDone("P", attempt, 2, clock_offset=OFFSET, clock_uncertainty=UNCERTAINTY)
+            HandshakeDone(
+                "P",
+                attempt,
+                2,
+                clock_offset=OFFSET,
+                clock_uncertainty=UNCERTAINTY,
+                peer_features=self.features,
+            )
             if ok
             else HandshakeFailed("P", attempt)
         )
@@ -115,7 +128,13 @@ class _ConsumerSide(RuleBasedStateMachine):
 
 
 class ConsumerModel(_ConsumerSide):
-    """A pull consumer (TP 1) reading a producer engine with TP 2: two READs per request."""
+    """A pull consumer (TP 1) reading a producer engine with TP 2: two READs per request.
+
+    The producer announces ``lease-query``, and its answers (later, earlier or no lease)
+    arrive at any moment: the model moves its read deadline exactly when evidence may, so
+    "never done after the deadline" covers extended deadlines too."""
+
+    features = frozenset({LEASE_QUERY})
 
     def __init__(self) -> None:
         super().__init__(machine_config(engine_id="D", tp_size=1, lease_s=30.0))
@@ -142,6 +161,9 @@ class ConsumerModel(_ConsumerSide):
                 assert rid not in self.ended, f"{type(a).__name__} after {rid} ended"
             if isinstance(a, StartHandshake):
                 self._handshake_started(a)
+            elif isinstance(a, QueryLeases):
+                assert set(a.request_ids) <= self.live, "asked about a request that ended"
+                assert a.remote_request_ids == tuple(f"p-{r}" for r in a.request_ids)
             elif isinstance(a, PostRead):
                 assert a.request_id not in self.failed, "READ posted after a failure"
                 assert a.notification == f"p-{a.request_id}:1".encode()
@@ -248,9 +270,24 @@ class ConsumerModel(_ConsumerSide):
             self.failed.add(rid)
         self.feed(Abort(rid))
 
-    @rule(data=st.binary(max_size=12))
-    def noise(self, data: bytes) -> None:
-        self.feed(NotificationReceived("x", data))
+    @precondition(lambda self: self.live or self.ended)
+    @rule(data=st.data(), left=st.sampled_from([None, -3.0, 2.0, 15.0, 40.0]))
+    def lease_answer(self, data: st.DataObject, left: float | None) -> None:
+        """The producer says its lease for a live (or ended) request runs ``left`` s more
+        (None: not held)."""
+        rid = data.draw(st.sampled_from(sorted(self.live | set(self.ended))))
+        at = self.now + 0.01
+        deadline = None if left is None else at + OFFSET + left
+        current = self.read_deadline.get(rid, math.inf)
+        if (
+            deadline is not None
+            and rid in self.live
+            and rid not in self.failed
+            and self.m.engine_state("P") is EngineState.READY
+            and at < current - MARGIN
+        ):
+            self.read_deadline[rid] = max(current, deadline - OFFSET - UNCERTAINTY)
+        self.feed(LeaseConfirmed(rid, deadline))
 
     # -------------------------------------------------------------- checks
 
@@ -267,7 +304,12 @@ class ConsumerModel(_ConsumerSide):
                 attempt, self.attempt = self.attempt, None
                 self.feed(
                     HandshakeDone(
-                        "P", attempt, 2, clock_offset=OFFSET, clock_uncertainty=UNCERTAINTY
+                        "P",
+                        attempt,
+                        2,
+                        clock_offset=OFFSET,
+                        clock_uncertainty=UNCERTAINTY,
+                        peer_features=self.features,
                     )
                 )
             for xid, (rid, state) in sorted(self.xfers.items()):

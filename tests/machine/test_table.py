@@ -18,6 +18,7 @@ from kvwire.machine import (
     FreeBlocks,
     HandshakeDone,
     HandshakeFailed,
+    LeaseConfirmed,
     NotificationReceived,
     PeerLost,
     PrefillFinished,
@@ -52,6 +53,7 @@ DIRECT = {
     TransferDone,
     TransferFailed,
     ReleaseFailed,
+    LeaseConfirmed,
 }
 
 CONSUMER_STATES = [
@@ -103,6 +105,7 @@ def _event(at: ConsumerAt | ProducerAt, etype: type[Any], push: bool = True) -> 
         NotificationReceived: lambda: note,
         Abort: lambda: Abort(rid),
         PeerLost: lambda: PeerLost(peer),
+        LeaseConfirmed: lambda: LeaseConfirmed(rid, 1e9),
         Timer: lambda: Timer(),
     }[etype]()
 

@@ -317,5 +317,7 @@ def test_no_stale_kv_reported_done_over_cut_links_with_default_ucx_timeouts(
         f"P freed them {min(freed_after):.2f}-{max(freed_after):.2f} s after the cut; "
         f"{intact} of {CYCLES * PER_CYCLE} reused prompts served intact after the restore; "
         f"0 wrong bytes done; D stats reads_late={d_end['stats']['reads_late']} "
-        f"timed_out={d_end['stats']['transfers_timed_out']}"
+        f"timed_out={d_end['stats']['transfers_timed_out']} "
+        f"deadlines_extended={d_end['stats']['read_deadlines_extended']}; "
+        f"P quarantined={p_end['stats']['leases_quarantined']}"
     )

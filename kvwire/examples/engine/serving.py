@@ -111,6 +111,10 @@ class EngineServer:
         listener.set_payloads(
             {(0, r): rt.handshake_payload() for r, rt in enumerate(self.runtimes)}
         )
+        for r, rt in enumerate(self.runtimes):
+            producer = getattr(rt, "producer", None)  # in-process ranks: their lease tables
+            if producer is not None:
+                listener.set_lease_source((0, r), producer.lease_deadlines)
         if cfg.role == "prefill":
             self._reaper = threading.Thread(target=self._reap, name="engine-reaper", daemon=True)
             self._reaper.start()
