@@ -37,6 +37,8 @@ def build_vllm_config(start: dict[str, Any]) -> Any:
     role = "kv_producer" if start["role"] == "P" else "kv_consumer"
     extra: dict[str, Any] = {"kv_lease_duration": int(start.get("lease", 30)), "backends": ["UCX"]}
     extra.update(start.get("extra_config") or {})
+    if extra.get("transport") == "shm":
+        del extra["backends"]  # a NIXL plugin list means nothing to shared memory
     kv = KVTransferConfig(
         kv_connector=connector,
         kv_connector_module_path=(
@@ -67,6 +69,8 @@ def build_vllm_config(start: dict[str, Any]) -> Any:
         is_diffusion=False,
         supports_multimodal_inputs=False,
         multimodal_config=None,
+        return_sampling_mask=False,
+        original_max_model_len=max_len,
         max_model_len=max_len,
         revision=None,
         code_revision=None,
@@ -80,6 +84,19 @@ def build_vllm_config(start: dict[str, Any]) -> Any:
     vllm_config.cache_config.num_gpu_blocks = spec.num_blocks
     vllm_config.cache_config.kv_cache_layout = "LBHNC"
     return vllm_config
+
+
+class _NoGrammar:
+    """No structured output in these requests: every token is acceptable."""
+
+    def accept_tokens(self, *_a: Any) -> bool:
+        return True
+
+    def validate_tokens(self, _request: Any, tokens: list[int]) -> list[int]:
+        return tokens
+
+    def grammar_bitmask(self, *_a: Any, **_k: Any) -> None:
+        return None
 
 
 class EnginePart:
@@ -106,9 +123,7 @@ class EnginePart:
         self.scheduler = Scheduler(
             vllm_config=self.vllm_config,
             kv_cache_config=kv_cache_config,
-            structured_output_manager=SimpleNamespace(
-                should_advance=lambda *_a: False, grammar_init=lambda *_a: None
-            ),
+            structured_output_manager=_NoGrammar(),
             block_size=self.spec.block_tokens,
         )
         self.worker = KVConnectorFactory.create_connector(

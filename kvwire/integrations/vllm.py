@@ -213,7 +213,7 @@ class _SchedulerSide:
         ):
             self.meta.to_abort.append(rid)
             return False, None
-        groups = [list(g) for g in block_ids]
+        groups = _groups(block_ids)
         if not any(groups):
             return False, None
         self.meta.to_send[rid] = (groups, int(request.num_computed_tokens))
@@ -246,6 +246,15 @@ class _SchedulerSide:
 
     def close(self) -> None:
         self.listener.close()
+
+
+def _groups(block_ids: Any) -> BlockIds:
+    """vLLM hands a connector without hybrid-manager support one group's flat id list;
+    the params (vLLM's own format) carry a list per group."""
+    ids = list(block_ids)
+    if ids and not isinstance(ids[0], int):
+        return [[int(b) for b in group] for group in ids]
+    return [[int(b) for b in ids]]
 
 
 def _layer_geometry(
