@@ -148,7 +148,7 @@ class EnginePart:
         assert sched_connector is not None
         if handshake is None:  # stock NixlConnector keeps it on its worker object
             handshake = self.worker.connector_worker.xfer_handshake_metadata
-        sched_connector.set_xfer_handshake_metadata({0: handshake})
+        sched_connector.set_xfer_handshake_metadata_pp_aware({(0, 0): handshake})
         self.index: dict[str, int] = {}
         self.outputs: dict[str, Any] = {}
         self.checked: dict[str, tuple[int, int]] = {}

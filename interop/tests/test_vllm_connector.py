@@ -66,3 +66,32 @@ def test_pull_shm_bytes_checked(shm_pull: Any) -> None:
     assert checked > 0 and wrong == 0
     assert "req-a" in state["received"]
     assert p.peer.call({"op": "state"})["free_blocks"] == free_p
+
+
+def test_prefix_hit_on_d(shm_pull: Any) -> None:
+    """A second request repeating the first's prompt and more: D's own prefix cache covers
+    the shared full blocks, only the rest is fetched, and the whole prompt checks."""
+    p, d = shm_pull
+    transfer(p, d, "req-b", 5, 64)
+    state = transfer(p, d, "req-b2", 5, TOKENS)
+    wrong, checked = state["checked"]["req-b2"]
+    assert checked > 0 and wrong == 0
+
+
+PAIRS = {
+    "kvwire-nixl": ("KVWireConnector", "KVWireConnector"),
+    "stock-P-kvwire-D": ("NixlConnector", "KVWireConnector"),
+    "kvwire-P-stock-D": ("KVWireConnector", "NixlConnector"),
+}
+
+
+@pytest.mark.parametrize("pair", sorted(PAIRS))
+def test_pull_nixl(zygote: Zygote, pair: str) -> None:
+    """Real NIXL between the engines; the mixed pairs are a stock vLLM NixlConnector engine
+    on one side and KVWireConnector on the other, each built by vLLM's factory."""
+    p_conn, d_conn = PAIRS[pair]
+    for p, d in _pair(zygote, p_conn, d_conn, {"transport": "nixl"}):
+        state = transfer(p, d, "req-n", 9, TOKENS)
+        assert "req-n" in state["checked"], (state["invalid"], d.peer.log[-3:])
+        wrong, checked = state["checked"]["req-n"]
+        assert checked > 0 and wrong == 0

@@ -23,6 +23,7 @@ This module imports vLLM and torch; nothing in kvwire's core imports it (extra `
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -53,6 +54,9 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 BlockIds = list[list[int]]
+
+# Under vLLM's logger, so a vLLM deployment's logging configuration shows it.
+log = logging.getLogger("vllm.kvwire")
 
 
 @dataclass
@@ -353,6 +357,7 @@ class _WorkerSide:
             got = self.consumer.get_finished()
             received = set(got.done)
             for rid, failure in got.failed.items():
+                log.warning("KV of %s not received (%s): %s", rid, failure.reason, failure.detail)
                 received.add(rid)
                 for group in failure.invalid_block_ids:
                     self.invalid.update(group)
