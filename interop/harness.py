@@ -346,7 +346,9 @@ class SchedulerEngine:
         self.peer = Peer(start, zygote, env)
         self.state: dict[str, Any] = {}
 
-    def add(self, rid: str, index: int, num_tokens: int, params: dict[str, Any] | None = None) -> None:
+    def add(
+        self, rid: str, index: int, num_tokens: int, params: dict[str, Any] | None = None
+    ) -> None:
         self.peer.call({"op": "add", "rid": rid, "index": index, "num_tokens": num_tokens,
                         "params": params or {}})  # fmt: skip
 

@@ -19,10 +19,9 @@ from typing import Any
 
 import numpy as np
 import torch
+import vllm_peer
 
 from kvwire.demo.content import count_wrong_bytes, fill, scribble
-
-import vllm_peer  # noqa: E402  (interop/ is on sys.path: the zygote runs from there)
 
 
 def build_vllm_config(start: dict[str, Any]) -> Any:

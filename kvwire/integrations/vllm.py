@@ -481,9 +481,7 @@ class KVWireConnector(KVConnectorBase_V1):  # type: ignore[misc]
     def wait_for_save(self) -> None:
         """See :meth:`save_kv_layer`."""
 
-    def get_finished(
-        self, finished_req_ids: set[str]
-    ) -> tuple[set[str] | None, set[str] | None]:
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return self._work().finished()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
