@@ -14,11 +14,11 @@ TOKENS = 100  # 3 full blocks + a partial one (32-token blocks)
 
 
 def _pair(
-    zygote: Zygote, p_conn: str, d_conn: str, extra: dict[str, Any]
+    zygote: Zygote, p_conn: str, d_conn: str, extra: dict[str, Any], mode: str = "pull"
 ) -> Iterator[tuple[SchedulerEngine, SchedulerEngine]]:
-    p = SchedulerEngine("P", p_conn, zygote, extra_config=extra)
+    p = SchedulerEngine("P", p_conn, zygote, extra_config=extra, mode=mode)
     try:
-        d = SchedulerEngine("D", d_conn, zygote, extra_config=extra)
+        d = SchedulerEngine("D", d_conn, zygote, extra_config=extra, mode=mode)
     except BaseException:
         p.close()
         raise
@@ -88,4 +88,28 @@ def test_pull_nixl(zygote: Zygote, pair: str) -> None:
         state = transfer(p, d, "req-n", 9, TOKENS)
         assert "req-n" in state["checked"], (state["invalid"], d.peer.log[-3:])
         wrong, checked = state["checked"]["req-n"]
+        assert checked > 0 and wrong == 0
+
+
+PUSH = {
+    "kvwire-shm": ("KVWireConnector", "KVWireConnector", "shm"),
+    "kvwire-nixl": ("KVWireConnector", "KVWireConnector", "nixl"),
+    "stock-P-kvwire-D": ("NixlConnector", "KVWireConnector", "nixl"),
+    "kvwire-P-stock-D": ("KVWireConnector", "NixlConnector", "nixl"),
+}
+
+
+@pytest.mark.parametrize("pair", sorted(PUSH))
+def test_push(zygote: Zygote, pair: str) -> None:
+    """Push: D registers its blocks with P, P's worker WRITEs them."""
+    p_conn, d_conn, transport = PUSH[pair]
+    extra: dict[str, Any] = {"transport": transport}
+    if transport == "nixl":
+        # vLLM's agents keep UCX's peer error handling; in push both sides open an
+        # endpoint to the other, which a kvwire agent in its default mode (none) cannot.
+        extra["transport_options"] = {"backend_options": {"ucx_error_handling_mode": "peer"}}
+    for p, d in _pair(zygote, p_conn, d_conn, extra, "push"):
+        state = transfer(p, d, "req-w", 11, TOKENS)
+        assert "req-w" in state["checked"], (state["invalid"], d.peer.log[-3:], p.peer.log[-3:])
+        wrong, checked = state["checked"]["req-w"]
         assert checked > 0 and wrong == 0
