@@ -125,6 +125,10 @@ class EnginePart:
             structured_output_manager=_NoGrammar(),
             block_size=self.spec.block_tokens,
         )
+        self.hits: dict[str, int] = {}
+        manager = self.scheduler.kv_cache_manager
+        for name in ("get_computed_blocks", "get_computed_blocks_for_connector"):
+            setattr(manager, name, self._counted(getattr(manager, name)))
         self.worker = KVConnectorFactory.create_connector(
             self.vllm_config, KVConnectorRole.WORKER, kv_cache_config
         )
@@ -155,6 +159,15 @@ class EnginePart:
         self.received: set[str] = set()
         self.invalid: set[int] = set()
         self.connector_class = type(sched_connector).__name__
+
+    def _counted(self, lookup: Any) -> Any:
+        def counted(request: Any) -> Any:
+            """The local prefix-cache hit of each request (tokens), as the scheduler saw it."""
+            found = lookup(request)
+            self.hits[request.request_id] = int(found[1])
+            return found
+
+        return counted
 
     # -- the engine loop --------------------------------------------------------------
     def step(self) -> None:
@@ -223,9 +236,12 @@ class EnginePart:
             params = dict(cmd.get("params") or {})
             if self.start_role == "P":
                 params.setdefault("do_remote_decode", True)
+            # Token ids derive from the content index: requests of one index share a
+            # prefix (and may hit the prefix cache), requests of different ones do not.
+            first = int(cmd["index"]) * 1_000_000
             req = Request(
                 rid,
-                list(range(int(cmd["num_tokens"]))),
+                list(range(first, first + int(cmd["num_tokens"]))),
                 SamplingParams(max_tokens=1),
                 None,
                 block_hasher=self.hasher,
@@ -243,6 +259,13 @@ class EnginePart:
             for _ in range(int(cmd.get("n", 1))):
                 self.step()
             return self.state()
+        if op == "debug":
+            side = self.worker._worker.endpoint
+            return {
+                "machine": side.machine_stats(),
+                "errors": side.errors,
+                "metrics": side.metrics.snapshot()["totals"],
+            }
         if op == "state":
             return self.state()
         raise ValueError(f"unknown op {op!r}")
@@ -251,6 +274,7 @@ class EnginePart:
         return {
             "outputs": self.outputs,
             "checked": {k: list(v) for k, v in self.checked.items()},
+            "hits": self.hits,
             "sent": sorted(self.sent),
             "received": sorted(self.received),
             "invalid": sorted(self.invalid),

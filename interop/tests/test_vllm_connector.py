@@ -42,6 +42,12 @@ def transfer(
     p.add(rid, index, tokens)
     wait_until(lambda: rid in p.state.get("outputs", {}), p.step, 30, f"P to finish {rid}")
     params = p.state["outputs"][rid]
+    # KNOWN GAP: vLLM returns P's params in the step that finishes the request, while P's
+    # worker starts holding the blocks one step later (the metadata of the next step); a
+    # completion that reaches kvwire's producer before that hold is dropped (the machine
+    # counts it as completions_unknown) and the blocks wait for the lease. vLLM's own worker
+    # counts such early notifications. Until kvwire's producer does, P steps once more here.
+    p.step()
     assert params["do_remote_prefill"] and params["remote_request_id"] == rid
     d.add(rid, index, tokens, params)
 
@@ -70,6 +76,18 @@ def test_pull_shm_bytes_checked(shm_pull: Any) -> None:
     assert checked > 0 and wrong == 0
     assert "req-a" in state["received"]
     assert p.peer.call({"op": "state"})["free_blocks"] == free_p
+
+
+def test_prefix_hit_on_d(shm_pull: Any) -> None:
+    """A request repeating an earlier prompt and more: D's own prefix cache covers the
+    shared full blocks, only the rest is fetched, and the whole prompt checks."""
+    p, d = shm_pull
+    first = transfer(p, d, "req-b", 5, 64)
+    assert first["checked"]["req-b"][0] == 0
+    state = transfer(p, d, "req-b2", 5, TOKENS)
+    wrong, checked = state["checked"]["req-b2"]
+    assert checked > 0 and wrong == 0
+    assert state["hits"]["req-b2"] == 64  # two full blocks were D's own
 
 
 PAIRS = {
