@@ -43,10 +43,10 @@ def transfer(
     wait_until(lambda: rid in p.state.get("outputs", {}), p.step, 30, f"P to finish {rid}")
     params = p.state["outputs"][rid]
     # KNOWN GAP: vLLM returns P's params in the step that finishes the request, while P's
-    # worker starts holding the blocks one step later (the metadata of the next step); a
-    # completion that reaches kvwire's producer before that hold is dropped (the machine
-    # counts it as completions_unknown) and the blocks wait for the lease. vLLM's own worker
-    # counts such early notifications. Until kvwire's producer does, P steps once more here.
+    # worker starts holding the blocks one step later (the next step's metadata). A
+    # completion reaching kvwire's producer machine before that hold is dropped (counted
+    # as completions_unknown) and the blocks wait for the lease; vLLM's own worker counts
+    # such early completions. Until kvwire's producer machine does, P steps once more here.
     p.step()
     assert params["do_remote_prefill"] and params["remote_request_id"] == rid
     d.add(rid, index, tokens, params)

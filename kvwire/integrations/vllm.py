@@ -77,6 +77,9 @@ class KVWireMetadata(KVConnectorMetadata):
     """D: requests to fetch, with P's params and the local blocks to fill (may be empty:
     a full local prefix hit still tells P it may free)."""
     to_abort: list[str] = field(default_factory=list)
+    started: list[str] = field(default_factory=list)
+    """P: requests scheduled for prefill; their producer knows them from here (an abort
+    before the prefill ends is then the machine's to forget)."""
 
 
 class KVWireStats(KVConnectorStats):  # type: ignore[misc]
@@ -162,6 +165,7 @@ class _SchedulerSide:
         ).start()
         self.meta = KVWireMetadata()
         self.sending: set[str] = set()
+        self.started: set[str] = set()
 
     @property
     def port(self) -> int:
@@ -187,6 +191,11 @@ class _SchedulerSide:
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
         params = request.kv_transfer_params
+        if params and params.get("do_remote_decode"):
+            if request.request_id not in self.started:  # once, not per prefill chunk
+                self.started.add(request.request_id)
+                self.meta.started.append(request.request_id)
+            return
         if not params or not params.get("do_remote_prefill"):
             return
         local: BlockIds = []
@@ -204,6 +213,7 @@ class _SchedulerSide:
         if not params:
             return False, None
         rid = request.request_id
+        self.started.discard(rid)
         if params.get("do_remote_prefill"):
             # D: never allocated (aborted while queued): P must still free its blocks.
             self.meta.to_recv[rid] = (dict(params), [])
@@ -334,6 +344,9 @@ class _WorkerSide:
 
     def start(self, meta: KVWireMetadata) -> None:
         if self.producer is not None:
+            for rid in meta.started:
+                if rid not in meta.to_send:
+                    self.producer.request_started(rid)
             for rid, (groups, num_tokens) in meta.to_send.items():
                 self.producer.prefill_finished(rid, groups, num_tokens=num_tokens)
                 self.sending.add(rid)
