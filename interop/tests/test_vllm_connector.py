@@ -90,6 +90,23 @@ def test_prefix_hit_on_d(shm_pull: Any) -> None:
     assert state["hits"]["req-b2"] == 64  # two full blocks were D's own
 
 
+def test_abort_on_d_while_loading(shm_pull: Any) -> None:
+    """D aborts a request whose KV is in flight: vLLM holds its blocks until the connector
+    reports the request received, and then every block is free again."""
+    p, d = shm_pull
+    free_d = d.peer.call({"op": "state"})["free_blocks"]
+    p.add("req-x", 13, TOKENS)
+    wait_until(lambda: "req-x" in p.state.get("outputs", {}), p.step, 30, "P to finish req-x")
+    d.add("req-x", 13, TOKENS, p.state["outputs"]["req-x"])
+    d.step()
+    d.abort("req-x")
+    wait_until(
+        lambda: "req-x" in d.state.get("received", []) and d.state["free_blocks"] == free_d,
+        d.step, 30, "D to end req-x and free its blocks",
+    )  # fmt: skip
+    assert "req-x" not in d.state["checked"]  # never computed
+
+
 PAIRS = {
     "kvwire-nixl": ("KVWireConnector", "KVWireConnector"),
     "stock-P-kvwire-D": ("NixlConnector", "KVWireConnector"),

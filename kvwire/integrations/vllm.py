@@ -166,6 +166,9 @@ class _SchedulerSide:
         self.meta = KVWireMetadata()
         self.sending: set[str] = set()
         self.started: set[str] = set()
+        self.loading: set[str] = set()
+        """D: requests whose KV is being fetched (vLLM holds their blocks until the
+        worker reports them received, aborted ones included)."""
 
     @property
     def port(self) -> int:
@@ -201,6 +204,7 @@ class _SchedulerSide:
         local: BlockIds = []
         if num_external_tokens > 0:
             local = [list(g) for g in blocks.get_unhashed_block_ids_all_groups()]
+            self.loading.add(request.request_id)
         self.meta.to_recv[request.request_id] = (dict(params), local)
         params["do_remote_prefill"] = False  # one transfer per request
 
@@ -214,6 +218,11 @@ class _SchedulerSide:
             return False, None
         rid = request.request_id
         self.started.discard(rid)
+        if rid in self.loading:
+            # D: aborted while its KV is in flight; the worker ends the fetch and reports
+            # the request received, which is when vLLM frees its blocks.
+            self.meta.to_abort.append(rid)
+            return False, None
         if params.get("do_remote_prefill"):
             # D: never allocated (aborted while queued): P must still free its blocks.
             self.meta.to_recv[rid] = (dict(params), [])
@@ -257,6 +266,7 @@ class _SchedulerSide:
 
     def update_output(self, output: KVConnectorOutput) -> None:
         self.sending -= set(output.finished_sending or ())
+        self.loading -= set(output.finished_recving or ())
 
     def close(self) -> None:
         self.listener.close()
