@@ -60,7 +60,7 @@ log = logging.getLogger("vllm.kvwire")
 
 
 @dataclass
-class KVWireHandshake(KVConnectorHandshakeMetadata):
+class KVWireHandshake(KVConnectorHandshakeMetadata):  # type: ignore[misc]
     """One worker's handshake answer, as kvwire encodes it; the scheduler's listener
     serves it to peers at (pp, tp)."""
 
@@ -68,7 +68,7 @@ class KVWireHandshake(KVConnectorHandshakeMetadata):
 
 
 @dataclass
-class KVWireMetadata(KVConnectorMetadata):
+class KVWireMetadata(KVConnectorMetadata):  # type: ignore[misc]
     """What the scheduler side tells every worker in one step."""
 
     to_send: dict[str, tuple[BlockIds, int]] = field(default_factory=dict)
@@ -85,6 +85,8 @@ class KVWireMetadata(KVConnectorMetadata):
 class KVWireStats(KVConnectorStats):  # type: ignore[misc]
     """The runtime's counters for vLLM's stats logger (a snapshot, so aggregation keeps the
     latest)."""
+
+    data: dict[str, Any]
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         self.data = dict(other.data) or self.data
