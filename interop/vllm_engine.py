@@ -14,6 +14,7 @@ D's blocks the moment D would first read them, and samples one token per request
 
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 from typing import Any
 
@@ -83,6 +84,11 @@ def build_vllm_config(start: dict[str, Any]) -> Any:
     vllm_config.cache_config.num_gpu_blocks = spec.num_blocks
     vllm_config.cache_config.kv_cache_layout = "LBHNC"
     return vllm_config
+
+
+def _starts_loads(meta: Any) -> bool:
+    """Whether this step's metadata starts a fetch (either connector's)."""
+    return bool(getattr(meta, "to_recv", None) or getattr(meta, "reqs_to_recv", None))
 
 
 class _NoGrammar:
@@ -159,6 +165,8 @@ class EnginePart:
         self.received: set[str] = set()
         self.invalid: set[int] = set()
         self.connector_class = type(sched_connector).__name__
+        self.load_calls: list[float] = []
+        """D: seconds each start_load_kv that began fetches took (where posts happen)."""
 
     def _counted(self, lookup: Any) -> Any:
         def counted(request: Any) -> Any:
@@ -179,7 +187,10 @@ class EnginePart:
         w = self.worker
         if meta is not None:
             w.bind_connector_metadata(meta)
+        began = time.perf_counter()
         w.start_load_kv(None)
+        if meta is not None and self.start_role == "D" and _starts_loads(meta):
+            self.load_calls.append(time.perf_counter() - began)
         req_ids: list[str] = []
         for new in out.scheduled_new_reqs:
             req_ids.append(new.req_id)
@@ -266,6 +277,10 @@ class EnginePart:
                 "errors": side.errors,
                 "metrics": side.metrics.snapshot()["totals"],
             }
+        if op == "stats":
+            stats = self.worker.get_kv_connector_stats()
+            data = dict(stats.data) if stats is not None else {}
+            return {"stats": data, "load_calls": self.load_calls}
         if op == "state":
             return self.state()
         raise ValueError(f"unknown op {op!r}")

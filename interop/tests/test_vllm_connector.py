@@ -75,6 +75,8 @@ def test_pull_shm_bytes_checked(shm_pull: Any) -> None:
     wrong, checked = state["checked"]["req-a"]
     assert checked > 0 and wrong == 0
     assert "req-a" in state["received"]
+    stats = d.peer.call({"op": "stats"})["stats"]  # what vLLM's stats logger gets
+    assert stats["descriptors"] > 0 and stats["requests_done"] >= 1
     assert p.peer.call({"op": "state"})["free_blocks"] == free_p
 
 
