@@ -320,7 +320,10 @@ class SchedulerEngine:
         extra_config: dict[str, Any] | None = None,
         lease: int = 30,
         mode: str = "pull",
+        engine_id: str | None = None,
+        port: int | None = None,
     ) -> None:
+        """``engine_id`` and ``port``: a restarted engine keeps its predecessor's."""
         self.role = role
         extra_config = dict(extra_config or {})
         if connector == "KVWireConnector":
@@ -328,8 +331,8 @@ class SchedulerEngine:
         elif mode == "push":
             connector = "NixlPushConnector"
         self.geo = geo or Geometry()
-        self.engine_id = f"{connector}-{role}-{os.getpid()}-{free_port()}"
-        self.port = free_port()
+        self.engine_id = engine_id or f"{connector}-{role}-{os.getpid()}-{free_port()}"
+        self.port = port or free_port()
         env = {
             "VLLM_TARGET_DEVICE": "cpu",
             "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",

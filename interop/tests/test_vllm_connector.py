@@ -55,10 +55,16 @@ def transfer(
         d.step()
         p.step()
 
-    wait_until(
-        lambda: rid in d.state.get("outputs", {}) and rid in p.state.get("sent", []),
-        both, 30, f"D to finish {rid} and P to free it",
-    )  # fmt: skip
+    try:
+        wait_until(
+            lambda: rid in d.state.get("outputs", {}) and rid in p.state.get("sent", []),
+            both, 30, f"D to finish {rid} and P to free it",
+        )  # fmt: skip
+    except TimeoutError as exc:
+        raise TimeoutError(
+            f"{exc}; D: {d.peer.call({'op': 'stats'})}, {d.peer.log[-3:]}; "
+            f"P: {p.peer.call({'op': 'stats'})}, {p.peer.log[-3:]}"
+        ) from None
     return d.state
 
 
@@ -107,6 +113,38 @@ def test_abort_on_d_while_loading(shm_pull: Any) -> None:
         d.step, 30, "D to end req-x and free its blocks",
     )  # fmt: skip
     assert "req-x" not in d.state["checked"]  # never computed
+
+
+def test_p_restart(zygote: Zygote) -> None:
+    """P's engine dies and comes back under the same engine id and side-channel port (new
+    NIXL agent, new memory). D's first READ after the restart hits the dead agent: that
+    request ends as a load failure (its blocks reported to vLLM, nothing read stale); D
+    forgets the lost peer, re-handshakes, and the next request's bytes check."""
+    extra = {"transport": "nixl"}
+    p = SchedulerEngine("P", "KVWireConnector", zygote, extra_config=extra)
+    d = SchedulerEngine("D", "KVWireConnector", zygote, extra_config=extra)
+    try:
+        state = transfer(p, d, "req-r1", 17, TOKENS)
+        assert state["checked"]["req-r1"][0] == 0
+        p.close()
+        p = SchedulerEngine(
+            "P", "KVWireConnector", zygote, extra_config=extra, engine_id=p.engine_id, port=p.port
+        )
+        p.add("req-r2", 19, TOKENS)
+        wait_until(lambda: "req-r2" in p.state.get("outputs", {}), p.step, 30, "P")
+        p.step()
+        d.add("req-r2", 19, TOKENS, p.state["outputs"]["req-r2"])
+        wait_until(lambda: "req-r2" in d.state.get("outputs", {}), d.step, 30, "D to end r2")
+        first = d.state
+        assert "req-r2" in first["received"]
+        if "req-r2" not in first["checked"]:  # failed: vLLM was told which blocks
+            assert first["invalid"]
+        state = transfer(p, d, "req-r3", 21, TOKENS)
+        wrong, checked = state["checked"]["req-r3"]
+        assert checked > 0 and wrong == 0
+    finally:
+        d.close()
+        p.close()
 
 
 PAIRS = {
