@@ -322,8 +322,11 @@ class SchedulerEngine:
         mode: str = "pull",
         engine_id: str | None = None,
         port: int | None = None,
+        scheduler: dict[str, int] | None = None,
     ) -> None:
-        """``engine_id`` and ``port``: a restarted engine keeps its predecessor's."""
+        """``engine_id`` and ``port``: a restarted engine keeps its predecessor's;
+        ``scheduler``: ``batch_tokens`` (tokens per step) and ``chunk_tokens`` (per request
+        per step), to make chunked prefills compete for blocks."""
         self.role = role
         extra_config = dict(extra_config or {})
         if connector == "KVWireConnector":
@@ -344,7 +347,7 @@ class SchedulerEngine:
             "engine_id": self.engine_id, "tp_size": 1, "model": self.geo.model,
             "layers": self.geo.layers, "num_blocks": self.geo.num_blocks,
             "block_size": self.geo.block_size, "lease": lease, "hma": False,
-            "mode": mode, "extra_config": extra_config,
+            "mode": mode, "extra_config": extra_config, **(scheduler or {}),
         }  # fmt: skip
         self.peer = Peer(start, zygote, env)
         self.state: dict[str, Any] = {}

@@ -52,7 +52,9 @@ def build_vllm_config(start: dict[str, Any]) -> Any:
     vllm_config = VllmConfig(
         scheduler_config=SchedulerConfig(
             max_num_seqs=16,
-            max_num_batched_tokens=max_len,
+            max_num_batched_tokens=int(start.get("batch_tokens") or max_len),
+            long_prefill_token_threshold=int(start.get("chunk_tokens") or 0),
+            enable_chunked_prefill=True,
             max_model_len=max_len,
             is_encoder_decoder=False,
             disable_hybrid_kv_cache_manager=True,
@@ -165,6 +167,7 @@ class EnginePart:
         self.received: set[str] = set()
         self.invalid: set[int] = set()
         self.connector_class = type(sched_connector).__name__
+        self.requests: dict[str, Any] = {}
         self.load_calls: list[float] = []
         """D: seconds each start_load_kv that began fetches took (where posts happen)."""
 
@@ -210,8 +213,9 @@ class EnginePart:
         sampled = []
         for rid in req_ids:
             req = self.scheduler.requests[rid]
-            done = out.num_scheduled_tokens[rid] + req.num_computed_tokens >= req.num_tokens
-            sampled.append([7] if done else [])
+            # schedule() already counted this step's tokens as computed: a token is
+            # sampled once the whole prompt has been (a partial prefill samples none).
+            sampled.append([7] if req.num_computed_tokens >= req.num_tokens else [])
         runner = ModelRunnerOutput(
             req_ids=req_ids,
             req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
@@ -260,6 +264,7 @@ class EnginePart:
             req.kv_transfer_params = params
             self.index[rid] = int(cmd["index"])
             self.scheduler.add_request(req)
+            self.requests[rid] = req
             return {}
         if op == "abort":
             from vllm.v1.request import RequestStatus
@@ -290,6 +295,7 @@ class EnginePart:
             "outputs": self.outputs,
             "checked": {k: list(v) for k, v in self.checked.items()},
             "hits": self.hits,
+            "preemptions": {rid: r.num_preemptions for rid, r in self.requests.items()},
             "sent": sorted(self.sent),
             "received": sorted(self.received),
             "invalid": sorted(self.invalid),

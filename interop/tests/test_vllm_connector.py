@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from harness import SchedulerEngine, Zygote, wait_until
+from harness import Geometry, SchedulerEngine, Zygote, wait_until
 
 TOKENS = 100  # 3 full blocks + a partial one (32-token blocks)
 
@@ -142,6 +142,44 @@ def test_p_restart(zygote: Zygote) -> None:
         state = transfer(p, d, "req-r3", 21, TOKENS)
         wrong, checked = state["checked"]["req-r3"]
         assert checked > 0 and wrong == 0
+    finally:
+        d.close()
+        p.close()
+
+
+def test_preemption_on_p(zygote: Zygote) -> None:
+    """Two prompts prefill in 32-token chunks on a P with five usable blocks: vLLM's
+    scheduler preempts the second (its blocks freed, its prefill restarted), which then
+    waits for the blocks the first holds for D. Both reach D with checked bytes."""
+    extra = {"transport": "shm"}
+    small = Geometry(num_blocks=6)  # block 0 is vLLM's null block
+    chunks = {"batch_tokens": 64, "chunk_tokens": 32}
+    p = SchedulerEngine("P", "KVWireConnector", zygote, geo=small, extra_config=extra,
+                        scheduler=chunks)  # fmt: skip
+    d = SchedulerEngine("D", "KVWireConnector", zygote, extra_config=extra)
+    try:
+        p.add("req-p1", 23, TOKENS)
+        p.add("req-p2", 29, TOKENS)
+
+        def both() -> None:
+            p.step()
+            for rid in ("req-p1", "req-p2"):
+                params = p.state["outputs"].get(rid)
+                if params is not None and rid not in forwarded:
+                    forwarded.add(rid)
+                    p.step()  # P's worker holds the blocks first (see transfer())
+                    d.add(rid, 23 if rid == "req-p1" else 29, TOKENS, params)
+            d.step()
+
+        forwarded: set[str] = set()
+        wait_until(
+            lambda: {"req-p1", "req-p2"} <= set(d.state.get("checked", {})),
+            both, 60, "both prompts to reach D",
+        )  # fmt: skip
+        assert p.state["preemptions"]["req-p2"] >= 1
+        for rid in ("req-p1", "req-p2"):
+            wrong, checked = d.state["checked"][rid]
+            assert checked > 0 and wrong == 0, rid
     finally:
         d.close()
         p.close()
