@@ -26,12 +26,17 @@ from harness import Geometry, SchedulerEngine, Zygote, wait_until
 CONNECTORS = ("NixlConnector", "KVWireConnector")
 
 
-def run_pair(zygote: Zygote, connector: str, geo: Geometry, tokens: int) -> dict[str, Any]:
+def run_pair(
+    zygote: Zygote, connector: str, geo: Geometry, tokens: int, fragment: bool
+) -> dict[str, Any]:
     extra = {"transport": "nixl"}
     p = SchedulerEngine("P", connector, zygote, geo=geo, extra_config=extra, lease=120)
     try:
         d = SchedulerEngine("D", connector, zygote, geo=geo, extra_config=extra, lease=120)
         try:
+            if fragment:
+                p.peer.call({"op": "fragment", "seed": 1})
+                d.peer.call({"op": "fragment", "seed": 2})
             p.add("bench", 1, tokens)
             wait_until(lambda: "bench" in p.state.get("outputs", {}), p.step, 300, "P")
             p.step()  # P's worker holds the blocks (see docs/vllm.md, the known gap)
@@ -70,6 +75,11 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--layers", type=int, default=80)
     parser.add_argument("--json", action="store_true", help="one JSON object per connector")
+    parser.add_argument(
+        "--fragment",
+        action="store_true",
+        help="shuffle both engines' free-block order first (a long-running engine's pool)",
+    )
     args = parser.parse_args()
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     block = 32
@@ -81,7 +91,7 @@ def main() -> int:
     )
     zygote = Zygote(sys.executable)
     try:
-        rows = [run_pair(zygote, c, geo, args.tokens) for c in CONNECTORS]
+        rows = [run_pair(zygote, c, geo, args.tokens, args.fragment) for c in CONNECTORS]
     finally:
         zygote.close()
     if args.json:
@@ -91,6 +101,7 @@ def main() -> int:
     print(
         f"70B geometry ({args.layers} layers, 8 KV heads, head dim 128, bf16), "
         f"{args.tokens} tokens, DRAM, NIXL (UCX), one request"
+        + (", fragmented block pools" if args.fragment else ", fresh (contiguous) block pools")
     )
     print(f"{'connector':<16} {'descriptors':>11} {'post ms':>9} {'start_load_kv ms':>17} bytes")
     for r in rows:

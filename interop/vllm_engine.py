@@ -282,6 +282,14 @@ class EnginePart:
                 "errors": side.errors,
                 "metrics": side.metrics.snapshot()["totals"],
             }
+        if op == "fragment":
+            # A long-running engine's pool: free blocks come back in no particular order.
+            # Reorders vLLM's free-block queue (the order it allocates in) with a seed.
+            queue = self.scheduler.kv_cache_manager.block_pool.free_block_queue
+            blocks = queue.popleft_n(queue.num_free_blocks)
+            np.random.default_rng(int(cmd.get("seed", 0))).shuffle(blocks)
+            queue.append_n(blocks)
+            return {}
         if op == "stats":
             stats = self.worker.get_kv_connector_stats()
             data = dict(stats.data) if stats is not None else {}
