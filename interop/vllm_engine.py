@@ -182,7 +182,6 @@ class EnginePart:
 
     # -- the engine loop --------------------------------------------------------------
     def step(self) -> None:
-        from vllm.forward_context import ForwardContext  # noqa: F401
         from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
         out = self.scheduler.schedule()

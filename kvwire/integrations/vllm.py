@@ -42,6 +42,7 @@ from kvwire.errors import ConfigError
 from kvwire.layout.geometry import BlockRegion, KVGeometry
 from kvwire.runtime import Consumer, Producer
 from kvwire.sidechannel import HandshakeListener
+from kvwire.sidechannel.advertise import advertised_host
 from kvwire.wire.compat import CompatFactors
 
 if TYPE_CHECKING:
@@ -165,6 +166,8 @@ class _SchedulerSide:
         self.listener = HandshakeListener(
             {}, host=config.side_channel_host, port=config.side_channel_port, secret=config.secret
         ).start()
+        self.host = advertised_host(config.side_channel_host, config.advertise_host)
+        """The address P's params name (a wildcard bind resolved once, here)."""
         self.meta = KVWireMetadata()
         self.sending: set[str] = set()
         self.started: set[str] = set()
@@ -251,7 +254,7 @@ class _SchedulerSide:
             "remote_block_ids": groups,
             "remote_engine_id": cfg.engine_id,
             "remote_request_id": rid,
-            "remote_host": cfg.advertise_host or cfg.side_channel_host,
+            "remote_host": self.host,
             "remote_port": self.port,
             "tp_size": cfg.tp_size,
             "dcp_size": parallel.decode_context_parallel_size,
