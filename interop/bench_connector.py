@@ -39,7 +39,6 @@ def run_pair(
                 d.peer.call({"op": "fragment", "seed": 2})
             p.add("bench", 1, tokens)
             wait_until(lambda: "bench" in p.state.get("outputs", {}), p.step, 300, "P")
-            p.step()  # P's worker holds the blocks (see docs/vllm.md, the known gap)
             d.add("bench", 1, tokens, p.state["outputs"]["bench"])
 
             def both() -> None:

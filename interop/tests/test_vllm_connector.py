@@ -42,12 +42,6 @@ def transfer(
     p.add(rid, index, tokens)
     wait_until(lambda: rid in p.state.get("outputs", {}), p.step, 30, f"P to finish {rid}")
     params = p.state["outputs"][rid]
-    # KNOWN GAP: vLLM returns P's params in the step that finishes the request, while P's
-    # worker starts holding the blocks one step later (the next step's metadata). A
-    # completion reaching kvwire's producer machine before that hold is dropped (counted
-    # as completions_unknown) and the blocks wait for the lease; vLLM's own worker counts
-    # such early completions. Until kvwire's producer machine does, P steps once more here.
-    p.step()
     assert params["do_remote_prefill"] and params["remote_request_id"] == rid
     d.add(rid, index, tokens, params)
 
@@ -84,6 +78,19 @@ def test_pull_shm_bytes_checked(shm_pull: Any) -> None:
     stats = d.peer.call({"op": "stats"})["stats"]  # what vLLM's stats logger gets
     assert stats["descriptors"] > 0 and stats["requests_done"] >= 1
     assert p.peer.call({"op": "state"})["free_blocks"] == free_p
+
+
+def test_d_done_before_p_holds(shm_pull: Any) -> None:
+    """D reads and reports before P's worker has stepped again (vLLM hands the params out a
+    step before P's worker holds the blocks): P still frees at once when it steps, not after
+    the 30 s lease."""
+    p, d = shm_pull
+    p.add("req-e", 31, TOKENS)
+    wait_until(lambda: "req-e" in p.state.get("outputs", {}), p.step, 30, "P to finish req-e")
+    d.add("req-e", 31, TOKENS, p.state["outputs"]["req-e"])
+    wait_until(lambda: "req-e" in d.state.get("outputs", {}), d.step, 30, "D, P idle")
+    assert d.state["checked"]["req-e"][0] == 0
+    wait_until(lambda: "req-e" in p.state.get("sent", []), p.step, 10, "P to free req-e")
 
 
 def test_prefix_hit_on_d(shm_pull: Any) -> None:
@@ -132,7 +139,6 @@ def test_p_restart(zygote: Zygote) -> None:
         )
         p.add("req-r2", 19, TOKENS)
         wait_until(lambda: "req-r2" in p.state.get("outputs", {}), p.step, 30, "P")
-        p.step()
         d.add("req-r2", 19, TOKENS, p.state["outputs"]["req-r2"])
         wait_until(lambda: "req-r2" in d.state.get("outputs", {}), d.step, 30, "D to end r2")
         first = d.state
@@ -167,7 +173,6 @@ def test_preemption_on_p(zygote: Zygote) -> None:
                 params = p.state["outputs"].get(rid)
                 if params is not None and rid not in forwarded:
                     forwarded.add(rid)
-                    p.step()  # P's worker holds the blocks first (see transfer())
                     d.add(rid, 23 if rid == "req-p1" else 29, TOKENS, params)
             d.step()
 
