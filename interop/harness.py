@@ -305,6 +305,70 @@ class VllmEngine:
             self.scheduler.close()
 
 
+class SchedulerEngine:
+    """A vLLM engine in one forked process (interop/vllm_engine.py): vLLM's real Scheduler
+    and a TP-1 worker, its connector (``KVWireConnector`` or ``NixlConnector``) built by
+    vLLM's KVConnectorFactory on both sides."""
+
+    def __init__(
+        self,
+        role: str,
+        connector: str,
+        zygote: Zygote,
+        *,
+        geo: Geometry | None = None,
+        extra_config: dict[str, Any] | None = None,
+        lease: int = 30,
+        mode: str = "pull",
+        engine_id: str | None = None,
+        port: int | None = None,
+        scheduler: dict[str, int] | None = None,
+    ) -> None:
+        """``engine_id`` and ``port``: a restarted engine keeps its predecessor's;
+        ``scheduler``: ``batch_tokens`` (tokens per step) and ``chunk_tokens`` (per request
+        per step), to make chunked prefills compete for blocks."""
+        self.role = role
+        extra_config = dict(extra_config or {})
+        if connector == "KVWireConnector":
+            extra_config["transfer_mode"] = mode
+        elif mode == "push":
+            connector = "NixlPushConnector"
+        self.geo = geo or Geometry()
+        self.engine_id = engine_id or f"{connector}-{role}-{os.getpid()}-{free_port()}"
+        self.port = port or free_port()
+        env = {
+            "VLLM_TARGET_DEVICE": "cpu",
+            "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+            "VLLM_NIXL_SIDE_CHANNEL_PORT": str(self.port),
+            "UCX_NET_DEVICES": os.environ.get("UCX_NET_DEVICES", "lo"),
+        }
+        start = {
+            "part": "engine", "role": role, "connector": connector,
+            "engine_id": self.engine_id, "tp_size": 1, "model": self.geo.model,
+            "layers": self.geo.layers, "num_blocks": self.geo.num_blocks,
+            "block_size": self.geo.block_size, "lease": lease, "hma": False,
+            "mode": mode, "extra_config": extra_config, **(scheduler or {}),
+        }  # fmt: skip
+        self.peer = Peer(start, zygote, env)
+        self.state: dict[str, Any] = {}
+
+    def add(
+        self, rid: str, index: int, num_tokens: int, params: dict[str, Any] | None = None
+    ) -> None:
+        self.peer.call({"op": "add", "rid": rid, "index": index, "num_tokens": num_tokens,
+                        "params": params or {}})  # fmt: skip
+
+    def abort(self, rid: str) -> None:
+        self.peer.call({"op": "abort", "rid": rid})
+
+    def step(self, n: int = 1) -> dict[str, Any]:
+        self.state = self.peer.call({"op": "step", "n": n})
+        return self.state
+
+    def close(self) -> None:
+        self.peer.close()
+
+
 def kvwire_options(
     role: str,
     mode: str,

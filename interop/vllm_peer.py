@@ -482,8 +482,13 @@ def serve(reader: Any, writer: Any) -> int:
         return 1
     os.environ.update(start.get("env") or {})
     try:
-        part: SchedulerPart | WorkerPart
-        if start["part"] == "scheduler":
+        part: Any
+        if start["part"] == "engine":
+            from vllm_engine import EnginePart
+
+            part = EnginePart(start)
+            out.send({"ok": True, "pid": os.getpid(), "log": RECORDS.take()})
+        elif start["part"] == "scheduler":
             part = SchedulerPart(start)
             out.send({"ok": True, "pid": os.getpid(), "log": RECORDS.take()})
         else:

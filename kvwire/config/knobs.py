@@ -303,6 +303,11 @@ _NOT_KNOBS = frozenset({CONFIG_FILE_VAR})
 VLLM_CONNECTORS: dict[str, str] = {"NixlConnector": "pull", "NixlPushConnector": "push"}
 """vLLM's ``kv_connector`` names kvwire stands in for, and the mode each means."""
 
+KVWIRE_CONNECTOR = "KVWireConnector"
+"""The ``kv_connector`` name of kvwire's own vLLM connector (``kvwire.integrations.vllm``):
+its mode and transport come from ``kv_connector_extra_config`` (default pull over nixl, the
+stock connector's), not from the name."""
+
 
 def _nixl_backend(raw: Any) -> dict[str, Any]:
     """vLLM's ``backends`` list (NIXL plugin names) -> the nixl transport's ``backend``."""
@@ -329,12 +334,19 @@ VLLM_EXTRA_CONFIG_KEYS: dict[str, tuple[str, Parser]] = {
     "decoder_kv_blocks_ttl": ("registration_timeout_s", _seconds),
     "backends": ("transport_options", _nixl_backend),
     "num_threads": ("transport_options", _nixl_threads),
+    "transport": ("transport", _transport),
+    "transfer_mode": ("mode", _mode),
+    "transport_options": ("transport_options", _json_object),
+    "secret_file": ("secret_file", _optional_text),
+    "coalesce": ("coalesce", _bool),
+    "handshake_timeout": ("handshake_timeout_s", _seconds),
 }
 """vLLM ``kv_connector_extra_config`` key -> (field, parser).
 
 ``decoder_kv_blocks_ttl`` counts only as vLLM uses it for push: the registration timeout
 when ``push_registration_timeout`` is absent. ``backends`` and ``num_threads`` become
-options of the ``nixl`` transport."""
+options of the ``nixl`` transport. The keys from ``transport`` on are kvwire's own (vLLM's
+connectors ignore them), read by :data:`KVWIRE_CONNECTOR` deployments."""
 
 VLLM_EXTRA_CONFIG_IGNORED = frozenset({"bidirectional_kv_xfer", "kv_recompute_threshold"})
 """Extra-config keys vLLM knows that mean nothing to kvwire (left to vLLM, not warned)."""
@@ -440,7 +452,9 @@ def vllm_layer(config: Mapping[str, Any] | str) -> dict[str, Any]:
             hint = suggest(key, known + sorted(VLLM_TRANSFER_CONFIG_IGNORED))
             _log.warning("ignoring unknown kv_transfer_config key %r%s", key, hint)
     connector = config.get("kv_connector")
-    if connector is not None:
+    if connector == KVWIRE_CONNECTOR:
+        values["transport"] = "nixl"
+    elif connector is not None:
         if connector not in VLLM_CONNECTORS:
             raise ConfigError(
                 f"kv_transfer_config['kv_connector']={connector!r}: kvwire stands in for "

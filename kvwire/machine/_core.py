@@ -73,6 +73,7 @@ class MachineStats:
         "aborts_ignored",
         "actions",
         "completions_duplicate",
+        "completions_early",
         "completions_parked",
         "completions_parked_applied",
         "completions_parked_dropped",
@@ -109,6 +110,8 @@ class MachineStats:
         self.aborts_ignored = 0
         self.actions = 0
         self.completions_duplicate = 0
+        self.completions_early = 0
+        """P: completions that came before the engine's PrefillFinished (counted, applied)."""
         self.completions_parked = 0
         """Push write notifications held for a request not yet awaiting writes."""
         self.completions_parked_applied = 0

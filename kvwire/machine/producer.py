@@ -211,6 +211,9 @@ class ProducerMachine(MachineCore):
             req.deadline = rebase_deadline(event.lease_deadline, event.scheduler_clock, now)
         else:
             req.deadline = now + self.config.lease_s
+        if req.needed and len(req.senders) >= req.needed:
+            self._free(req, FreeReason.SENT, out)  # every consumer read before the hold
+            return
         self._move(req, PRODUCER, "leased")
         self._arm(req.deadline, T_LEASE, req)
         if self.config.mode is TransferMode.PUSH:
@@ -274,8 +277,9 @@ class ProducerMachine(MachineCore):
             self.stats.completions_unknown += 1
             return
         state = req.state
+        early = state is S.PREFILLING
         if self.config.mode is not TransferMode.PULL or (
-            state is not S.LEASED and state is not S.QUARANTINED
+            state is not S.LEASED and state is not S.QUARANTINED and not early
         ):
             self.stats.notifications_unexpected += 1
             return
@@ -288,6 +292,9 @@ class ProducerMachine(MachineCore):
         # same, and vLLM's P trusts it), so the count is the sender's to set.
         if not req.needed:
             req.needed = msg.count
+        if early:
+            self.stats.completions_early += 1
+            return  # _on_prefill_finished frees at once if every sender has reported
         if len(req.senders) >= req.needed:
             # After the lease ran out the reads are over, but the lease was still missed.
             self._free(req, FreeReason.SENT if state is S.LEASED else FreeReason.EXPIRED, out)

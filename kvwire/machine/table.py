@@ -227,6 +227,10 @@ PRODUCER: dict[tuple[ProducerState, Trigger], dict[str, ProducerState]] = {
     },
     # Nothing is held yet: the engine frees its own blocks and the request is forgotten.
     (P.PREFILLING, Abort): {"forgotten": P.ABSENT},
+    # A consumer's completion can overtake the engine's PrefillFinished (vLLM hands out P's
+    # params a step before its worker holds the blocks): counted; the hold then frees at
+    # once if every sender has reported.
+    (P.PREFILLING, NotificationReceived): {"": P.PREFILLING},
     (P.LEASED, NotificationReceived): {
         "": P.LEASED,
         "wait_peer": P.WAIT_PEER,

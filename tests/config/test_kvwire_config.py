@@ -250,7 +250,10 @@ def test_decoder_kv_blocks_ttl_is_the_registration_timeout_when_alone() -> None:
     assert config.registration_timeout_s == 300
 
 
-def test_every_vllm_key_changes_something() -> None:
+def test_every_vllm_key_changes_something(tmp_path: Path) -> None:
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"s" * 32)
+    secret.chmod(0o600)
     samples: dict[str, Any] = {
         "kv_lease_duration": 45,
         "enforce_handshake_compat": False,
@@ -259,11 +262,28 @@ def test_every_vllm_key_changes_something() -> None:
         "decoder_kv_blocks_ttl": 480,
         "backends": ["POSIX"],
         "num_threads": 2,
+        "transport": "nixl",  # the default is shm
+        "transfer_mode": "push",
+        "transport_options": {"backend": "POSIX"},
+        "secret_file": str(secret),
+        "coalesce": False,
+        "handshake_timeout": 2,
     }
     assert set(samples) == set(VLLM_EXTRA_CONFIG_KEYS)
     for key, value in samples.items():
         changed = cfg(kv_transfer_config={"kv_connector_extra_config": {key: value}})
         assert changed != cfg(), key
+
+
+def test_kvwire_connector_name_takes_mode_and_transport_from_extra_config() -> None:
+    """kvwire's own vLLM connector: the name says nothing of the mode; default pull/nixl."""
+    plain = cfg(kv_transfer_config={"kv_connector": "KVWireConnector"})
+    assert (plain.mode, plain.transport) == ("pull", "nixl")
+    extra = {"transport": "shm", "transfer_mode": "push", "handshake_timeout": 2}
+    chosen = cfg(
+        kv_transfer_config={"kv_connector": "KVWireConnector", "kv_connector_extra_config": extra}
+    )
+    assert (chosen.mode, chosen.transport, chosen.handshake_timeout_s) == ("push", "shm", 2.0)
 
 
 def test_unknown_vllm_keys_are_warned_about_with_a_suggestion(

@@ -397,7 +397,8 @@ class ProducerModel(RuleBasedStateMachine):
 
     @rule(rid=st.sampled_from(IDS), sender=st.sampled_from(["d0", "d1"]))
     def completion(self, rid: str, sender: str) -> None:
-        if rid in self.holding:
+        prefilling = rid in self.added and rid not in self.freed and rid not in self.aborted
+        if rid in self.holding or prefilling:  # early completions count (vLLM's P does)
             self.senders.setdefault(rid, set()).add(sender)
         self.feed(NotificationReceived(sender, f"{rid}:2".encode()))
 

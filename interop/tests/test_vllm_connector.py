@@ -1,0 +1,233 @@
+"""KVWireConnector inside vLLM: vLLM's KVConnectorFactory loads it by module path, vLLM's
+real Scheduler drives a P and a D engine (separate processes, real DRAM KV tensors), and
+D checks the bytes it received the moment its model would first read them."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from harness import Geometry, SchedulerEngine, Zygote, wait_until
+
+TOKENS = 100  # 3 full blocks + a partial one (32-token blocks)
+
+
+def _pair(
+    zygote: Zygote, p_conn: str, d_conn: str, extra: dict[str, Any], mode: str = "pull"
+) -> Iterator[tuple[SchedulerEngine, SchedulerEngine]]:
+    p = SchedulerEngine("P", p_conn, zygote, extra_config=extra, mode=mode)
+    try:
+        d = SchedulerEngine("D", d_conn, zygote, extra_config=extra, mode=mode)
+    except BaseException:
+        p.close()
+        raise
+    try:
+        yield p, d
+    finally:
+        d.close()
+        p.close()
+
+
+@pytest.fixture(scope="module")
+def shm_pull(zygote: Zygote) -> Iterator[tuple[SchedulerEngine, SchedulerEngine]]:
+    yield from _pair(zygote, "KVWireConnector", "KVWireConnector", {"transport": "shm"})
+
+
+def transfer(
+    p: SchedulerEngine, d: SchedulerEngine, rid: str, index: int, tokens: int
+) -> dict[str, Any]:
+    """P prefills; its params go to D (as a proxy forwards them); both engines step until D
+    has the KV and P has its blocks back."""
+    p.add(rid, index, tokens)
+    wait_until(lambda: rid in p.state.get("outputs", {}), p.step, 30, f"P to finish {rid}")
+    params = p.state["outputs"][rid]
+    assert params["do_remote_prefill"] and params["remote_request_id"] == rid
+    d.add(rid, index, tokens, params)
+
+    def both() -> None:
+        d.step()
+        p.step()
+
+    try:
+        wait_until(
+            lambda: rid in d.state.get("outputs", {}) and rid in p.state.get("sent", []),
+            both, 30, f"D to finish {rid} and P to free it",
+        )  # fmt: skip
+    except TimeoutError as exc:
+        raise TimeoutError(
+            f"{exc}; D: {d.peer.call({'op': 'stats'})}, {d.peer.log[-3:]}; "
+            f"P: {p.peer.call({'op': 'stats'})}, {p.peer.log[-3:]}"
+        ) from None
+    return d.state
+
+
+def test_factory_loads_the_connector_by_module_path(shm_pull: Any) -> None:
+    p, d = shm_pull
+    assert p.peer.call({"op": "state"})["connector"] == "KVWireConnector"
+    assert d.peer.call({"op": "state"})["connector"] == "KVWireConnector"
+
+
+def test_pull_shm_bytes_checked(shm_pull: Any) -> None:
+    p, d = shm_pull
+    free_p = p.peer.call({"op": "state"})["free_blocks"]
+    state = transfer(p, d, "req-a", 3, TOKENS)
+    wrong, checked = state["checked"]["req-a"]
+    assert checked > 0 and wrong == 0
+    assert "req-a" in state["received"]
+    stats = d.peer.call({"op": "stats"})["stats"]  # what vLLM's stats logger gets
+    assert stats["descriptors"] > 0 and stats["requests_done"] >= 1
+    assert p.peer.call({"op": "state"})["free_blocks"] == free_p
+
+
+def test_d_done_before_p_holds(shm_pull: Any) -> None:
+    """D reads and reports before P's worker has stepped again (vLLM hands the params out a
+    step before P's worker holds the blocks): P still frees at once when it steps, not after
+    the 30 s lease."""
+    p, d = shm_pull
+    p.add("req-e", 31, TOKENS)
+    wait_until(lambda: "req-e" in p.state.get("outputs", {}), p.step, 30, "P to finish req-e")
+    d.add("req-e", 31, TOKENS, p.state["outputs"]["req-e"])
+    wait_until(lambda: "req-e" in d.state.get("outputs", {}), d.step, 30, "D, P idle")
+    assert d.state["checked"]["req-e"][0] == 0
+    wait_until(lambda: "req-e" in p.state.get("sent", []), p.step, 10, "P to free req-e")
+
+
+def test_prefix_hit_on_d(shm_pull: Any) -> None:
+    """A request repeating an earlier prompt and more: D's own prefix cache covers the
+    shared full blocks, only the rest is fetched, and the whole prompt checks."""
+    p, d = shm_pull
+    first = transfer(p, d, "req-b", 5, 64)
+    assert first["checked"]["req-b"][0] == 0
+    state = transfer(p, d, "req-b2", 5, TOKENS)
+    wrong, checked = state["checked"]["req-b2"]
+    assert checked > 0 and wrong == 0
+    assert state["hits"]["req-b2"] == 64  # two full blocks were D's own
+
+
+def test_abort_on_d_while_loading(shm_pull: Any) -> None:
+    """D aborts a request whose KV is in flight: vLLM holds its blocks until the connector
+    reports the request received, and then every block is free again."""
+    p, d = shm_pull
+    free_d = d.peer.call({"op": "state"})["free_blocks"]
+    p.add("req-x", 13, TOKENS)
+    wait_until(lambda: "req-x" in p.state.get("outputs", {}), p.step, 30, "P to finish req-x")
+    d.add("req-x", 13, TOKENS, p.state["outputs"]["req-x"])
+    d.step()
+    d.abort("req-x")
+    wait_until(
+        lambda: "req-x" in d.state.get("received", []) and d.state["free_blocks"] == free_d,
+        d.step, 30, "D to end req-x and free its blocks",
+    )  # fmt: skip
+    assert "req-x" not in d.state["checked"]  # never computed
+
+
+def test_p_restart(zygote: Zygote) -> None:
+    """P's engine dies and comes back under the same engine id and side-channel port (new
+    NIXL agent, new memory). D's first READ after the restart hits the dead agent: that
+    request ends as a load failure (its blocks reported to vLLM, nothing read stale); D
+    forgets the lost peer, re-handshakes, and the next request's bytes check."""
+    extra = {"transport": "nixl"}
+    p = SchedulerEngine("P", "KVWireConnector", zygote, extra_config=extra)
+    d = SchedulerEngine("D", "KVWireConnector", zygote, extra_config=extra)
+    try:
+        state = transfer(p, d, "req-r1", 17, TOKENS)
+        assert state["checked"]["req-r1"][0] == 0
+        p.close()
+        p = SchedulerEngine(
+            "P", "KVWireConnector", zygote, extra_config=extra, engine_id=p.engine_id, port=p.port
+        )
+        p.add("req-r2", 19, TOKENS)
+        wait_until(lambda: "req-r2" in p.state.get("outputs", {}), p.step, 30, "P")
+        d.add("req-r2", 19, TOKENS, p.state["outputs"]["req-r2"])
+        wait_until(lambda: "req-r2" in d.state.get("outputs", {}), d.step, 30, "D to end r2")
+        first = d.state
+        assert "req-r2" in first["received"]
+        if "req-r2" not in first["checked"]:  # failed: vLLM was told which blocks
+            assert first["invalid"]
+        state = transfer(p, d, "req-r3", 21, TOKENS)
+        wrong, checked = state["checked"]["req-r3"]
+        assert checked > 0 and wrong == 0
+    finally:
+        d.close()
+        p.close()
+
+
+def test_preemption_on_p(zygote: Zygote) -> None:
+    """Two prompts prefill in 32-token chunks on a P with five usable blocks: vLLM's
+    scheduler preempts the second (its blocks freed, its prefill restarted), which then
+    waits for the blocks the first holds for D. Both reach D with checked bytes."""
+    extra = {"transport": "shm"}
+    small = Geometry(num_blocks=6)  # block 0 is vLLM's null block
+    chunks = {"batch_tokens": 64, "chunk_tokens": 32}
+    p = SchedulerEngine("P", "KVWireConnector", zygote, geo=small, extra_config=extra,
+                        scheduler=chunks)  # fmt: skip
+    d = SchedulerEngine("D", "KVWireConnector", zygote, extra_config=extra)
+    try:
+        p.add("req-p1", 23, TOKENS)
+        p.add("req-p2", 29, TOKENS)
+
+        def both() -> None:
+            p.step()
+            for rid in ("req-p1", "req-p2"):
+                params = p.state["outputs"].get(rid)
+                if params is not None and rid not in forwarded:
+                    forwarded.add(rid)
+                    d.add(rid, 23 if rid == "req-p1" else 29, TOKENS, params)
+            d.step()
+
+        forwarded: set[str] = set()
+        wait_until(
+            lambda: {"req-p1", "req-p2"} <= set(d.state.get("checked", {})),
+            both, 60, "both prompts to reach D",
+        )  # fmt: skip
+        assert p.state["preemptions"]["req-p2"] >= 1
+        for rid in ("req-p1", "req-p2"):
+            wrong, checked = d.state["checked"][rid]
+            assert checked > 0 and wrong == 0, rid
+    finally:
+        d.close()
+        p.close()
+
+
+PAIRS = {
+    "kvwire-nixl": ("KVWireConnector", "KVWireConnector"),
+    "stock-P-kvwire-D": ("NixlConnector", "KVWireConnector"),
+    "kvwire-P-stock-D": ("KVWireConnector", "NixlConnector"),
+}
+
+
+@pytest.mark.parametrize("pair", sorted(PAIRS))
+def test_pull_nixl(zygote: Zygote, pair: str) -> None:
+    """Real NIXL between the engines; the mixed pairs are a stock vLLM NixlConnector engine
+    on one side and KVWireConnector on the other, each built by vLLM's factory."""
+    p_conn, d_conn = PAIRS[pair]
+    for p, d in _pair(zygote, p_conn, d_conn, {"transport": "nixl"}):
+        state = transfer(p, d, "req-n", 9, TOKENS)
+        assert "req-n" in state["checked"], (state["invalid"], d.peer.log[-3:])
+        wrong, checked = state["checked"]["req-n"]
+        assert checked > 0 and wrong == 0
+
+
+PUSH = {
+    "kvwire-shm": ("KVWireConnector", "KVWireConnector", "shm"),
+    "kvwire-nixl": ("KVWireConnector", "KVWireConnector", "nixl"),
+    "stock-P-kvwire-D": ("NixlConnector", "KVWireConnector", "nixl"),
+    "kvwire-P-stock-D": ("KVWireConnector", "NixlConnector", "nixl"),
+}
+
+
+@pytest.mark.parametrize("pair", sorted(PUSH))
+def test_push(zygote: Zygote, pair: str) -> None:
+    """Push: D registers its blocks with P, P's worker WRITEs them."""
+    p_conn, d_conn, transport = PUSH[pair]
+    extra: dict[str, Any] = {"transport": transport}
+    if transport == "nixl":
+        # vLLM's agents keep UCX's peer error handling; in push both sides open an
+        # endpoint to the other, which a kvwire agent in its default mode (none) cannot.
+        extra["transport_options"] = {"backend_options": {"ucx_error_handling_mode": "peer"}}
+    for p, d in _pair(zygote, p_conn, d_conn, extra, "push"):
+        state = transfer(p, d, "req-w", 11, TOKENS)
+        assert "req-w" in state["checked"], (state["invalid"], d.peer.log[-3:], p.peer.log[-3:])
+        wrong, checked = state["checked"]["req-w"]
+        assert checked > 0 and wrong == 0
