@@ -113,7 +113,6 @@ class EnginePart:
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
         from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
         from vllm.v1.core.sched.scheduler import Scheduler
-        from vllm.v1.kv_cache_interface import create_kv_cache_views
 
         start = {**start, "tp_rank": 0, "tp_size": 1, "layout": "LBHNC"}
         vllm_peer.stand_in_parallel_state(start)
@@ -142,16 +141,7 @@ class EnginePart:
         )
         self.buffer = np.zeros(self.spec.total_bytes, dtype=np.uint8)
         scribble(self.spec, self.buffer, list(range(self.spec.num_blocks)))
-        group = kv_cache_config.kv_cache_groups[0]
-        caches: dict[str, torch.Tensor] = {}
-        for i, tensor in enumerate(kv_cache_config.kv_cache_tensors):
-            region = self.buffer[i * self.spec.region_bytes : (i + 1) * self.spec.region_bytes]
-            raw = torch.from_numpy(region).view(torch.int8)
-            (view,) = create_kv_cache_views(
-                raw, group.kv_cache_spec, self.spec.num_blocks, vllm_peer._layout("LBHNC"),
-                tensor,
-            )  # fmt: skip
-            caches[tensor.layers[0]] = view
+        caches = vllm_peer.kv_cache_views(self.spec, self.buffer, kv_cache_config, "LBHNC")
         self.layers = list(caches)
         self.worker.register_kv_caches(caches)
         handshake = self.worker.get_handshake_metadata()

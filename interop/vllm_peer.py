@@ -193,6 +193,25 @@ def _layout(name: str) -> Any:
     return KVCacheLayout[name]
 
 
+def kv_cache_views(
+    spec: Any, buffer: np.ndarray[Any, Any], kv_cache_config: Any, layout: str
+) -> dict[str, torch.Tensor]:
+    """One region of ``buffer`` per KV-cache tensor (one allocation per layer, as a GPU
+    engine makes them), viewed by vLLM's own ``create_kv_cache_views``; by layer name."""
+    from vllm.v1.kv_cache_interface import create_kv_cache_views
+
+    group = kv_cache_config.kv_cache_groups[0]
+    caches: dict[str, torch.Tensor] = {}
+    for i, tensor in enumerate(kv_cache_config.kv_cache_tensors):
+        region = buffer[i * spec.region_bytes : (i + 1) * spec.region_bytes]
+        raw = torch.from_numpy(region).view(torch.int8)
+        (view,) = create_kv_cache_views(
+            raw, group.kv_cache_spec, spec.num_blocks, _layout(layout), tensor
+        )
+        caches[tensor.layers[0]] = view
+    return caches
+
+
 def stand_in_parallel_state(start: dict[str, Any]) -> None:
     """The TP/PCP group getters and the backend lookup the worker module imported."""
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker
@@ -409,7 +428,6 @@ class WorkerPart:
             NixlPullConnectorWorker,
             NixlPushConnectorWorker,
         )
-        from vllm.v1.kv_cache_interface import create_kv_cache_views
 
         stand_in_parallel_state(start)
         self.spec = cache_spec(start)
@@ -418,15 +436,7 @@ class WorkerPart:
         self.worker = cls(vllm_config, start["engine_id"], kv_cache_config)
         # One allocation per layer (as a GPU engine makes them), views made by vLLM.
         self.buffer = np.zeros(self.spec.total_bytes, dtype=np.uint8)
-        group = kv_cache_config.kv_cache_groups[0]
-        caches: dict[str, torch.Tensor] = {}
-        for i, tensor in enumerate(kv_cache_config.kv_cache_tensors):
-            region = self.buffer[i * self.spec.region_bytes : (i + 1) * self.spec.region_bytes]
-            raw = torch.from_numpy(region).view(torch.int8)
-            (view,) = create_kv_cache_views(
-                raw, group.kv_cache_spec, self.spec.num_blocks, _layout(start["layout"]), tensor
-            )
-            caches[tensor.layers[0]] = view
+        caches = kv_cache_views(self.spec, self.buffer, kv_cache_config, start["layout"])
         self.worker.register_kv_caches(caches)
         self.sending: set[str] = set()
         self.recving: set[str] = set()
