@@ -26,13 +26,17 @@ REUSED = "done with reused bytes"
 """``done:other`` (a mix: the part already in P's socket buffer is old, 30-43% measured) or
 ``done:new``; which depends on the kernel's send buffer, what matters is that it is done."""
 
+ENDED_WITH_P = "failed, or unanswered as P died"
+"""After ``munmap`` P dies of SIGSEGV while serving the READ; whether D's failed READ is
+reported before the probe sees P gone is a race (both seen here). Either way it is not done."""
+
 EXPECTED: dict[str, tuple[str, str, str]] = {
     "nixl/tcp/deregister": (REUSED, "done:new", "alive"),
     "nixl/tcp/remove_peer": (REUSED, "done:new", "alive"),
-    "nixl/tcp/unmap": ("failed", "n/a (P's memory is gone)", "P died: signal SIGSEGV"),
+    "nixl/tcp/unmap": (ENDED_WITH_P, "n/a (P's memory is gone)", "P died: signal SIGSEGV"),
     "ucx/tcp/deregister": (REUSED, "done:new", "alive"),
     "ucx/tcp/remove_peer": ("failed", "failed", "alive"),
-    "ucx/tcp/unmap": ("failed", "n/a (P's memory is gone)", "P died: signal SIGSEGV"),
+    "ucx/tcp/unmap": (ENDED_WITH_P, "n/a (P's memory is gone)", "P died: signal SIGSEGV"),
 }
 
 
@@ -60,5 +64,7 @@ def test_a_read_in_flight_when_the_producer_revokes_and_reuses(
     in_flight_read = result.after_revoke
     if in_flight_read in ("done:other", "done:new"):
         in_flight_read = REUSED
+    if case.method == "unmap" and in_flight_read in ("failed", "no answer (a process died)"):
+        in_flight_read = ENDED_WITH_P
     observed = (in_flight_read, result.after_reuse, result.p)
     assert observed == EXPECTED[case.label], result.row()
