@@ -4,11 +4,13 @@ D checks the bytes it received the moment its model would first read them."""
 
 from __future__ import annotations
 
+import re
+import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from harness import Geometry, SchedulerEngine, Zygote, wait_until
+from harness import Geometry, SchedulerEngine, Zygote, free_port, wait_until
 
 TOKENS = 100  # 3 full blocks + a partial one (32-token blocks)
 
@@ -29,9 +31,24 @@ def _pair(
         p.close()
 
 
+METRICS_PORT = free_port()
+"""D's worker serves its counters here (``metrics_port`` in the extra config)."""
+
+
 @pytest.fixture(scope="module")
 def shm_pull(zygote: Zygote) -> Iterator[tuple[SchedulerEngine, SchedulerEngine]]:
-    yield from _pair(zygote, "KVWireConnector", "KVWireConnector", {"transport": "shm"})
+    p = SchedulerEngine("P", "KVWireConnector", zygote, extra_config={"transport": "shm"})
+    try:
+        d_extra = {"transport": "shm", "metrics_port": METRICS_PORT}
+        d = SchedulerEngine("D", "KVWireConnector", zygote, extra_config=d_extra)
+    except BaseException:
+        p.close()
+        raise
+    try:
+        yield p, d
+    finally:
+        d.close()
+        p.close()
 
 
 def transfer(
@@ -77,6 +94,11 @@ def test_pull_shm_bytes_checked(shm_pull: Any) -> None:
     assert "req-a" in state["received"]
     stats = d.peer.call({"op": "stats"})["stats"]  # what vLLM's stats logger gets
     assert stats["descriptors"] > 0 and stats["requests_done"] >= 1
+    # ... and what Prometheus scrapes from D's worker (metrics_port + TP rank 0).
+    scraped = urllib.request.urlopen(f"http://127.0.0.1:{METRICS_PORT}/metrics", timeout=10)
+    moved = re.search(r'^kvwire_transferred_bytes_total\{role="consumer"\} (\S+)$',
+                      scraped.read().decode(), re.M)  # fmt: skip
+    assert moved is not None and float(moved.group(1)) >= checked
     assert p.peer.call({"op": "state"})["free_blocks"] == free_p
 
 

@@ -145,6 +145,10 @@ class KVWireConfig:
     ``registration_timeout_s``."""
     release_retry_s: float = 1.0
     """How long to wait before asking again to release a handle whose release failed."""
+    metrics_port: int | None = None
+    """Serve this rank's counters for Prometheus at ``http://side_channel_host:P/metrics``
+    with ``P = metrics_port + tp_rank`` (one port per rank of an engine); None: no server
+    (the counters stay available through ``metrics``)."""
     bound_reads_by_lease: bool = True
     """Pull, consumer: a READ must end before the producer's lease does (docs/reliability.md
     2.1). Off only to reproduce the old, unsafe rule in tests and the simulator."""

@@ -101,6 +101,15 @@ def _capacity(raw: Any) -> int:
     return value
 
 
+def _metrics_port(raw: Any) -> int | None:
+    if raw is None:
+        return None
+    value = _int(raw)
+    if not 1 <= value <= 65535:
+        raise ValueError("expected a port from 1 to 65535")
+    return value
+
+
 def _rank(raw: Any) -> int:
     value = _int(raw)
     if not 0 <= value < 1024:
@@ -284,6 +293,9 @@ KNOBS: dict[str, Knob] = {
     "release_retry_s": Knob(
         _seconds, "KVWIRE_RELEASE_RETRY_S", "retry a failed handle release after this"
     ),
+    "metrics_port": Knob(
+        _metrics_port, "KVWIRE_METRICS_PORT", "serve /metrics on this port + the TP rank"
+    ),
     "bound_reads_by_lease": Knob(_bool, None, "end every READ before P's lease (keep on)"),
     "agent_name": Knob(_optional_text, None, "the transport agent's name"),
     "log_level": Knob(_log_level, "KVWIRE_LOG_LEVEL", "DEBUG, INFO, WARNING or ERROR"),
@@ -340,6 +352,7 @@ VLLM_EXTRA_CONFIG_KEYS: dict[str, tuple[str, Parser]] = {
     "secret_file": ("secret_file", _optional_text),
     "coalesce": ("coalesce", _bool),
     "handshake_timeout": ("handshake_timeout_s", _seconds),
+    "metrics_port": ("metrics_port", _metrics_port),
 }
 """vLLM ``kv_connector_extra_config`` key -> (field, parser).
 

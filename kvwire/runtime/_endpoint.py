@@ -24,6 +24,7 @@ from kvwire.errors import ConfigError
 from kvwire.layout.geometry import KVGeometry
 from kvwire.runtime.driver import Driver, Outcome
 from kvwire.runtime.metrics import Metrics
+from kvwire.runtime.prometheus import MetricsServer, serve
 from kvwire.sidechannel import HandshakeListener
 from kvwire.sidechannel.advertise import advertised_host, advertised_port
 from kvwire.transport import Region, Transport
@@ -49,6 +50,7 @@ class _Endpoint(Generic[FinishedT]):
         self._finished = self._empty_finished()
         self._cv = threading.Condition()
         self._listener: HandshakeListener | None = None
+        self._metrics_server: MetricsServer | None = None
         self._dialled = self._role == "producer" or config.mode == "push"
         if self._dialled and config.side_channel_port == 0 and config.tp_size * config.pp_size > 1:
             raise ConfigError(
@@ -65,6 +67,16 @@ class _Endpoint(Generic[FinishedT]):
             ),
             on_outcome=self._on_outcome,
         )
+        if config.metrics_port is not None:
+            try:
+                self._metrics_server = serve(
+                    self._driver.metrics,
+                    config.side_channel_host,
+                    config.metrics_port + config.tp_rank,
+                )
+            except BaseException:
+                self._driver.close()
+                raise
 
     # -- setup ---------------------------------------------------------------------
 
@@ -112,6 +124,11 @@ class _Endpoint(Generic[FinishedT]):
     # -- introspection -------------------------------------------------------------
 
     @property
+    def metrics_port(self) -> int | None:
+        """Where this rank serves ``/metrics`` (``metrics_port`` + its TP rank), or None."""
+        return self._metrics_server.port if self._metrics_server is not None else None
+
+    @property
     def metrics(self) -> Metrics:
         return self._driver.metrics
 
@@ -131,6 +148,9 @@ class _Endpoint(Generic[FinishedT]):
         """Stop every thread, release transfers, deregister, close an owned transport and
         an owned listener."""
         self._close_listener()
+        server, self._metrics_server = self._metrics_server, None
+        if server is not None:
+            server.close()
         self._driver.close()
 
     def _close_listener(self) -> None:

@@ -44,6 +44,7 @@ SAMPLES: dict[str, tuple[str, Any]] = {
     "KVWIRE_CHECK_INVARIANTS": ("0", False),
     "KVWIRE_MAX_PARKED_COMPLETIONS": ("500", 500),
     "KVWIRE_RELEASE_RETRY_S": ("2", 2.0),
+    "KVWIRE_METRICS_PORT": ("9400", 9400),
     "KVWIRE_LOG_LEVEL": ("debug", "DEBUG"),
 }
 
@@ -66,6 +67,7 @@ BAD: dict[str, str] = {
     "KVWIRE_COALESCE": "2",
     "KVWIRE_MAX_PARKED_COMPLETIONS": "0",
     "KVWIRE_RELEASE_RETRY_S": "never",
+    "KVWIRE_METRICS_PORT": "0",
     "KVWIRE_LOG_LEVEL": "loud",
 }
 
@@ -268,6 +270,7 @@ def test_every_vllm_key_changes_something(tmp_path: Path) -> None:
         "secret_file": str(secret),
         "coalesce": False,
         "handshake_timeout": 2,
+        "metrics_port": 9400,
     }
     assert set(samples) == set(VLLM_EXTRA_CONFIG_KEYS)
     for key, value in samples.items():

@@ -109,3 +109,29 @@ def test_a_failed_handshake_is_counted_once_under_its_kind() -> None:
         assert 'kvwire_failures_total{role="consumer",kind="handshake"} 1.0' in text
         assert 'kvwire_handshake_failures_total{role="consumer",kind="unreachable"} 1.0' in text
         assert text.count("kind=") == 2
+
+
+def test_metrics_port_serves_the_ranks_counters_and_closes_with_it() -> None:
+    """``metrics_port`` + the TP rank serves Prometheus text from the rank's own counters;
+    a taken port is a ConfigError naming it; closing the runtime frees the port."""
+    import socket
+    import urllib.error
+    import urllib.request
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        base = int(probe.getsockname()[1])
+    with Producer(config("p-metrics", metrics_port=base)) as producer:
+        assert producer.metrics_port == base  # TP rank 0
+        producer.metrics.count("notifications_sent")
+        url = f"http://127.0.0.1:{base}/metrics"
+        text = urllib.request.urlopen(url, timeout=10).read().decode()
+        assert 'kvwire_notifications_total{role="producer",direction="sent"} 1.0' in text
+        assert text == producer.metrics.prometheus_text()
+        with pytest.raises(urllib.error.HTTPError) as missing:
+            urllib.request.urlopen(f"http://127.0.0.1:{base}/other", timeout=10)
+        assert missing.value.code == 404
+        with pytest.raises(ConfigError, match=f"metrics_port.*{base}"):
+            Producer(config("p-metrics-2", metrics_port=base))
+    with Producer(config("p-metrics-3", metrics_port=base)) as again:  # the port was freed
+        assert again.metrics_port == base
