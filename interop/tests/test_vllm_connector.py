@@ -16,11 +16,18 @@ TOKENS = 100  # 3 full blocks + a partial one (32-token blocks)
 
 
 def _pair(
-    zygote: Zygote, p_conn: str, d_conn: str, extra: dict[str, Any], mode: str = "pull"
+    zygote: Zygote,
+    p_conn: str,
+    d_conn: str,
+    extra: dict[str, Any],
+    mode: str = "pull",
+    d_extra: dict[str, Any] | None = None,
 ) -> Iterator[tuple[SchedulerEngine, SchedulerEngine]]:
+    """A P and a D engine; D's extra config is ``d_extra`` when given, else P's."""
     p = SchedulerEngine("P", p_conn, zygote, extra_config=extra, mode=mode)
     try:
-        d = SchedulerEngine("D", d_conn, zygote, extra_config=extra, mode=mode)
+        d_config = extra if d_extra is None else d_extra
+        d = SchedulerEngine("D", d_conn, zygote, extra_config=d_config, mode=mode)
     except BaseException:
         p.close()
         raise
@@ -37,18 +44,9 @@ METRICS_PORT = free_port()
 
 @pytest.fixture(scope="module")
 def shm_pull(zygote: Zygote) -> Iterator[tuple[SchedulerEngine, SchedulerEngine]]:
-    p = SchedulerEngine("P", "KVWireConnector", zygote, extra_config={"transport": "shm"})
-    try:
-        d_extra = {"transport": "shm", "metrics_port": METRICS_PORT}
-        d = SchedulerEngine("D", "KVWireConnector", zygote, extra_config=d_extra)
-    except BaseException:
-        p.close()
-        raise
-    try:
-        yield p, d
-    finally:
-        d.close()
-        p.close()
+    shm = {"transport": "shm"}
+    d_extra = {**shm, "metrics_port": METRICS_PORT}
+    yield from _pair(zygote, "KVWireConnector", "KVWireConnector", shm, d_extra=d_extra)
 
 
 def transfer(
