@@ -40,14 +40,13 @@ from functools import lru_cache
 import numpy as np
 
 from kvwire.errors import ConfigError, LocalProtocolError, RemoteProtocolError
-from kvwire.layout import topology
+from kvwire.layout import descs, topology
 from kvwire.layout.alignment import Mode, PeerPolicy, RegionPair, RegionView, validate_peer
 from kvwire.layout.descs import (
     BlockIds,
     Descs,
     IntArray,
     as_groups,
-    coalesce,
     coalesce_ranges,
     empty_descs,
     expand_to_kernel_blocks,
@@ -98,9 +97,6 @@ class TransferPlan:
 # ---------------------------------------------------------------------------------------
 # Block id helpers
 # ---------------------------------------------------------------------------------------
-
-
-_coalesce_pairs = coalesce  # ``plan`` has a parameter of the same name
 
 
 @dataclass(frozen=True)
@@ -505,7 +501,7 @@ class PeerLayout:
             producer = np.take(producer, order, axis=0)
             consumer = np.take(consumer, order, axis=0)
         if merge:
-            producer, consumer = _coalesce_pairs(producer, consumer)
+            producer, consumer = descs.coalesce(producer, consumer)  # the flag shadows the name
             zero = coalesce_ranges(zero)
         if self.mode == "pull":
             return TransferPlan(consumer, producer, zero, empty_descs())
