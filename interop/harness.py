@@ -323,10 +323,14 @@ class SchedulerEngine:
         engine_id: str | None = None,
         port: int | None = None,
         scheduler: dict[str, int] | None = None,
+        layout: str = "LBHNC",
+        tp: int = 1,
     ) -> None:
         """``engine_id`` and ``port``: a restarted engine keeps its predecessor's;
         ``scheduler``: ``batch_tokens`` (tokens per step) and ``chunk_tokens`` (per request
-        per step), to make chunked prefills compete for blocks."""
+        per step), to make chunked prefills compete for blocks; ``layout``: vLLM's KV cache
+        layout (the engine checks bytes only in LBHNC); ``tp``: workers in the engine, each
+        with its share of the heads, finished by vLLM's output aggregator."""
         self.role = role
         extra_config = dict(extra_config or {})
         if connector == "KVWireConnector":
@@ -344,10 +348,10 @@ class SchedulerEngine:
         }
         start = {
             "part": "engine", "role": role, "connector": connector,
-            "engine_id": self.engine_id, "tp_size": 1, "model": self.geo.model,
+            "engine_id": self.engine_id, "tp_size": tp, "model": self.geo.model,
             "layers": self.geo.layers, "num_blocks": self.geo.num_blocks,
             "block_size": self.geo.block_size, "lease": lease, "hma": False,
-            "mode": mode, "extra_config": extra_config, **(scheduler or {}),
+            "mode": mode, "extra_config": extra_config, "layout": layout, **(scheduler or {}),
         }  # fmt: skip
         self.peer = Peer(start, zygote, env)
         self.state: dict[str, Any] = {}

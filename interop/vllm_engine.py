@@ -3,9 +3,11 @@ way vLLM's in-process executor runs them, with the KV connector each side builds
 vLLM's own ``KVConnectorFactory`` (``KVWireConnector`` by module path, or stock
 ``NixlConnector``).
 
-Forked by interop/vllm_peer.py's zygote (``part: engine``). Stood in for, and nothing
-else: the model facts (``model_config``), the attention-backend lookup (``CPU_ATTN``) and
-the model runner — which, each step, runs the connector's worker calls in vLLM's order
+Forked by interop/vllm_peer.py's zygote (``part: engine``). The KV cache is vLLM's: its
+``get_kv_cache_config_from_groups`` plans it and its ``allocate_kv_cache`` allocates it (one
+backing allocation for every layer, as on a GPU). Stood in for, and nothing else: the model
+facts (``model_config``), the attention-backend lookup (``CPU_ATTN``) and the model
+runner — which, each step, runs the connector's worker calls in vLLM's order
 (``bind_connector_metadata``, ``start_load_kv``, per layer ``wait_for_layer_load`` and
 ``save_kv_layer``, ``wait_for_save``, ``get_finished``, ``get_block_ids_with_load_errors``,
 ``clear_connector_metadata``), fills P's scheduled blocks with ``kvwire.demo.content``, checks
@@ -15,6 +17,7 @@ D's blocks the moment D would first read them, and samples one token per request
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
@@ -84,8 +87,31 @@ def build_vllm_config(start: dict[str, Any]) -> Any:
     )
     object.__setattr__(vllm_config, "model_config", model_config)
     vllm_config.cache_config.num_gpu_blocks = spec.num_blocks
-    vllm_config.cache_config.kv_cache_layout = "LBHNC"
+    vllm_config.cache_config.num_gpu_blocks_override = spec.num_blocks
+    vllm_config.cache_config.kv_cache_layout = start.get("layout", "LBHNC")
     return vllm_config
+
+
+def allocate(vllm_config: Any, start: dict[str, Any]) -> tuple[Any, dict[str, torch.Tensor]]:
+    """vLLM's KV cache plan and allocation for this engine's one group of layers (the group
+    spec is the harness's), as its model runner makes them: (kv_cache_config, views)."""
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups
+    from vllm.v1.worker.utils import allocate_kv_cache
+
+    groups = vllm_peer.build_configs(start)[1].kv_cache_groups
+    page = groups[0].kv_cache_spec.page_size_bytes
+    spec = vllm_peer.cache_spec(start)
+    memory = spec.num_blocks * page * len(groups[0].layer_names)
+    kv_cache_config = get_kv_cache_config_from_groups(vllm_config, groups, memory)
+    layout = vllm_config.cache_config.get_resolved_kv_cache_layout()
+    return kv_cache_config, allocate_kv_cache(kv_cache_config, torch.device("cpu"), layout)
+
+
+def backing_bytes(caches: dict[str, torch.Tensor]) -> np.ndarray[Any, Any]:
+    """The one allocation behind every layer's view, as bytes (the views keep it alive)."""
+    storage = next(iter(caches.values())).untyped_storage()
+    flat = torch.empty(0, dtype=torch.uint8).set_(storage)
+    return flat.numpy()
 
 
 def _starts_loads(meta: Any) -> bool:
@@ -106,22 +132,67 @@ class _NoGrammar:
         return None
 
 
+@dataclass
+class Rank:
+    """One TP rank's worker: its share of the heads, its own KV allocation, its connector."""
+
+    spec: Any
+    buffer: np.ndarray[Any, Any]
+    caches: dict[str, torch.Tensor]
+    worker: Any
+
+
+def _as_rank(start: dict[str, Any], rank: int, tp_size: int) -> None:
+    """What vLLM's parallel groups tell a worker of its rank, for either connector (the
+    stand-in for process groups, in this one process)."""
+    from vllm.distributed import parallel_state
+
+    vllm_peer.stand_in_parallel_state({**start, "tp_rank": rank, "tp_size": tp_size})
+    parallel_state.model_parallel_is_initialized = lambda: True  # type: ignore[attr-defined]
+    parallel_state.get_tensor_model_parallel_rank = lambda: rank  # type: ignore[attr-defined]
+
+
 class EnginePart:
     def __init__(self, start: dict[str, Any]) -> None:
         from vllm.distributed.kv_transfer.kv_connector import utils
         from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+        from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
         from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
         from vllm.v1.core.sched.scheduler import Scheduler
 
-        start = {**start, "tp_rank": 0, "tp_size": 1, "layout": "LBHNC"}
-        vllm_peer.stand_in_parallel_state(start)
+        start = {"layout": "LBHNC", "tp_size": 1, **start, "tp_rank": 0}
+        tp = int(start["tp_size"])
         utils.get_current_attn_backends = lambda *_a, **_k: [vllm_peer._backend(False)]
         self.start_role = start["role"]
         self.spec = vllm_peer.cache_spec(start)
         self.vllm_config = build_vllm_config(start)
-        _unused, kv_cache_config = vllm_peer.build_configs(start)
+        self.vllm_config.parallel_config.tensor_parallel_size = tp
+        self.layout = start["layout"]
+        self.content = self.layout == "LBHNC"
+        """Whether ``kvwire.demo.content`` addresses these bytes: it writes layer l's block b
+        at l * num_blocks * page + b * page, which is where vLLM's LBHNC puts it."""
+        self.ranks: list[Rank] = []
+        for r in range(tp):
+            at_rank = {**start, "tp_rank": r}
+            kv_cache_config, caches = allocate(self.vllm_config, at_rank)
+            _as_rank(start, r, tp)
+            worker = KVConnectorFactory.create_connector(
+                self.vllm_config, KVConnectorRole.WORKER, kv_cache_config
+            )
+            rank = Rank(vllm_peer.cache_spec(at_rank), backing_bytes(caches), caches, worker)
+            if self.content:
+                base = rank.buffer.ctypes.data
+                offsets = [view.data_ptr() - base for view in caches.values()]
+                assert offsets == [i * rank.spec.region_bytes for i in range(len(offsets))]
+                scribble(rank.spec, rank.buffer, list(range(rank.spec.num_blocks)))
+            worker.register_kv_caches(caches)
+            self.ranks.append(rank)
         self.kv_cache_config = kv_cache_config
+        self.worker = self.ranks[0].worker
+        self.caches = self.ranks[0].caches
+        self.buffer = self.ranks[0].buffer
+        self.layers = list(self.caches)
         from vllm.utils.hashing import sha256
 
         init_none_hash(sha256)
@@ -136,23 +207,22 @@ class EnginePart:
         manager = self.scheduler.kv_cache_manager
         for name in ("get_computed_blocks", "get_computed_blocks_for_connector"):
             setattr(manager, name, self._counted(getattr(manager, name)))
-        self.worker = KVConnectorFactory.create_connector(
-            self.vllm_config, KVConnectorRole.WORKER, kv_cache_config
-        )
-        self.buffer = np.zeros(self.spec.total_bytes, dtype=np.uint8)
-        scribble(self.spec, self.buffer, list(range(self.spec.num_blocks)))
-        caches = vllm_peer.kv_cache_views(self.spec, self.buffer, kv_cache_config, "LBHNC")
-        self.layers = list(caches)
-        self.worker.register_kv_caches(caches)
-        handshake = self.worker.get_handshake_metadata()
         sched_connector = self.scheduler.connector
         assert sched_connector is not None
-        if handshake is None:  # stock NixlConnector keeps it on its worker object
-            handshake = self.worker.connector_worker.xfer_handshake_metadata
-        sched_connector.set_xfer_handshake_metadata_pp_aware({(0, 0): handshake})
+        handshakes = {}
+        for r, rank in enumerate(self.ranks):
+            handshake = rank.worker.get_handshake_metadata()
+            if handshake is None:  # stock NixlConnector keeps it on its worker object
+                handshake = rank.worker.connector_worker.xfer_handshake_metadata
+            handshakes[(0, r)] = handshake
+        sched_connector.set_xfer_handshake_metadata_pp_aware(handshakes)
+        self.aggregator = KVOutputAggregator.from_connector(self.worker, tp)
+        """vLLM's executor's: a request is finished once every rank reported it."""
         self.index: dict[str, int] = {}
         self.outputs: dict[str, Any] = {}
         self.checked: dict[str, tuple[int, int]] = {}
+        self.pending_checks: dict[str, tuple[int, int]] = {}
+        """This step's checks, summed over ranks (recorded once every rank has checked)."""
         self.sent: set[str] = set()
         self.received: set[str] = set()
         self.invalid: set[int] = set()
@@ -176,59 +246,73 @@ class EnginePart:
 
         out = self.scheduler.schedule()
         meta = out.kv_connector_metadata
-        w = self.worker
-        if meta is not None:
-            w.bind_connector_metadata(meta)
-        began = time.perf_counter()
-        w.start_load_kv(None)
-        if meta is not None and self.start_role == "D" and _starts_loads(meta):
-            self.load_calls.append(time.perf_counter() - began)
         req_ids: list[str] = []
         for new in out.scheduled_new_reqs:
             req_ids.append(new.req_id)
         req_ids.extend(out.scheduled_cached_reqs.req_ids)
-        for rid in req_ids:
-            self._compute(rid)
-        for name in self.layers:
-            w.wait_for_layer_load(name)
-            w.save_kv_layer(name, None, None)
-        w.wait_for_save()
-        sending, recving = w.get_finished(out.finished_req_ids)
-        invalid = w.get_block_ids_with_load_errors()
-        w.clear_connector_metadata()
-        self.sent |= set(sending or ())
-        self.received |= set(recving or ())
-        self.invalid |= invalid
         sampled = []
         for rid in req_ids:
             req = self.scheduler.requests[rid]
             # schedule() already counted this step's tokens as computed: a token is
             # sampled once the whole prompt has been (a partial prefill samples none).
             sampled.append([7] if req.num_computed_tokens >= req.num_tokens else [])
-        runner = ModelRunnerOutput(
-            req_ids=req_ids,
-            req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
-            sampled_token_ids=sampled,
-            kv_connector_output=KVConnectorOutput(
-                finished_sending=sending, finished_recving=recving, invalid_block_ids=invalid
-            ),
-        )
+        outputs = []
+        for rank in self.ranks:
+            w = rank.worker
+            if meta is not None:
+                w.bind_connector_metadata(meta)
+            began = time.perf_counter()
+            w.start_load_kv(None)
+            if meta is not None and self.start_role == "D" and _starts_loads(meta):
+                self.load_calls.append(time.perf_counter() - began)
+            for rid in req_ids:
+                self._compute(rank, rid)
+            for name in self.layers:
+                w.wait_for_layer_load(name)
+                w.save_kv_layer(name, None, None)
+            w.wait_for_save()
+            sending, recving = w.get_finished(out.finished_req_ids)
+            invalid = w.get_block_ids_with_load_errors()
+            w.clear_connector_metadata()
+            outputs.append(
+                ModelRunnerOutput(
+                    req_ids=req_ids,
+                    req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
+                    sampled_token_ids=sampled,
+                    kv_connector_output=KVConnectorOutput(
+                        finished_sending=sending,
+                        finished_recving=recving,
+                        invalid_block_ids=invalid,
+                    ),
+                )
+            )
+        runner = self.aggregator.aggregate(outputs)
+        kv = runner.kv_connector_output
+        self.sent |= set(kv.finished_sending or ())
+        self.received |= set(kv.finished_recving or ())
+        self.invalid |= kv.invalid_block_ids
+        self.checked.update(self.pending_checks)
+        self.pending_checks = {}
         results = self.scheduler.update_from_output(out, runner)
-        for outputs in results.values():
-            for o in outputs.outputs:
+        for finished in results.values():
+            for o in finished.outputs:
                 if o.finished:
                     self.outputs[o.request_id] = o.kv_transfer_params
 
-    def _compute(self, rid: str) -> None:
-        """The model's forward for this request: P writes its KV; D checks the KV it was
-        given (prefix hits included) the first time it reads it."""
+    def _compute(self, rank: Rank, rid: str) -> None:
+        """The model's forward for this request on one rank: P writes its KV; D checks the
+        KV it was given (prefix hits included) the first time it reads it."""
+        if not self.content:
+            return
         blocks = list(self.scheduler.kv_cache_manager.get_block_ids(rid)[0])
         index = self.index[rid]
         if self.start_role == "P":
-            fill(self.spec, self.buffer, index, blocks)
+            fill(rank.spec, rank.buffer, index, blocks)
         elif rid not in self.checked:
-            n = self.scheduler.requests[rid].num_prompt_tokens // self.spec.block_tokens
-            self.checked[rid] = count_wrong_bytes(self.spec, self.buffer, index, blocks[:n])
+            n = self.scheduler.requests[rid].num_prompt_tokens // rank.spec.block_tokens
+            wrong, checked = count_wrong_bytes(rank.spec, rank.buffer, index, blocks[:n])
+            before = self.pending_checks.get(rid, (0, 0))
+            self.pending_checks[rid] = (before[0] + wrong, before[1] + checked)
 
     def handle(self, cmd: dict[str, Any]) -> dict[str, Any]:
         from vllm import SamplingParams
@@ -271,6 +355,10 @@ class EnginePart:
                 "errors": side.errors,
                 "metrics": side.metrics.snapshot()["totals"],
             }
+        if op == "resolve_layout":
+            return self.resolve_layout()
+        if op == "regions":
+            return {"regions": self.regions(), "layout": self.layout}
         if op == "fragment":
             # A long-running engine's pool: free blocks come back in no particular order.
             # Reorders vLLM's free-block queue (the order it allocates in) with a seed.
@@ -286,6 +374,44 @@ class EnginePart:
         if op == "state":
             return self.state()
         raise ValueError(f"unknown op {op!r}")
+
+    def resolve_layout(self) -> dict[str, str]:
+        """The layout vLLM's engine core would resolve for this engine on a CUDA platform
+        whose backends (FlashAttention, Triton) take any layout: with this engine's
+        connector, and with no connector at all."""
+        import copy
+
+        from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
+        from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend
+        from vllm.v1.attention.backends.utils import (
+            get_supported_kv_cache_layouts,
+            resolve_kv_cache_layout,
+        )
+
+        out = {}
+        backends = {"flash_attn": FlashAttentionBackend, "triton": TritonAttentionBackend}
+        for name, backend in backends.items():
+            supported = [[m.name for m in get_supported_kv_cache_layouts([backend])]]
+            for label, transfer in (("", self.vllm_config.kv_transfer_config), ("none.", None)):
+                config = copy.copy(self.vllm_config)
+                object.__setattr__(config, "cache_config", copy.copy(config.cache_config))
+                object.__setattr__(config, "kv_transfer_config", transfer)
+                config.cache_config.kv_cache_layout = None
+                out[label + name] = resolve_kv_cache_layout(config, supported).name
+        return out
+
+    def regions(self) -> list[list[int]]:
+        """What the worker connector registered: per region, (offset into the allocation,
+        bytes per block, bytes from one block to the next)."""
+        base = self.buffer.ctypes.data
+        connector = self.worker
+        w = getattr(connector, "connector_worker", None)  # stock's worker half
+        if w is not None:
+            addrs = w.kv_caches_base_addr[w.engine_id][w.tp_rank]
+            lens, strides = w.block_len_per_layer, w.block_stride_per_layer
+            return [[a - base, n, s] for a, n, s in zip(addrs, lens, strides, strict=True)]
+        geometry = connector._worker.endpoint._driver.geometry
+        return [[r.base_addr - base, r.block_len, r.block_stride] for r in geometry.regions]
 
     def state(self) -> dict[str, Any]:
         return {
@@ -303,6 +429,7 @@ class EnginePart:
         }
 
     def close(self) -> None:
-        self.worker.shutdown()
+        for rank in self.ranks:
+            rank.worker.shutdown()
         if self.scheduler.connector is not None:
             self.scheduler.connector.shutdown()

@@ -196,8 +196,11 @@ def _layout(name: str) -> Any:
 def kv_cache_views(
     spec: Any, buffer: np.ndarray[Any, Any], kv_cache_config: Any, layout: str
 ) -> dict[str, torch.Tensor]:
-    """One region of ``buffer`` per KV-cache tensor (one allocation per layer, as a GPU
-    engine makes them), viewed by vLLM's own ``create_kv_cache_views``; by layer name."""
+    """One region of ``buffer`` per KV-cache tensor, viewed by vLLM's own
+    ``create_kv_cache_views``; by layer name. The bytes sit where vLLM's ``allocate_kv_cache``
+    puts them for LBHNC (layer after layer in one buffer), but each view has a storage object
+    of its own: right for code that reads a view's address, as the stock worker does, and
+    not for code that reads its storage (interop/vllm_engine.py uses vLLM's allocator)."""
     from vllm.v1.kv_cache_interface import create_kv_cache_views
 
     group = kv_cache_config.kv_cache_groups[0]
@@ -434,7 +437,7 @@ class WorkerPart:
         vllm_config, kv_cache_config = build_configs(start)
         cls = NixlPushConnectorWorker if start["mode"] == "push" else NixlPullConnectorWorker
         self.worker = cls(vllm_config, start["engine_id"], kv_cache_config)
-        # One allocation per layer (as a GPU engine makes them), views made by vLLM.
+        # Views made by vLLM, one per layer (see kv_cache_views).
         self.buffer = np.zeros(self.spec.total_bytes, dtype=np.uint8)
         caches = kv_cache_views(self.spec, self.buffer, kv_cache_config, start["layout"])
         self.worker.register_kv_caches(caches)

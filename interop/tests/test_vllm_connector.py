@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from harness import Geometry, SchedulerEngine, Zygote, free_port, wait_until
+from harness import BLOCK, Geometry, PeerError, SchedulerEngine, Zygote, free_port, wait_until
 
 TOKENS = 100  # 3 full blocks + a partial one (32-token blocks)
 
@@ -22,12 +22,14 @@ def _pair(
     extra: dict[str, Any],
     mode: str = "pull",
     d_extra: dict[str, Any] | None = None,
+    tp: tuple[int, int] = (1, 1),
 ) -> Iterator[tuple[SchedulerEngine, SchedulerEngine]]:
-    """A P and a D engine; D's extra config is ``d_extra`` when given, else P's."""
-    p = SchedulerEngine("P", p_conn, zygote, extra_config=extra, mode=mode)
+    """A P and a D engine; D's extra config is ``d_extra`` when given, else P's; ``tp``:
+    their TP sizes."""
+    p = SchedulerEngine("P", p_conn, zygote, extra_config=extra, mode=mode, tp=tp[0])
     try:
         d_config = extra if d_extra is None else d_extra
-        d = SchedulerEngine("D", d_conn, zygote, extra_config=d_config, mode=mode)
+        d = SchedulerEngine("D", d_conn, zygote, extra_config=d_config, mode=mode, tp=tp[1])
     except BaseException:
         p.close()
         raise
@@ -251,3 +253,75 @@ def test_push(zygote: Zygote, pair: str) -> None:
         assert "req-w" in state["checked"], (state["invalid"], d.peer.log[-3:], p.peer.log[-3:])
         wrong, checked = state["checked"]["req-w"]
         assert checked > 0 and wrong == 0
+
+
+@pytest.mark.parametrize("layout", ["LBHNC", "LBNHC", "BLHNC", "BLNHC"])
+def test_regions_are_where_stock_registers(zygote: Zygote, layout: str) -> None:
+    """vLLM backs every layer with one allocation: the regions must be read from each
+    layer's own view, and be the ones a stock engine registers (so a mixed pair agrees
+    region for region) in every layout kvwire supports."""
+    extra = {"transport": "nixl"}
+    found = {}
+    for connector in ("NixlConnector", "KVWireConnector"):
+        engine = SchedulerEngine("P", connector, zygote, extra_config=extra, layout=layout)
+        try:
+            found[connector] = engine.peer.call({"op": "regions"})
+        finally:
+            engine.close()
+    stock, ours = found["NixlConnector"], found["KVWireConnector"]
+    assert ours["layout"] == stock["layout"] == layout
+    assert ours["regions"] and ours["regions"] == stock["regions"]
+
+
+@pytest.mark.parametrize("layout", ["LHBNC", "BHLNC"])
+def test_unsupported_layouts_are_refused_by_name(zygote: Zygote, layout: str) -> None:
+    """Layouts that put heads outside a block's page: the worker refuses at registration
+    and the error names the layout."""
+    with pytest.raises(PeerError, match=f"kv_cache_layout.*{layout} is not supported"):
+        SchedulerEngine("P", "KVWireConnector", zygote, extra_config={"transport": "shm"},
+                        layout=layout).close()  # fmt: skip
+
+
+def test_cuda_backends_resolve_the_stock_layout(zygote: Zygote) -> None:
+    """On CUDA, FlashAttention and Triton take any layout, and vLLM's engine core asks the
+    connector which one; without an answer it takes LBNHC. A kvwire engine must resolve
+    what a stock one does, or a mixed pair differs in layout."""
+    found = {}
+    for connector in ("NixlConnector", "KVWireConnector"):
+        engine = SchedulerEngine("P", connector, zygote, extra_config={"transport": "nixl"})
+        try:
+            found[connector] = engine.peer.call({"op": "resolve_layout"})
+        finally:
+            engine.close()
+    stock, ours = found["NixlConnector"], found["KVWireConnector"]
+    for backend in ("flash_attn", "triton"):
+        assert ours[backend] == stock[backend] == "LBHNC"
+        assert ours[f"none.{backend}"] == "LBNHC"  # what a connector without an answer gets
+
+
+TP_SIZES = {"2-2": (2, 2), "2-1": (2, 1), "1-2": (1, 2)}
+TP_PAIRS = {
+    "kvwire-shm": ("KVWireConnector", "KVWireConnector", "shm"),
+    "kvwire-nixl": ("KVWireConnector", "KVWireConnector", "nixl"),
+    "stock-P-kvwire-D": ("NixlConnector", "KVWireConnector", "nixl"),
+    "kvwire-P-stock-D": ("KVWireConnector", "NixlConnector", "nixl"),
+}
+ALL_HEADS = 3 * Geometry().layers * BLOCK * 8 * 2 * 128 * 2
+"""Bytes of the request's 3 full blocks in every layer, all 8 heads (K and V of 128 bf16
+values each), whichever ranks hold them."""
+
+
+@pytest.mark.parametrize("sizes", sorted(TP_SIZES))
+@pytest.mark.parametrize("pair", sorted(TP_PAIRS))
+def test_tensor_parallel(zygote: Zygote, pair: str, sizes: str) -> None:
+    """Engines with TP > 1: one connector per rank (each told its rank the way vLLM's
+    parallel groups tell it), each with its own KV allocation and share of the heads;
+    vLLM's output aggregator finishes a request once every rank reported it. Equal and
+    unequal TP sizes, kvwire on both sides or a stock engine on one; D's ranks together
+    check every head."""
+    p_conn, d_conn, transport = TP_PAIRS[pair]
+    p_tp, d_tp = TP_SIZES[sizes]
+    extra = {"transport": transport}
+    for p, d in _pair(zygote, p_conn, d_conn, extra, tp=(p_tp, d_tp)):
+        state = transfer(p, d, "req-tp", 13, TOKENS)
+        assert tuple(state["checked"]["req-tp"]) == (0, ALL_HEADS)

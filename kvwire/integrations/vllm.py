@@ -39,7 +39,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 
 from kvwire.config import KVWireConfig
 from kvwire.errors import ConfigError
-from kvwire.layout.geometry import BlockRegion, KVGeometry
+from kvwire.layout.geometry import BlockRegion, KVGeometry, parse_layout
 from kvwire.runtime import Consumer, Producer
 from kvwire.sidechannel import HandshakeListener
 from kvwire.sidechannel.advertise import advertised_host
@@ -286,34 +286,94 @@ def _groups(block_ids: Any) -> BlockIds:
     return [[int(b) for b in ids]]
 
 
+def _one_run(page: torch.Tensor) -> bool:
+    """Whether a page's elements fill one gap-free span, in whatever order the layout
+    nests its axes (LBNHC's page is [N, H, C] in memory but viewed as [H, N, C])."""
+    expected = 1
+    for size, stride in sorted(zip(page.shape, page.stride(), strict=True), key=lambda d: d[1]):
+        if size == 1:
+            continue
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _spans(view: torch.Tensor, num_blocks: int) -> list[tuple[int, int, int]]:
+    """Where one layer's blocks are, as (address, bytes per block, bytes between blocks),
+    chosen as a stock NixlConnector engine chooses them, so a mixed pair agrees region
+    for region:
+
+    * a page that is one run in the view's own order (LBHNC, BLHNC): the layer's pages;
+    * otherwise, storage made of whole block rows (BLNHC): the rows, every layer of a
+      block in one span, shared by all layers;
+    * otherwise a page that is one run in memory order (LBNHC): the layer's pages.
+
+    The other layouts are refused by name before this (:func:`parse_layout`).
+    """
+    stride = int(view.stride(0)) * view.element_size()
+    page = int(view[0].nbytes)
+    if view[0].is_contiguous():
+        return [(int(view.data_ptr()), page, stride)]
+    storage = view.untyped_storage()
+    if 0 <= storage.nbytes() - num_blocks * stride < stride:
+        return [(int(storage.data_ptr()), stride, stride)]
+    if _one_run(view[0]):
+        return [(int(view.data_ptr()), page, stride)]
+    raise ConfigError("a block's page is not one span")
+
+
+def _layer_regions(
+    kv_caches: dict[str, torch.Tensor], num_blocks: int, layout: str
+) -> list[BlockRegion]:
+    """The worker's regions, read from each layer's own view.
+
+    vLLM backs every layer of a cache group with one allocation, so a view's storage alone
+    says nothing about its layer. Layers whose spans coincide (block rows) share a region.
+    """
+    regions = []
+    seen: set[int] = set()
+    for name, view in kv_caches.items():
+        if view.dim() < 2 or view.shape[0] != num_blocks:
+            raise ConfigError(
+                f"layer {name}: its view {tuple(view.shape)} does not have vLLM's "
+                f"{num_blocks} blocks first (kernel blocks smaller than --block-size are "
+                "not supported)"
+            )
+        try:
+            spans = _spans(view, num_blocks)
+        except ConfigError as exc:
+            raise ConfigError(f"layer {name}: in KV cache layout {layout}, {exc}") from None
+        on_device = view.device.type != "cpu"
+        for base, block_len, stride in spans:
+            if base in seen:
+                continue
+            seen.add(base)
+            regions.append(
+                BlockRegion(
+                    base_addr=base,
+                    block_len=block_len,
+                    block_stride=stride,
+                    num_blocks=num_blocks,
+                    mem_kind="VRAM" if on_device else "DRAM",
+                    device_id=max(view.get_device(), 0) if on_device else None,
+                    name=name,
+                )
+            )
+    return regions
+
+
 def _layer_geometry(
     kv_caches: dict[str, torch.Tensor], num_blocks: int, config: KVWireConfig, vllm_config: Any
 ) -> KVGeometry:
-    """One region per layer: vLLM's block-major DRAM/VRAM tensors (each block one
-    contiguous page of K and V), named by vLLM's layer names."""
-    regions = []
-    device_kind = "DRAM"
-    for name, tensor in kv_caches.items():
-        if tensor.device.type != "cpu":
-            device_kind = "VRAM"
-        storage = tensor.untyped_storage()
-        nbytes = storage.nbytes()
-        if nbytes % num_blocks:
-            raise ConfigError(f"layer {name}: {nbytes} bytes are not {num_blocks} equal blocks")
-        regions.append(
-            BlockRegion(
-                base_addr=int(storage.data_ptr()),
-                block_len=nbytes // num_blocks,
-                num_blocks=num_blocks,
-                mem_kind=device_kind,
-                name=name,
-            )
-        )
+    """The worker's geometry: its layer regions and the facts a peer checks them by."""
     model = vllm_config.model_config
     layout = vllm_config.cache_config.get_resolved_kv_cache_layout()
+    layout_name = str(getattr(layout, "name", layout))
+    parse_layout(layout_name)  # kvwire's rule refuses a layout it cannot move, by name
     return KVGeometry(
-        regions=regions,
-        kv_cache_layout=getattr(layout, "name", str(layout)),
+        regions=_layer_regions(kv_caches, num_blocks, layout_name),
+        kv_cache_layout=layout_name,
         block_size=int(vllm_config.cache_config.block_size),
         total_kv_heads=1 if model.use_mla else model.get_total_num_kv_heads(),
         tp_rank=config.tp_rank,
@@ -443,6 +503,17 @@ class KVWireConnector(KVConnectorBase_V1):  # type: ignore[misc]
         else:
             config = kvwire_config(vllm_config, tp_rank=_tp_rank(vllm_config))
             self._worker = _WorkerSide(vllm_config, config, kv_cache_config)
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        """The layout a stock NixlConnector engine asks for, so that both kinds resolve the
+        same one (vLLM otherwise picks each backend's first preference, and a mixed pair
+        would differ in layout). Head-major pages also move in fewer, longer spans when TP
+        sizes differ. MLA has one head: any layout is the same bytes."""
+        model = vllm_config.model_config
+        if model is None or model.use_mla:
+            return None
+        return "LBHNC"
 
     # -- scheduler side ------------------------------------------------------------
 
