@@ -34,8 +34,12 @@ class TransferMode(str, enum.Enum):
         return format(self.value, spec)
 
 
-NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
-PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
+INT64_MAX = (1 << 63) - 1
+"""The cap on every count, id and rank a peer sends: kvwire computes with int64 arrays, and
+JSON params (unlike msgpack) can carry integers of any size, which then could not even be
+re-encoded."""
+NonNegInt = Annotated[int, msgspec.Meta(ge=0, le=INT64_MAX)]
+PositiveInt = Annotated[int, msgspec.Meta(ge=1, le=INT64_MAX)]
 Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
 # Caps on the outer length of nested lists and maps from peers. Without them a message
 # within the size limit could cost 64x its size in memory (a one-byte empty msgpack array

@@ -64,6 +64,9 @@ def test_producer_side_params_have_no_remote() -> None:
         {"transfer_mode": "teleport"},
         {"do_remote_prefill": "yes"},
         {"remote_registration_generation": -1},
+        {"remote_block_ids": [[10**26]]},  # JSON carries it; no int64 holds it
+        {"tp_size": 1 << 63},
+        {"remote_num_tokens": 1 << 64},
     ],
 )
 def test_invalid_values_are_decode_errors(change: dict[str, object]) -> None:
@@ -71,7 +74,17 @@ def test_invalid_values_are_decode_errors(change: dict[str, object]) -> None:
         kvwire.parse_kv_transfer_params({**D_SIDE, **change}, version=15)
 
 
-@pytest.mark.parametrize("data", [b"{", b"[1]", b'{"remote_port": 1e999999}', b"\xc1", b"\x91\x01"])
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"{",
+        b"[1]",
+        b'{"remote_port": 1e999999}',
+        b"\xc1",
+        b"\x91\x01",
+        b'{"do_remote_prefill": true, "remote_block_ids": [[99999999999999999999992404, 1]]}',
+    ],
+)
 def test_invalid_encodings_are_decode_errors(data: bytes) -> None:
     with pytest.raises(kvwire.WireDecodeError):
         kvwire.parse_kv_transfer_params(data)
