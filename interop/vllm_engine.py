@@ -114,6 +114,26 @@ def backing_bytes(caches: dict[str, torch.Tensor]) -> np.ndarray[Any, Any]:
     return flat.numpy()
 
 
+def kv_view(caches: dict[str, torch.Tensor], buffer: np.ndarray[Any, Any]) -> Any:
+    """Every layer's KV as one ``[layers, blocks, heads, tokens, elements]`` uint16 array
+    over ``buffer``, through the strides of vLLM's own per-layer ``[B, H, N, C]`` views: in
+    any layout, ``kvwire.demo.content`` then writes and checks each value where vLLM's
+    attention would read it, whatever the connector registered."""
+    views = list(caches.values())
+    first = views[0]
+    item = first.element_size()
+    base = buffer.ctypes.data
+    offsets = [view.data_ptr() - base for view in views]
+    step = offsets[1] - offsets[0] if len(offsets) > 1 else 0
+    assert offsets == [offsets[0] + i * step for i in range(len(views))], "layers not evenly spaced"
+    assert all(v.stride() == first.stride() and v.shape == first.shape for v in views)
+    assert first.dim() == 4 and first.stride(3) == 1 and (first.shape[3] * item) % 2 == 0
+    shape = (len(views), *first.shape[:3], first.shape[3] * item // 2)
+    strides = (step, *(s * item for s in first.stride()[:3]), 2)
+    flat = buffer.view(np.uint16)[offsets[0] // 2 :]
+    return np.lib.stride_tricks.as_strided(flat, shape, strides, writeable=True)
+
+
 def _starts_loads(meta: Any) -> bool:
     """Whether this step's metadata starts a fetch (either connector's)."""
     return bool(getattr(meta, "to_recv", None) or getattr(meta, "reqs_to_recv", None))
@@ -139,6 +159,8 @@ class Rank:
     spec: Any
     buffer: np.ndarray[Any, Any]
     caches: dict[str, torch.Tensor]
+    kv: Any
+    """The KV as ``kvwire.demo.content`` reads it (:func:`kv_view`)."""
     worker: Any
 
 
@@ -169,9 +191,6 @@ class EnginePart:
         self.vllm_config = build_vllm_config(start)
         self.vllm_config.parallel_config.tensor_parallel_size = tp
         self.layout = start["layout"]
-        self.content = self.layout == "LBHNC"
-        """Whether ``kvwire.demo.content`` addresses these bytes: it writes layer l's block b
-        at l * num_blocks * page + b * page, which is where vLLM's LBHNC puts it."""
         self.ranks: list[Rank] = []
         for r in range(tp):
             at_rank = {**start, "tp_rank": r}
@@ -180,12 +199,11 @@ class EnginePart:
             worker = KVConnectorFactory.create_connector(
                 self.vllm_config, KVConnectorRole.WORKER, kv_cache_config
             )
-            rank = Rank(vllm_peer.cache_spec(at_rank), backing_bytes(caches), caches, worker)
-            if self.content:
-                base = rank.buffer.ctypes.data
-                offsets = [view.data_ptr() - base for view in caches.values()]
-                assert offsets == [i * rank.spec.region_bytes for i in range(len(offsets))]
-                scribble(rank.spec, rank.buffer, list(range(rank.spec.num_blocks)))
+            buffer = backing_bytes(caches)
+            rank = Rank(
+                vllm_peer.cache_spec(at_rank), buffer, caches, kv_view(caches, buffer), worker
+            )
+            scribble(rank.spec, rank.kv, list(range(rank.spec.num_blocks)))
             worker.register_kv_caches(caches)
             self.ranks.append(rank)
         self.kv_cache_config = kv_cache_config
@@ -302,15 +320,13 @@ class EnginePart:
     def _compute(self, rank: Rank, rid: str) -> None:
         """The model's forward for this request on one rank: P writes its KV; D checks the
         KV it was given (prefix hits included) the first time it reads it."""
-        if not self.content:
-            return
         blocks = list(self.scheduler.kv_cache_manager.get_block_ids(rid)[0])
         index = self.index[rid]
         if self.start_role == "P":
-            fill(rank.spec, rank.buffer, index, blocks)
+            fill(rank.spec, rank.kv, index, blocks)
         elif rid not in self.checked:
             n = self.scheduler.requests[rid].num_prompt_tokens // rank.spec.block_tokens
-            wrong, checked = count_wrong_bytes(rank.spec, rank.buffer, index, blocks[:n])
+            wrong, checked = count_wrong_bytes(rank.spec, rank.kv, index, blocks[:n])
             before = self.pending_checks.get(rid, (0, 0))
             self.pending_checks[rid] = (before[0] + wrong, before[1] + checked)
 

@@ -23,13 +23,16 @@ def _pair(
     mode: str = "pull",
     d_extra: dict[str, Any] | None = None,
     tp: tuple[int, int] = (1, 1),
+    layout: str = "LBHNC",
 ) -> Iterator[tuple[SchedulerEngine, SchedulerEngine]]:
     """A P and a D engine; D's extra config is ``d_extra`` when given, else P's; ``tp``:
-    their TP sizes."""
-    p = SchedulerEngine("P", p_conn, zygote, extra_config=extra, mode=mode, tp=tp[0])
+    their TP sizes; ``layout``: vLLM's KV cache layout on both."""
+    p = SchedulerEngine("P", p_conn, zygote, extra_config=extra, mode=mode, tp=tp[0],
+                        layout=layout)  # fmt: skip
     try:
         d_config = extra if d_extra is None else d_extra
-        d = SchedulerEngine("D", d_conn, zygote, extra_config=d_config, mode=mode, tp=tp[1])
+        d = SchedulerEngine("D", d_conn, zygote, extra_config=d_config, mode=mode, tp=tp[1],
+                            layout=layout)  # fmt: skip
     except BaseException:
         p.close()
         raise
@@ -325,3 +328,40 @@ def test_tensor_parallel(zygote: Zygote, pair: str, sizes: str) -> None:
     for p, d in _pair(zygote, p_conn, d_conn, extra, tp=(p_tp, d_tp)):
         state = transfer(p, d, "req-tp", 13, TOKENS)
         assert tuple(state["checked"]["req-tp"]) == (0, ALL_HEADS)
+
+
+LAYOUT_PAIRS = {k: TP_PAIRS[k] for k in ("kvwire-nixl", "stock-P-kvwire-D", "kvwire-P-stock-D")}
+REFUSED = {
+    ("BLNHC", "stock-P-kvwire-D"): "whole block rows of 2 layers",
+    ("LBNHC", "kvwire-P-stock-D"): "",
+    ("BLNHC", "kvwire-P-stock-D"): "",
+}
+"""Unequal TP sizes a D refuses: vLLM refuses tokens-before-heads layouts (its rule, the
+same between two stock engines); kvwire refuses a stock P's whole block rows, which no
+slicing can take apart by heads (a kvwire P names its layers' pages in a row, so two
+kvwire engines move it)."""
+
+
+@pytest.mark.parametrize("sizes", ["1-1", "2-1"])
+@pytest.mark.parametrize("pair", sorted(LAYOUT_PAIRS))
+@pytest.mark.parametrize("layout", ["LBNHC", "BLHNC", "BLNHC"])
+def test_layouts(zygote: Zygote, layout: str, pair: str, sizes: str) -> None:
+    """Bytes checked in the other layouts kvwire moves, through vLLM's own per-layer views
+    of its one allocation: equal and unequal TP sizes, kvwire on both sides or stock on
+    one. Where a D refuses, the request fails on D with its blocks marked invalid (vLLM's
+    load-failure path), and nothing is checked as delivered."""
+    p_conn, d_conn, transport = LAYOUT_PAIRS[pair]
+    tp = {"1-1": (1, 1), **TP_SIZES}[sizes]
+    refused = REFUSED.get((layout, pair)) if sizes != "1-1" else None
+    for p, d in _pair(zygote, p_conn, d_conn, {"transport": transport}, tp=tp, layout=layout):
+        if refused is None:
+            state = transfer(p, d, "req-l", 13, TOKENS)
+            assert tuple(state["checked"]["req-l"]) == (0, ALL_HEADS)
+            continue
+        p.add("req-l", 13, TOKENS)
+        wait_until(lambda p=p: "req-l" in p.state.get("outputs", {}), p.step, 30, "P to finish")
+        d.add("req-l", 13, TOKENS, p.state["outputs"]["req-l"])
+        wait_until(lambda d=d: "req-l" in d.state.get("outputs", {}), d.step, 30, "D to fail it")
+        assert d.state["invalid"] and "req-l" not in d.state["checked"]
+        if refused:
+            assert any(refused in line for line in d.state["log"] + d.peer.log), d.peer.log[-3:]

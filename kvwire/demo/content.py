@@ -18,6 +18,8 @@ from kvwire.demo.models import CacheSpec
 from kvwire.layout.geometry import rank_heads
 
 U16 = npt.NDArray[np.uint16]
+Memory = npt.NDArray[np.uint8] | U16
+"""A rank's KV as :func:`blocks_view` takes it."""
 
 
 def expected(spec: CacheSpec, request_index: int, num_blocks: int) -> U16:
@@ -52,16 +54,25 @@ def _pattern(spec: CacheSpec, num_blocks: int) -> U16:
     return pattern
 
 
-def blocks_view(spec: CacheSpec, buffer: npt.NDArray[np.uint8]) -> U16:
-    """The rank's KV memory as ``[layers, num_blocks, heads, tokens, elements]`` uint16."""
+def blocks_view(spec: CacheSpec, buffer: Memory) -> U16:
+    """The rank's KV memory as ``[layers, num_blocks, heads, tokens, elements]`` uint16.
+
+    ``buffer`` is either the rank's bytes packed layer after layer, heads before tokens
+    (vLLM's LBHNC, what the demo allocates), or already that 5-axis view: a strided one is
+    how a caller with another layout (interop/vllm_engine.py) has its bytes checked where
+    that layout puts them.
+    """
     elements = spec.model.content_bytes // 2
+    if buffer.ndim == 5:
+        shape = (spec.layers, spec.num_blocks, spec.heads_here, spec.block_tokens, elements)
+        if buffer.dtype != np.uint16 or buffer.shape != shape:
+            raise ValueError(f"a KV view must be uint16 {shape}, got {buffer.dtype} {buffer.shape}")
+        return buffer.view(np.uint16)  # the same array, typed as what it is
     flat = buffer[: spec.total_bytes].view(np.uint16)
     return flat.reshape(spec.layers, spec.num_blocks, spec.heads_here, spec.block_tokens, elements)
 
 
-def fill(
-    spec: CacheSpec, buffer: npt.NDArray[np.uint8], request_index: int, blocks: list[int]
-) -> None:
+def fill(spec: CacheSpec, buffer: Memory, request_index: int, blocks: list[int]) -> None:
     """Write a request's KV into its blocks (what a prefill would have computed)."""
     view = blocks_view(spec, buffer)
     index = np.asarray(blocks, dtype=np.int64)
@@ -74,7 +85,7 @@ def fill(
 
 
 def count_wrong_bytes(
-    spec: CacheSpec, buffer: npt.NDArray[np.uint8], request_index: int, blocks: list[int]
+    spec: CacheSpec, buffer: Memory, request_index: int, blocks: list[int]
 ) -> tuple[int, int]:
     """``(wrong bytes, checked bytes)`` of a request's KV in this rank's blocks."""
     view = blocks_view(spec, buffer)
@@ -97,7 +108,7 @@ def _contiguous(index: npt.NDArray[np.int64]) -> bool:
     )
 
 
-def scribble(spec: CacheSpec, buffer: npt.NDArray[np.uint8], blocks: list[int]) -> None:
+def scribble(spec: CacheSpec, buffer: Memory, blocks: list[int]) -> None:
     """Overwrite blocks with a pattern no request produces, so stale data cannot pass."""
     view = blocks_view(spec, buffer)
     view[:, np.asarray(blocks, dtype=np.int64)] = 0xDEAD

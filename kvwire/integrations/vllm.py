@@ -329,10 +329,13 @@ def _layer_regions(
     """The worker's regions, read from each layer's own view.
 
     vLLM backs every layer of a cache group with one allocation, so a view's storage alone
-    says nothing about its layer. Layers whose spans coincide (block rows) share a region.
+    says nothing about its layer. Layers whose spans coincide (block rows) share a region,
+    which names where each layer's page sits in a row: a kvwire peer then pairs layer by
+    layer and can slice pages by heads and tokens, and a peer that knows only the rows is
+    held to equal shards (:mod:`kvwire.layout.alignment`).
     """
-    regions = []
-    seen: set[int] = set()
+    spans: dict[int, tuple[str, int, int, torch.Tensor]] = {}
+    rows: dict[int, dict[str, tuple[int, int]]] = {}
     for name, view in kv_caches.items():
         if view.dim() < 2 or view.shape[0] != num_blocks:
             raise ConfigError(
@@ -341,25 +344,31 @@ def _layer_regions(
                 "not supported)"
             )
         try:
-            spans = _spans(view, num_blocks)
+            found = _spans(view, num_blocks)
         except ConfigError as exc:
             raise ConfigError(f"layer {name}: in KV cache layout {layout}, {exc}") from None
+        page = int(view[0].nbytes)
+        for base, block_len, stride in found:
+            spans.setdefault(base, (name, block_len, stride, view))
+            if block_len > page:
+                rows.setdefault(base, {})[name] = (int(view.data_ptr()) - base, page)
+    regions = []
+    for base, (name, block_len, stride, view) in spans.items():
         on_device = view.device.type != "cpu"
-        for base, block_len, stride in spans:
-            if base in seen:
-                continue
-            seen.add(base)
-            regions.append(
-                BlockRegion(
-                    base_addr=base,
-                    block_len=block_len,
-                    block_stride=stride,
-                    num_blocks=num_blocks,
-                    mem_kind="VRAM" if on_device else "DRAM",
-                    device_id=max(view.get_device(), 0) if on_device else None,
-                    name=name,
-                )
+        packed = rows.get(base, {})
+        regions.append(
+            BlockRegion(
+                base_addr=base,
+                block_len=block_len,
+                block_stride=stride,
+                num_blocks=num_blocks,
+                mem_kind="VRAM" if on_device else "DRAM",
+                device_id=max(view.get_device(), 0) if on_device else None,
+                name=name,
+                members=tuple(packed),
+                packed_members=packed,
             )
+        )
     return regions
 
 

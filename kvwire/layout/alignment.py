@@ -382,6 +382,23 @@ def _check_pair(
             rv.block_len,
             f"{remote_heads} heads x {remote.kernel_block_size} tokens x {content} bytes",
         )
+        return
+    rows = local.regions[lv.index].packed_members
+    local_heads = local.heads_in_region(lv.index)
+    whole_rows = len(rows) > 1 and lv.block_len == local.regions[lv.index].block_len
+    if whole_rows and (remote_heads, remote.kernel_block_size) != (
+        local_heads,
+        local.kernel_block_size,
+    ):
+        # The sizes above agree (a row scales with heads and tokens like a page), but a row
+        # is every layer's page in turn: slicing it by heads or tokens cuts across layers.
+        problems.add(
+            f"{where} heads x kernel tokens",
+            f"{local_heads} x {local.kernel_block_size}",
+            f"{remote_heads} x {remote.kernel_block_size}",
+            f"the region is whole block rows of {len(rows)} layers and the peer advertises no "
+            "per-layer pages (vLLM registers BLNHC so), which move only between equal shards",
+        )
 
 
 def validate_peer(

@@ -459,6 +459,8 @@ def run_case(
         p_state = "; ".join(f"{name} died: {how}" for name, how in deaths if how != "alive")
         if after_revoke == "not run":
             after_revoke = "no answer (a process died)"
+        if case.method == "unmap":
+            after_reuse = GONE  # never run for unmap, whichever call saw P die first
     except _Stuck as exc:
         p_state = f"stuck in {exc}"
     finally:
