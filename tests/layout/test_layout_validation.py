@@ -393,3 +393,33 @@ def _missing_group() -> None:
         block_size=16,
     )
     PeerLayout(local, remote_of(local)).plan([[1]], [[3]])
+
+
+def row_geometry(*, tp: int, block: int = 16, packed: bool = True) -> KVGeometry:
+    """Two layers' pages in one block row (how vLLM registers BLNHC), naming the pages or not."""
+    page = max(1, 8 // tp) * block * CONTENT
+    pages = {"layers.0": (0, page), "layers.1": (page, page)} if packed else {}
+    row = BlockRegion(
+        base_addr=1 << 30, block_len=2 * page, num_blocks=64, name="layers.0",
+        members=tuple(pages), packed_members=pages,
+    )  # fmt: skip
+    return KVGeometry(
+        [row], kv_cache_layout="BLNHC", block_size=block, total_kv_heads=8, tp_size=tp
+    )
+
+
+def test_whole_rows_against_bare_rows_need_equal_shards() -> None:
+    """A row is every layer's page in turn: sliced by heads or tokens it would mix layers,
+    and the sizes alone cannot tell (a row scales like a page)."""
+    local = row_geometry(tp=1)
+    assert len(validate_peer(local, remote_of(row_geometry(tp=1, packed=False)))) == 1
+    for peer, got in ((row_geometry(tp=2, packed=False), "4 x 16"),
+                      (row_geometry(tp=1, block=32, packed=False), "8 x 32")):  # fmt: skip
+        refused(local, remote_of(peer, tp=peer.tp_size), "whole block rows of 2 layers", got)
+
+
+def test_rows_that_name_their_pages_pair_layer_by_layer() -> None:
+    local = row_geometry(tp=1)
+    pairs = validate_peer(local, remote_of(row_geometry(tp=2), tp=2))
+    assert [p.local.label for p in pairs] == ["0 (layers.0)[layers.0]", "0 (layers.0)[layers.1]"]
+    assert [p.remote.block_len for p in pairs] == [4 * 16 * CONTENT] * 2
