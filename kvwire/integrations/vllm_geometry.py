@@ -1,0 +1,135 @@
+"""Where a vLLM worker's KV blocks are, in kvwire's terms: the regions and geometry a
+worker registers and advertises, read from the per-layer tensors vLLM hands the connector.
+
+Separate from the connector because it is the one part that must agree byte for byte with a
+stock NixlConnector engine's registration (docs/vllm.md, "Proven here"); the connector only
+calls :func:`layer_geometry`.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from kvwire.config import KVWireConfig
+from kvwire.errors import ConfigError
+from kvwire.layout.geometry import BlockRegion, KVGeometry, parse_layout
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+
+def attn_backend_name(vllm_config: VllmConfig) -> str:
+    """The attention backend vLLM chose (a factor of the compatibility hash)."""
+    from vllm.distributed.kv_transfer.kv_connector import utils
+
+    backends = utils.get_current_attn_backends(vllm_config)
+    return str(backends[0].get_name())
+
+
+def _one_run(page: torch.Tensor) -> bool:
+    """Whether a page's elements fill one gap-free span, in whatever order the layout
+    nests its axes (LBNHC's page is [N, H, C] in memory but viewed as [H, N, C])."""
+    expected = 1
+    for size, stride in sorted(zip(page.shape, page.stride(), strict=True), key=lambda d: d[1]):
+        if size == 1:
+            continue
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _spans(view: torch.Tensor, num_blocks: int) -> list[tuple[int, int, int]]:
+    """Where one layer's blocks are, as (address, bytes per block, bytes between blocks),
+    chosen as a stock NixlConnector engine chooses them, so a mixed pair agrees region
+    for region:
+
+    * a page that is one run in the view's own order (LBHNC, BLHNC): the layer's pages;
+    * otherwise, storage made of whole block rows (BLNHC): the rows, every layer of a
+      block in one span, shared by all layers;
+    * otherwise a page that is one run in memory order (LBNHC): the layer's pages.
+
+    The other layouts are refused by name before this (:func:`parse_layout`).
+    """
+    stride = int(view.stride(0)) * view.element_size()
+    page = int(view[0].nbytes)
+    if view[0].is_contiguous():
+        return [(int(view.data_ptr()), page, stride)]
+    storage = view.untyped_storage()
+    if 0 <= storage.nbytes() - num_blocks * stride < stride:
+        return [(int(storage.data_ptr()), stride, stride)]
+    if _one_run(view[0]):
+        return [(int(view.data_ptr()), page, stride)]
+    raise ConfigError("a block's page is not one span")
+
+
+def layer_regions(
+    kv_caches: dict[str, torch.Tensor], num_blocks: int, layout: str
+) -> list[BlockRegion]:
+    """The worker's regions, read from each layer's own view.
+
+    vLLM backs every layer of a cache group with one allocation, so a view's storage alone
+    says nothing about its layer. Layers whose spans coincide (block rows) share a region,
+    which names where each layer's page sits in a row: a kvwire peer then pairs layer by
+    layer and can slice pages by heads and tokens, and a peer that knows only the rows is
+    held to equal shards (:mod:`kvwire.layout.alignment`).
+    """
+    spans: dict[int, tuple[str, int, int, torch.Tensor]] = {}
+    rows: dict[int, dict[str, tuple[int, int]]] = {}
+    for name, view in kv_caches.items():
+        if view.dim() < 2 or view.shape[0] != num_blocks:
+            raise ConfigError(
+                f"layer {name}: its view {tuple(view.shape)} does not have vLLM's "
+                f"{num_blocks} blocks first (kernel blocks smaller than --block-size are "
+                "not supported)"
+            )
+        try:
+            found = _spans(view, num_blocks)
+        except ConfigError as exc:
+            raise ConfigError(f"layer {name}: in KV cache layout {layout}, {exc}") from None
+        page = int(view[0].nbytes)
+        for base, block_len, stride in found:
+            spans.setdefault(base, (name, block_len, stride, view))
+            if block_len > page:
+                rows.setdefault(base, {})[name] = (int(view.data_ptr()) - base, page)
+    regions = []
+    for base, (name, block_len, stride, view) in spans.items():
+        on_device = view.device.type != "cpu"
+        packed = rows.get(base, {})
+        regions.append(
+            BlockRegion(
+                base_addr=base,
+                block_len=block_len,
+                block_stride=stride,
+                num_blocks=num_blocks,
+                mem_kind="VRAM" if on_device else "DRAM",
+                device_id=max(view.get_device(), 0) if on_device else None,
+                name=name,
+                members=tuple(packed),
+                packed_members=packed,
+            )
+        )
+    return regions
+
+
+def layer_geometry(
+    kv_caches: dict[str, torch.Tensor], num_blocks: int, config: KVWireConfig, vllm_config: Any
+) -> KVGeometry:
+    """The worker's geometry: its layer regions and the facts a peer checks them by."""
+    model = vllm_config.model_config
+    layout = vllm_config.cache_config.get_resolved_kv_cache_layout()
+    layout_name = str(getattr(layout, "name", layout))
+    parse_layout(layout_name)  # kvwire's rule refuses a layout it cannot move, by name
+    return KVGeometry(
+        regions=layer_regions(kv_caches, num_blocks, layout_name),
+        kv_cache_layout=layout_name,
+        block_size=int(vllm_config.cache_config.block_size),
+        total_kv_heads=1 if model.use_mla else model.get_total_num_kv_heads(),
+        tp_rank=config.tp_rank,
+        tp_size=config.tp_size,
+        is_mla=bool(model.use_mla),
+        attn_backend_name=attn_backend_name(vllm_config),
+        num_blocks=num_blocks,
+    )
