@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from kvwire_nixl import _loader
-from kvwire_nixl._descs import CACHEABLE_ROWS, fast_key, prepare
+from kvwire_nixl._descs import prepare
 from kvwire_nixl._errors import status_of, translate
 from kvwire_nixl._options import parse_options
 from kvwire_nixl._progress import POST_SKIPS, ProgressThread
@@ -177,17 +177,6 @@ def test_prepare_rejects_what_cannot_pair_up() -> None:
         prepare(good, np.array([[0, 16, 0]], dtype=np.int64))
     with pytest.raises(DescriptorError):
         prepare(good[:, :2], good[:, :2])
-
-
-def test_fast_key_only_for_small_int64_pairs() -> None:
-    small = np.zeros((4, 3), dtype=np.int64)
-    assert fast_key(small, small) == (small.tobytes(), small.tobytes())
-    assert fast_key(small.astype(np.int32), small) is None
-    assert fast_key(small.reshape(-1), small.reshape(-1)) is None
-    assert fast_key(small, small[:2]) is None
-    big = np.zeros((CACHEABLE_ROWS + 1, 3), dtype=np.int64)
-    assert fast_key(big, big) is None
-    assert fast_key(small.tolist(), small) is None
 
 
 def _run_until(thread: ProgressThread, rounds: int) -> None:

@@ -200,6 +200,63 @@ def test_new_registration_reaches_peer_through_fresh_metadata(pair) -> None:  # 
         b.deregister(object())
 
 
+def test_kept_plans_go_when_local_memory_changes(pair) -> None:  # type: ignore[no-untyped-def]
+    a, _, mine, theirs = pair
+    local, remote = rows(mine, [0]), rows(theirs, [2])
+    assert wait_for(a, a.read("b", local, remote), TIMEOUT) is XferState.DONE
+    assert a._peers["b"].plans  # kept: the next identical READ skips planning
+    registration = a._registrations[0]
+    a.deregister(registration)
+    # The kept plan named the unmapped handle; posting it would be a use after free.
+    with pytest.raises(DescriptorError):
+        a.read("b", local, remote)
+    mine[:] = 0
+    a.register([region_of_array(mine)])
+    assert wait_for(a, a.read("b", local, remote), TIMEOUT) is XferState.DONE
+    assert np.array_equal(mine[:BLOCK], theirs[2 * BLOCK : 3 * BLOCK])
+
+
+def test_kept_plans_go_when_the_peer_remaps(pair) -> None:  # type: ignore[no-untyped-def]
+    a, b, mine, theirs = pair
+    local, remote = rows(mine, [0]), rows(theirs, [3])
+    assert wait_for(a, a.read("b", local, remote), TIMEOUT) is XferState.DONE
+    b.deregister(b._registrations[0])
+    a.add_peer(b.local_metadata())  # no regions now: the old rkeys are destroyed
+    with pytest.raises(DescriptorError):
+        a.read("b", local, remote)
+    theirs[3 * BLOCK : 4 * BLOCK] = 9
+    b.register([region_of_array(theirs)])
+    a.add_peer(b.local_metadata())  # the same memory under a new rkey
+    assert wait_for(a, a.read("b", local, remote), TIMEOUT) is XferState.DONE
+    assert (mine[:BLOCK] == 9).all()
+
+
+def test_plan_cache_keeps_at_most_its_size() -> None:
+    a = UcxTransport("a", plan_cache=2)
+    b = UcxTransport("b", plan_cache=0)
+    try:
+        mine = np.zeros(8 * BLOCK, dtype=np.uint8)
+        theirs = np.arange(8 * BLOCK, dtype=np.uint64).astype(np.uint8)
+        a.register([region_of_array(mine)])
+        b.register([region_of_array(theirs)])
+        a.add_peer(b.local_metadata())
+        b.add_peer(a.local_metadata())
+        for block in range(5):
+            local, remote = rows(mine, [block]), rows(theirs, [7 - block])
+            assert wait_for(a, a.read("b", local, remote), TIMEOUT) is XferState.DONE
+            assert wait_for(b, b.write("a", remote, local), TIMEOUT) is XferState.DONE
+        assert len(a._peers["b"].plans) == 2
+        assert b._peers["a"].plans == {}
+        for block in range(5):
+            assert np.array_equal(
+                mine[block * BLOCK : (block + 1) * BLOCK],
+                theirs[(7 - block) * BLOCK : (8 - block) * BLOCK],
+            )
+    finally:
+        a.close()
+        b.close()
+
+
 def test_release_twice_and_foreign_handles(pair) -> None:  # type: ignore[no-untyped-def]
     a, b, mine, theirs = pair
     handle = a.read("b", rows(mine, [0]), rows(theirs, [0]))
@@ -222,6 +279,9 @@ def test_options_are_validated() -> None:
         UcxTransport("x", progress="busy")
     with pytest.raises(ConfigError):
         UcxTransport("x", no_such_option=1)
+    for bad in (-1, True, "8"):
+        with pytest.raises(ConfigError, match="plan_cache"):
+            UcxTransport("x", plan_cache=bad)
     with pytest.raises(TransportError) as info:
         UcxTransport("x", config={"NO_SUCH_UCX_SETTING": "1"})
     assert info.value.status is not None

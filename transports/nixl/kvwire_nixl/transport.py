@@ -52,10 +52,11 @@ from kvwire.transport import (
     Region,
     XferState,
     as_message,
+    descs_key,
     region_of_array,
     region_of_tensor,
 )
-from kvwire_nixl._descs import fast_key, prepare
+from kvwire_nixl._descs import prepare
 from kvwire_nixl._errors import is_status, status_of, translate
 from kvwire_nixl._loader import load_nixl
 from kvwire_nixl._options import NixlOptions, parse_options
@@ -377,7 +378,7 @@ class NixlTransport:
         request = None
         key = None
         if self._cache_on:
-            small = fast_key(local, remote)
+            small = descs_key(local, remote)
             if small is not None:
                 key = (op, peer, not message, small)
                 request = self._cache.pop(key, None)
