@@ -245,6 +245,35 @@ def repeat_interleaved(
     }
 
 
+MemcpySampler = Callable[[str, int], None]
+"""``sample(label, nbytes)``: time one memcpy of ``nbytes`` (the transport bench's baseline)."""
+
+
+def bandwidth_in_turns(
+    contenders: Mapping[str, Callable[[], None]],
+    nbytes: int,
+    label: str,
+    repeats: int,
+    memcpy: MemcpySampler,
+) -> dict[str, list[float]]:
+    """GB/s samples per contender reading the same blocks, timed in turns (order alternating
+    every repetition), each right after a memcpy of the same size.
+
+    The memcpy in between is what makes the turns fair: the second of two back-to-back
+    reads of one set of blocks finds them in cache, so without it whichever contender
+    always went second would win by the cache, not by its code.
+    """
+    names = list(contenders)
+    samples: dict[str, list[float]] = {name: [] for name in names}
+    for rep in range(repeats):
+        for name in names if rep % 2 == 0 else names[::-1]:
+            memcpy(label, nbytes)
+            t0 = time.perf_counter()
+            contenders[name]()
+            samples[name].append(nbytes / (time.perf_counter() - t0) / 1e9)
+    return samples
+
+
 def paired_ratio(slow: Timing, fast: Timing) -> Timing:
     """``slow / fast`` per repetition of :func:`repeat_interleaved`: median, min and max.
 

@@ -28,12 +28,13 @@ import argparse
 import importlib.metadata
 import time
 import uuid
+from functools import partial
 from typing import Any
 
 import numpy as np
 
 from kvwire.bench import mooncake, sweeps
-from kvwire.bench.report import Report, Result, repeat
+from kvwire.bench.report import Report, Result, bandwidth_in_turns, repeat
 from kvwire.bench.sweeps import LATENCY_BYTES, SHAPES, scattered
 from kvwire.errors import ConfigError, TransportError
 from kvwire.transport import Transport, XferState, create, load, region_of_array
@@ -122,19 +123,27 @@ def _measure(name: str, allocator: str, quick: bool, memcpy: _Memcpy) -> dict[st
                 raw = same_memory_reader(local, peer_name, ldescs, rdescs)
             samples: list[float] = []
             raw_samples: list[float] = []
-            for i in range(repeats):
-                # Alternate which goes first, so neither always runs on the other's leftovers.
-                if i % 2 == 0:
-                    memcpy.sample(label, count * size)
-                t0 = time.perf_counter()
-                _read(local, peer_name, ldescs, rdescs)
-                samples.append(count * size / (time.perf_counter() - t0) / 1e9)
-                if raw is not None:  # the raw library's read of the same blocks, in turns
+            nbytes = count * size
+            if raw is None:
+                for i in range(repeats):
+                    # Alternate which goes first, so neither always runs on the other's
+                    # leftovers.
+                    if i % 2 == 0:
+                        memcpy.sample(label, nbytes)
                     t0 = time.perf_counter()
-                    raw()
-                    raw_samples.append(count * size / (time.perf_counter() - t0) / 1e9)
-                if i % 2 == 1:
-                    memcpy.sample(label, count * size)
+                    _read(local, peer_name, ldescs, rdescs)
+                    samples.append(nbytes / (time.perf_counter() - t0) / 1e9)
+                    if i % 2 == 1:
+                        memcpy.sample(label, nbytes)
+            else:  # kvwire and the raw library reading the same blocks, in turns
+                turns = bandwidth_in_turns(
+                    {"kvwire": partial(_read, local, peer_name, ldescs, rdescs), "raw": raw},
+                    nbytes,
+                    label,
+                    repeats,
+                    memcpy.sample,
+                )
+                samples, raw_samples = turns["kvwire"], turns["raw"]
             out[label] = float(np.median(samples))
             out[f"{label}.min"], out[f"{label}.max"] = min(samples), max(samples)
             if raw_samples:

@@ -46,7 +46,7 @@ from typing import Any
 
 import numpy as np
 
-from kvwire.bench.report import Result
+from kvwire.bench.report import MemcpySampler, Result, bandwidth_in_turns
 from kvwire.bench.sweeps import LATENCY_BYTES, SHAPES, scattered
 from kvwire.errors import TransportError
 from kvwire.framing import close_pipes, read_frame, spawn, wait_or_kill, write_frame
@@ -60,9 +60,6 @@ QUICK_REPEATS = 8
 BACKEND_OPTIONS = {"ucx_error_handling_mode": "none"}
 TIMEOUT_S = 60.0
 LATENCY_BLOCK = 20
-
-MemcpySampler = Callable[[str, int], None]
-"""``sample(label, nbytes)``: time one memcpy of ``nbytes`` (the generic bench's baseline)."""
 
 
 def _agent(name: str) -> Any:
@@ -167,26 +164,6 @@ def _check_moved(
         want = source[0][raddr - remote_base : raddr - remote_base + length]
         if not np.array_equal(got, want):
             raise TransportError(f"benchmark READ landed wrong bytes at {laddr:#x}")
-
-
-def _bandwidth(
-    contenders: dict[str, Callable[[], None]],
-    nbytes: int,
-    label: str,
-    repeats: int,
-    memcpy: MemcpySampler,
-) -> dict[str, list[float]]:
-    """GB/s samples per contender, timed in turns (order alternating every repetition),
-    each right after a memcpy of the same size."""
-    names = list(contenders)
-    samples: dict[str, list[float]] = {name: [] for name in names}
-    for rep in range(repeats):
-        for name in names if rep % 2 == 0 else names[::-1]:
-            memcpy(label, nbytes)
-            t0 = time.perf_counter()
-            contenders[name]()
-            samples[name].append(nbytes / (time.perf_counter() - t0) / 1e9)
-    return samples
 
 
 def _latency(
@@ -305,7 +282,7 @@ def paired_benchmark(quick: bool, memcpy: MemcpySampler | None = None) -> list[R
                 _check_moved(read, sink, local, remote, source)
                 read()  # warm both sides' pages and the request
             repeats = QUICK_REPEATS if quick else REPEATS[label]
-            samples = _bandwidth(pair, count * size, label, repeats, sample_memcpy)
+            samples = bandwidth_in_turns(pair, count * size, label, repeats, sample_memcpy)
             raw_name = f"nixl_raw.read.{label}.GBps"
             raw_gbps = statistics.median(samples["nixl_raw"])
             pairs = [k / r for k, r in zip(samples["nixl"], samples["nixl_raw"], strict=True)]
