@@ -17,7 +17,7 @@ again. Nothing spins, and a target never has to call into kvwire for an initiato
 to finish. ``poll`` also progresses once when it finds a transfer still pending, so a caller
 that polls sees completions without a thread hand-off.
 
-Why one module of ~670 lines: one adapter class over one UCP worker and its endpoints,
+Why one module of ~700 lines: one adapter class over one UCP worker and its endpoints,
 whose progress, request table and peer error handling act on the same worker state; the
 binding is ``_ucp`` and the descriptor tables ``tables``.
 """
