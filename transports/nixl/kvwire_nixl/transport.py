@@ -89,7 +89,7 @@ class NixlXfer:
     writes), and dead once released (``owner`` is None) even while its request lives on.
     """
 
-    __slots__ = ("owner", "request", "state")
+    __slots__ = ("__weakref__", "owner", "request", "state")  # weakref: the suite's leak check
 
     owner: NixlTransport | None
     request: _Request
