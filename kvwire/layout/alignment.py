@@ -370,7 +370,8 @@ def _check_pair(
         return
     if remote.kernel_block_size <= 0 or remote.tp_size <= 0:
         return
-    content = lv.block_len // (local.heads_in_region(lv.index) * local.kernel_block_size)
+    local_heads = local.heads_in_region(lv.index)
+    content = lv.block_len // (local_heads * local.kernel_block_size)
     remote_heads = (
         1 if kind is RegionKind.REPLICATED else heads_per_rank(remote.tp_size, local.total_kv_heads)
     )
@@ -384,7 +385,6 @@ def _check_pair(
         )
         return
     rows = local.regions[lv.index].packed_members
-    local_heads = local.heads_in_region(lv.index)
     whole_rows = len(rows) > 1 and lv.block_len == local.regions[lv.index].block_len
     if whole_rows and (remote_heads, remote.kernel_block_size) != (
         local_heads,

@@ -101,7 +101,7 @@ def _descs(descs: Any) -> Descs:
     return as_descs(descs)
 
 
-@dataclass(eq=False, slots=True, weakref_slot=True)  # weakref: the suite's leak check
+@dataclass(eq=False)
 class UcxTransfer:
     """A posted READ or WRITE; the handle ``read``/``write`` return."""
 
