@@ -39,6 +39,11 @@ from kvwire.bench.sweeps import LATENCY_BYTES, SHAPES, scattered
 from kvwire.errors import ConfigError, TransportError
 from kvwire.transport import Transport, XferState, create, load, region_of_array
 
+QUICK_REPEATS = 25
+"""Samples per shape with ``--quick``. Single samples on a shared 2-core machine vary up to
+2x (thread wake-ups), so a median wants more than a handful; one sample is a READ of 16 or
+64 MiB (about 1 and 5 ms here), so 25 cost about a quarter of a second per transport."""
+
 
 class _Memcpy:
     """The baseline: one numpy copy of the same bytes in one process, pages warm.
@@ -88,7 +93,7 @@ def _measure(name: str, allocator: str, quick: bool, memcpy: _Memcpy) -> dict[st
     from kvwire.peer.agent import PeerAgent  # the peer process; only the bench needs it
     from kvwire.peer.memory import allocate
 
-    repeats = 9 if quick else 30
+    repeats = QUICK_REPEATS if quick else 30
     out: dict[str, float] = {}
     same_memory_reader = getattr(_rawbench(name), "same_memory_reader", None)
     peer = PeerAgent(name)

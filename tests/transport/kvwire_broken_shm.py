@@ -417,13 +417,20 @@ class _CmaSkipsAFullLastBatch(ShmTransport):
 
 
 class _MappedWriteGoesBackwards(ShmTransport):
-    """The single-route fast path swaps source and destination of a WRITE."""
+    """The single-route fast paths (the C helper's plan, and numpy's without it) swap
+    source and destination of a WRITE."""
 
     @staticmethod
     def _plan(request: Any, write: bool) -> list[Any]:
         batches = ShmTransport._plan(request, write)
         uniform = not (request.local_t.has_vram or request.remote_t.has_vram)
         if write and uniform and request.remote_t.route == MAPPED:
+            return [dataclasses.replace(b, dst=b.src, src=b.dst) for b in batches]
+        return batches
+
+    def _plan_host(self, peer: Any, local: Any, remote: Any, write: bool) -> list[Any] | None:
+        batches = super()._plan_host(peer, local, remote, write)
+        if batches is not None and write and peer.table.route == MAPPED:
             return [dataclasses.replace(b, dst=b.src, src=b.dst) for b in batches]
         return batches
 

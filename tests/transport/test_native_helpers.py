@@ -100,6 +100,29 @@ def test_native_helpers_reject_bad_arrays() -> None:
 
 
 @needs_shm
+@pytest.mark.parametrize("how", ["copy", "cma"])
+def test_a_span_range_moves_those_spans_only(how: str) -> None:
+    """A chunk names its spans by index in the plan's arrays; nothing outside moves."""
+    assert SHM_NATIVE is not None
+    lengths = np.full(10, 1000, dtype=np.int64)
+    at = np.arange(10, dtype=np.int64) * 1000
+    src = np.random.default_rng(3).integers(1, 256, 10_000, dtype=np.uint8)
+    dst = np.zeros(10_000, dtype=np.uint8)
+    d, s = dst.ctypes.data + at, src.ctypes.data + at
+    if how == "copy":
+        SHM_NATIVE.copy(d, s, lengths, -1, 3, 7)
+    else:
+        assert SHM_NATIVE.cma(os.getpid(), d, s, lengths, False, 3, 7) == 0
+    assert np.array_equal(dst[3000:7000], src[3000:7000])
+    assert not dst[:3000].any() and not dst[7000:].any()
+    for first, last in ((-1, 4), (5, 4), (0, 11)):
+        with pytest.raises(ValueError, match="span range"):
+            SHM_NATIVE.copy(d, s, lengths, -1, first, last)
+        with pytest.raises(ValueError, match="span range"):
+            SHM_NATIVE.cma(os.getpid(), d, s, lengths, False, first, last)
+
+
+@needs_shm
 def test_native_cma_batches_past_iov_max_and_reports_errno() -> None:
     rng = np.random.default_rng(11)
     lengths = rng.integers(1, 9000, 3 * IOV_MAX + 5).astype(np.int64)

@@ -196,3 +196,74 @@ def test_stop_returns_the_jobs_never_started_and_drain_waits_for_a_running_chunk
     drained.join(30)
     helper.join(30)
     assert finished.is_set() and not drained.is_alive()
+
+
+def test_start_now_hands_a_shared_split_out_and_wakes_the_worker() -> None:
+    """The job starts on the calling thread, which gets control back before any chunk ran;
+    the sleeping worker is woken and copies, and helpers are called."""
+    invited = threading.Event()
+    executor = Executor(on_split=invited.set)
+    worker = _Worker(executor)
+    gate, ended = threading.Event(), threading.Event()
+    ran: list[str] = []
+    started_on: list[str] = []
+
+    def chunk() -> None:
+        assert gate.wait(30)
+        ran.append(threading.current_thread().name)
+
+    def job() -> Split:
+        started_on.append(threading.current_thread().name)
+        return Split([chunk, chunk, chunk], lambda _: ended.set())
+
+    try:
+        assert executor.start_now(job)  # returns with chunk 0 still held at the gate
+        assert started_on == ["MainThread"] and invited.is_set() and not ran
+        gate.set()
+        assert ended.wait(30), "the worker was not woken to run the chunks"
+    finally:
+        worker.stop()
+    assert ran == [worker.thread.name] * 3
+
+
+def test_start_now_leaves_a_private_split_to_the_worker_ahead_of_later_jobs() -> None:
+    executor = Executor()
+    log: list[str] = []
+
+    def job() -> Split:
+        chunks = [lambda: log.append(threading.current_thread().name)] * 2
+        return Split(chunks, lambda _: log.append("end"), shared=False)
+
+    assert executor.start_now(job)
+    assert not log, "a private split ran on the calling thread"
+
+    def next_job() -> None:
+        log.append("next job")
+
+    executor.submit(next_job)
+    assert not executor.start_now(lambda: pytest.fail("started ahead of a queued job"))
+    worker = _Worker(executor)
+    done = threading.Event()
+    executor.submit(lambda: done.set())
+    try:
+        assert done.wait(30)
+    finally:
+        worker.stop()
+    assert log == [worker.thread.name, worker.thread.name, "end", "next job"]
+
+
+def test_start_now_refuses_while_a_job_runs_and_a_raising_job_frees_the_executor() -> None:
+    executor = Executor()
+    executor.submit(lambda: Split([lambda: None, lambda: None], lambda _: None))
+    assert executor.step()  # its split is out: the executor is busy
+    assert not executor.start_now(lambda: pytest.fail("started while a split ran"))
+    while executor.step():
+        pass
+
+    def broken() -> Split | None:
+        raise RuntimeError("bug")
+
+    with pytest.raises(RuntimeError):
+        executor.start_now(broken)
+    assert executor.start_now(lambda: None), "a raising job left the executor busy"
+    assert executor.exclusive(lambda: None)

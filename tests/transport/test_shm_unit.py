@@ -455,7 +455,7 @@ def test_a_bug_fails_that_transfer_and_the_worker_lives_on(
         a.register([region_of_array(dst)])
         b.register([region_of_array(src)])
         peer = a.add_peer(b.local_metadata())
-        # Eight 512-byte rows go through the worker's planning; one row is copied inline.
+        # Eight 512-byte rows are cut into chunks by the job; one row is copied inline.
         rows = 1 if where == "copying-inline" else 8
         offsets = np.arange(rows, dtype=np.int64) * (4096 // rows)
         lengths = np.full(rows, 4096 // rows, dtype=np.int64)
@@ -475,6 +475,7 @@ def test_a_bug_fails_that_transfer_and_the_worker_lives_on(
                 patch.setattr("kvwire_shm._cma.copy_few", bug)
             patch.setattr("kvwire_shm._cma.chunks", broken)
             patch.setattr("kvwire_shm._cma.native_chunks", broken)
+            patch.setattr("kvwire_shm._cma.planned_chunks", broken)
             handle = a.read(peer, local, remote)
             assert wait_for(a, handle, timeout=30) is XferState.FAILED
             assert "RuntimeError: planted bug" in (a.failure_reason(handle) or "")

@@ -56,7 +56,8 @@ REPEATS = {"64KiB": 120, "2MiB": 60}
 """Repetitions per shape (each times both contenders): about 1.5 and 3 s here. Under the
 load of a shared 2-core machine single samples vary 2-5x, so the medians need this many;
 the paired ratios (``.vs_raw``) settle with fewer."""
-QUICK_REPEATS = 8
+QUICK_REPEATS = 25
+"""With ``--quick``: as many as ``kvwire.bench.transport.QUICK_REPEATS``, for the same reason."""
 BACKEND_OPTIONS = {"ucx_error_handling_mode": "none"}
 TIMEOUT_S = 60.0
 LATENCY_BLOCK = 20

@@ -111,12 +111,13 @@ def cma_copy(
 
 def native_cma(
     pid: int, local: Addresses | list[int], remote: Addresses | list[int],
-    lengths: Addresses | list[int], *, write: bool,
+    lengths: Addresses | list[int], *, write: bool, first: int = 0, last: int = -1,
 ) -> None:  # fmt: skip
-    """:func:`cma_copy` in the C helper (contiguous int64 arrays, or lists): every batch of
-    IOV_MAX iovecs built and issued without the interpreter, the GIL released throughout."""
+    """:func:`cma_copy` in the C helper (contiguous int64 arrays, or lists) of the spans
+    ``[first, last)`` (``last`` -1: to the end): every batch of IOV_MAX iovecs built and
+    issued without the interpreter, the GIL released throughout."""
     assert NATIVE is not None
-    err = NATIVE.cma(pid, local, remote, lengths, write)
+    err = NATIVE.cma(pid, local, remote, lengths, write, first, last)
     if err > 0:
         raise CmaError(err, f"process_vm_{'writev' if write else 'readv'}: {os.strerror(err)}")
     if err < 0:
@@ -189,7 +190,15 @@ def native_chunks(
     ends = list(itertools.accumulate(ln.tolist()))
     one = n <= IOV_MAX and ends[-1] <= CHUNK_BYTES
     bounds = [0, n] if one else group_bounds(ends, CHUNK_BYTES, IOV_MAX)
+    return planned_chunks(pid, la, ra, ln, bounds, write=write)
+
+
+def planned_chunks(
+    pid: int, local: I64, remote: I64, lengths: I64, bounds: list[int], *, write: bool
+) -> list[Callable[[], object]]:
+    """One C call per group of spans ``bounds`` marks (as :func:`group_bounds` makes them,
+    or the C helper's ``plan``); the arrays contiguous int64."""
     return [
-        functools.partial(native_cma, pid, la[a:b], ra[a:b], ln[a:b], write=write)
+        functools.partial(native_cma, pid, local, remote, lengths, write=write, first=a, last=b)
         for a, b in itertools.pairwise(bounds)
     ]

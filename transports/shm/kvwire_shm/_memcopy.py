@@ -132,15 +132,25 @@ def native_chunks(dst: I64, src: I64, length: I64) -> tuple[list[Callable[[], ob
     if n == 0:
         return [], False
     total = int(length.sum())
-    concurrent = total >= SHARE_FROM and total >= CONCURRENT_FROM * n
-    nt_from = NT_SPAN_FROM if total >= NT_TRANSFER_FROM else -1
     dst, src, length = split_long(dst, src, length)
     flat = functools.partial(np.ascontiguousarray, dtype=np.int64)
     dst, src, length = flat(dst), flat(src), flat(length)
     bounds = group_bounds(list(itertools.accumulate(length.tolist())))
+    return planned_chunks(dst, src, length, bounds, total=total, merged=n)
+
+
+def planned_chunks(
+    dst: I64, src: I64, length: I64, bounds: list[int], *, total: int, merged: int
+) -> tuple[list[Callable[[], object]], bool]:
+    """:func:`native_chunks` of spans already cut and grouped (``bounds``, as
+    :func:`group_bounds` makes them, or the C helper's ``plan``): ``total`` bytes in
+    ``merged`` spans before long ones were cut decide sharing and streaming."""
+    assert NATIVE is not None
+    concurrent = total >= SHARE_FROM and total >= CONCURRENT_FROM * merged
+    nt_from = NT_SPAN_FROM if total >= NT_TRANSFER_FROM else -1
     copy = NATIVE.copy
     out: list[Callable[[], object]] = [
-        functools.partial(copy, dst[a:b], src[a:b], length[a:b], nt_from)
+        functools.partial(copy, dst, src, length, nt_from, a, b)
         for a, b in itertools.pairwise(bounds)
     ]
     return out, concurrent

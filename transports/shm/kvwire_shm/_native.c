@@ -152,19 +152,35 @@ static int get_three(PyObject *a, PyObject *b, PyObject *c, Py_buffer v[3], Py_s
     return 0;
 }
 
+/* [first, last) of n spans, last < 0 meaning n: a chunk of a larger plan, named without
+ * slicing the arrays in Python. */
+static int span_range(Py_ssize_t n, Py_ssize_t *first, Py_ssize_t *last, Py_buffer v[3])
+{
+    if (*last < 0)
+        *last = n;
+    if (*first < 0 || *first > *last || *last > n) {
+        for (int k = 0; k < 3; k++)
+            PyBuffer_Release(&v[k]);
+        PyErr_SetString(PyExc_ValueError, "span range outside the arrays");
+        return -1;
+    }
+    return 0;
+}
+
 static PyObject *py_copy(PyObject *self, PyObject *args)
 {
     PyObject *od, *os_, *ol;
     long long nt_from;
+    Py_ssize_t first = 0, last = -1;
     (void)self;
-    if (!PyArg_ParseTuple(args, "OOOL", &od, &os_, &ol, &nt_from))
+    if (!PyArg_ParseTuple(args, "OOOL|nn", &od, &os_, &ol, &nt_from, &first, &last))
         return NULL;
     Py_buffer v[3];
     Py_ssize_t n;
-    if (get_three(od, os_, ol, v, &n) < 0)
+    if (get_three(od, os_, ol, v, &n) < 0 || span_range(n, &first, &last, v) < 0)
         return NULL;
-    copy_job job = {v[0].buf, v[1].buf, v[2].buf, 0, n, 0, -1, nt_from};
-    for (Py_ssize_t i = 0; i < n; i++) {
+    copy_job job = {v[0].buf, v[1].buf, v[2].buf, first, last, 0, -1, nt_from};
+    for (Py_ssize_t i = first; i < last; i++) {
         if (job.len[i] < 0) {
             for (int k = 0; k < 3; k++)
                 PyBuffer_Release(&v[k]);
@@ -239,15 +255,16 @@ static PyObject *py_cma(PyObject *self, PyObject *args)
 {
     int pid, write;
     PyObject *ol, *or_, *on;
+    Py_ssize_t first = 0, last = -1;
     (void)self;
-    if (!PyArg_ParseTuple(args, "iOOOp", &pid, &ol, &or_, &on, &write))
+    if (!PyArg_ParseTuple(args, "iOOOp|nn", &pid, &ol, &or_, &on, &write, &first, &last))
         return NULL;
     Py_buffer v[3];
     Py_ssize_t n;
-    if (get_three(ol, or_, on, v, &n) < 0)
+    if (get_three(ol, or_, on, v, &n) < 0 || span_range(n, &first, &last, v) < 0)
         return NULL;
-    cma_job job = {(pid_t)pid, write, v[0].buf, v[1].buf, v[2].buf, 0, n, 0};
-    for (Py_ssize_t i = 0; i < n; i++) {
+    cma_job job = {(pid_t)pid, write, v[0].buf, v[1].buf, v[2].buf, first, last, 0};
+    for (Py_ssize_t i = first; i < last; i++) {
         if (job.len[i] < 0) {
             for (int k = 0; k < 3; k++)
                 PyBuffer_Release(&v[k]);
@@ -263,15 +280,183 @@ static PyObject *py_cma(PyObject *self, PyObject *args)
     return PyLong_FromLong(job.error);
 }
 
+/* -- planning a host transfer ----------------------------------------------------------- */
+
+/* Index of the region holding [addr, addr + len), or -1 (regions sorted by start). */
+static Py_ssize_t locate(const int64_t *starts, const int64_t *ends, Py_ssize_t regions, int64_t addr,
+                         int64_t len)
+{
+    Py_ssize_t lo = 0, hi = regions;  /* first start > addr, as bisect_right */
+    while (lo < hi) {
+        Py_ssize_t mid = lo + (hi - lo) / 2;
+        if (starts[mid] <= addr)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    Py_ssize_t i = lo - 1;
+    return (i >= 0 && ends[i] - addr >= len) ? i : -1;
+}
+
+static int get_table(PyObject *obj, Py_buffer *view, Py_ssize_t want, const char *what)
+{
+    if (get_i64(obj, view, what) < 0)
+        return -1;
+    if (want >= 0 && view->len / 8 != want) {
+        PyErr_Format(PyExc_ValueError, "%s: wrong length", what);
+        PyBuffer_Release(view);
+        return -1;
+    }
+    return 0;
+}
+
+/* plan(local, remote, lstarts, lends, rstarts, rends, rdeltas, mapped, write, chunk, most)
+ *
+ * The whole plan of a transfer between host memory here and one kind of host memory of the
+ * peer, in one pass: every descriptor checked and located as Table.locate does, addresses
+ * translated and ordered as _plan does, neighbours merged (coalesce_columns), long spans cut
+ * (split_long) and the spans grouped into chunks (group_bounds). Returns None when any
+ * descriptor is not plainly valid, so that the Python path finds and words the error; it
+ * never accepts what that path refuses. */
+static PyObject *py_plan(PyObject *self, PyObject *args)
+{
+    PyObject *ol, *or_, *ols, *ole, *ors, *ore, *ord;
+    int mapped, write;
+    long long chunk, most;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "OOOOOOOppLL", &ol, &or_, &ols, &ole, &ors, &ore, &ord, &mapped, &write,
+                          &chunk, &most))
+        return NULL;
+    if (chunk <= 0 || most <= 0) {
+        PyErr_SetString(PyExc_ValueError, "chunk and most must be positive");
+        return NULL;
+    }
+    Py_buffer v[7];
+    int held = 0;
+    PyObject *result = NULL, *out = NULL, *bounds = NULL;
+    PyObject *arrays[7] = {ol, or_, ols, ole, ors, ore, ord};
+    static const char *names[7] = {"local", "remote", "local starts", "local ends",
+                                   "remote starts", "remote ends", "remote deltas"};
+    for (; held < 7; held++) {
+        /* remote as long as local; each table's columns as long as its starts */
+        Py_ssize_t want = held == 1 ? v[0].len / 8 : held == 3 ? v[2].len / 8 : held >= 5 ? v[4].len / 8 : -1;
+        if (get_table(arrays[held], &v[held], want, names[held]) < 0)
+            goto done;
+    }
+    if (v[0].len % 24) {
+        PyErr_SetString(PyExc_ValueError, "descriptors must be rows of three int64");
+        goto done;
+    }
+    const int64_t *local = v[0].buf, *remote = v[1].buf;
+    const int64_t *lstarts = v[2].buf, *lends = v[3].buf, *rstarts = v[4].buf, *rends = v[5].buf;
+    const int64_t *rdeltas = v[6].buf;
+    Py_ssize_t rows = v[0].len / 24, lregions = v[2].len / 8, rregions = v[4].len / 8;
+
+    /* Pass 1: check, translate and merge in place into `out` (three columns of `rows`). */
+    out = PyByteArray_FromStringAndSize(NULL, rows * 24);
+    if (out == NULL)
+        goto done;
+    int64_t *dst = (int64_t *)PyByteArray_AS_STRING(out), *src = dst + rows, *len = src + rows;
+    Py_ssize_t m = 0, pieces = 0;
+    int64_t total = 0;
+    for (Py_ssize_t i = 0; i < rows; i++) {
+        int64_t la = local[3 * i], n = local[3 * i + 1], ra = remote[3 * i];
+        if (la < 0 || n < 0 || ra < 0 || remote[3 * i + 1] != n)
+            goto invalid;
+        Py_ssize_t li = locate(lstarts, lends, lregions, la, n);
+        Py_ssize_t ri = locate(rstarts, rends, rregions, ra, n);
+        if (li < 0 || ri < 0)
+            goto invalid;
+        if (n == 0)
+            continue;
+        int64_t d = la, s = ra;  /* CMA keeps (local, remote) order; the flag says which way */
+        if (mapped) {
+            int64_t here = ra + rdeltas[ri];
+            d = write ? here : la;
+            s = write ? la : here;
+        }
+        if (m > 0 && dst[m - 1] + len[m - 1] == d && src[m - 1] + len[m - 1] == s) {
+            len[m - 1] += n;
+        } else {
+            dst[m] = d;
+            src[m] = s;
+            len[m] = n;
+            m++;
+        }
+        total += n;
+    }
+    /* Pass 2: count the pieces once long spans are cut (not a span whose ends overlap in
+     * one address space: memmove copies it as a unit). */
+    for (Py_ssize_t j = 0; j < m; j++) {
+        int64_t gap = dst[j] > src[j] ? dst[j] - src[j] : src[j] - dst[j];
+        int cut = len[j] > chunk && (!mapped || gap >= len[j]);
+        pieces += cut ? (len[j] + chunk - 1) / chunk : 1;
+    }
+    PyObject *spans = PyByteArray_FromStringAndSize(NULL, pieces * 24);
+    bounds = PyList_New(0);
+    if (spans == NULL || bounds == NULL) {
+        Py_XDECREF(spans);
+        goto done;
+    }
+    int64_t *pd = (int64_t *)PyByteArray_AS_STRING(spans), *ps = pd + pieces, *pl = ps + pieces;
+    Py_ssize_t k = 0;
+    for (Py_ssize_t j = 0; j < m; j++) {
+        int64_t gap = dst[j] > src[j] ? dst[j] - src[j] : src[j] - dst[j];
+        int cut = len[j] > chunk && (!mapped || gap >= len[j]);
+        for (int64_t off = 0; off < len[j]; off += cut ? chunk : len[j]) {
+            pd[k] = dst[j] + off;
+            ps[k] = src[j] + off;
+            pl[k] = cut && len[j] - off > chunk ? chunk : len[j] - off;
+            k++;
+        }
+    }
+    /* Pass 3: chunks of about `chunk` bytes and at most `most` spans; a span never splits. */
+    Py_ssize_t first = 0;
+    while (1) {
+        PyObject *at = PyLong_FromSsize_t(first);
+        if (at == NULL || PyList_Append(bounds, at) < 0) {
+            Py_XDECREF(at);
+            Py_DECREF(spans);
+            goto done;
+        }
+        Py_DECREF(at);
+        if (first >= pieces)
+            break;
+        Py_ssize_t stop = first;
+        int64_t bytes = 0;
+        while (stop < pieces && stop - first < most && (stop == first || bytes + pl[stop] <= chunk)) {
+            bytes += pl[stop];
+            stop++;
+        }
+        first = stop;
+    }
+    result = Py_BuildValue("(NOLn)", spans, bounds, (long long)total, m);
+    goto done;
+invalid:
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    Py_XDECREF(out);
+    Py_XDECREF(bounds);
+    for (int h = 0; h < held; h++)
+        PyBuffer_Release(&v[h]);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"copy", py_copy, METH_VARARGS,
-     "copy(dst, src, length, nt_from): memmove(dst[i], src[i], length[i]) for every i (int64 "
-     "arrays or lists), streaming stores for spans of nt_from bytes or more (-1: never), GIL "
-     "released."},
+     "copy(dst, src, length, nt_from, first=0, last=-1): memmove(dst[i], src[i], length[i]) "
+     "for every i in [first, last) (int64 arrays or lists; last -1: to the end), streaming "
+     "stores for spans of nt_from bytes or more (-1: never), GIL released."},
     {"cma", py_cma, METH_VARARGS,
-     "cma(pid, local, remote, length, write) -> errno: process_vm_readv (or writev) of every "
-     "span, IOV_MAX per call, short counts resumed, GIL released; 0 when every byte moved, -1 "
-     "when a call moved nothing."},
+     "cma(pid, local, remote, length, write, first=0, last=-1) -> errno: process_vm_readv "
+     "(or writev) of every span in [first, last), IOV_MAX per call, short counts resumed, GIL "
+     "released; 0 when every byte moved, -1 when a call moved nothing."},
+    {"plan", py_plan, METH_VARARGS,
+     "plan(local, remote, lstarts, lends, rstarts, rends, rdeltas, mapped, write, chunk, most) -> "
+     "(spans, bounds, total, merged) or None: a host transfer checked, merged, cut and grouped "
+     "in one pass; spans is three int64 columns (dst, src, length), bounds where each chunk "
+     "starts, then the span count; None when a descriptor is not plainly valid."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -4,7 +4,9 @@
 thread blocked in ``wait``, which lends itself to the transfers (see ``_executor``), except
 that a small host transfer is copied inside ``read``/``write`` when nothing is queued ahead
 of it (a thread hand-over costs far more than the copy). Copies go through the C helper
-``_native`` when it was built (streaming stores, batched syscalls, GIL released):
+``_native`` when it was built (streaming stores, batched syscalls, GIL released), which
+also plans a host transfer whole inside ``read``/``write`` so that its chunks are out
+before the call returns:
 
 * memory the peer allocated with :func:`kvwire_shm.allocate` is mapped here at
   ``add_peer`` and copied with plain ``memmove`` (no syscall);
@@ -17,9 +19,9 @@ the same queue of jobs, run one after another, so every notification to a peer a
 the order of the calls that produced it. A peer's death is seen through a pidfd and its closed
 socket; transfers touching it end FAILED.
 
-Why one module of ~870 lines: the agent, its registration tables' use, the copy worker and
+Why one module of ~760 lines: the agent, its registration tables' use, the copy worker and
 the notification channel share one lock and one life cycle; the pure parts (descriptor
-tables, the native copy) already live in their own modules.
+tables, planning, the native copy) already live in their own modules.
 """
 
 from __future__ import annotations
@@ -39,11 +41,9 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import msgspec
-import numpy as np
 
 from kvwire.errors import (
     ConfigError,
-    DescriptorError,
     PeerMetadataError,
     RegistrationError,
     TransferFailedError,
@@ -51,34 +51,34 @@ from kvwire.errors import (
     TransportError,
     UnknownPeerError,
 )
-from kvwire.layout import coalesce_columns
 from kvwire.transport import (
     Capabilities,
     Descs,
     MemKind,
     Region,
     XferState,
-    as_descs,
     as_message,
-    check_pair,
 )
 from kvwire_shm import _cma, _cuda, _memcopy
 from kvwire_shm._cma import CmaError, allow_any_ptracer
 from kvwire_shm._executor import Executor, Split
 from kvwire_shm._native_load import NATIVE
 from kvwire_shm._notify import NotifyHub, connect, frame
+from kvwire_shm._planning import (
+    INLINE_BYTES,
+    INLINE_ROWS,
+    Batch,
+    Request,
+    checked_pair,
+    plan,
+    plan_few,
+    plan_host,
+)
 from kvwire_shm._segments import PeerMapping, SegmentInfo, segment_of
-from kvwire_shm._tables import CMA, CUDA, DRAM, I64, LOCAL, MAPPED, VRAM, Row, Table
+from kvwire_shm._tables import CMA, CUDA, DRAM, LOCAL, MAPPED, VRAM, Row, Table
 
 _MAGIC = "kvwire-shm"
 _VERSION = 1
-_INLINE_BYTES = 64 << 10
-_INLINE_ROWS = 64
-"""Host transfers up to these sizes are copied in ``read``/``write`` on the caller's thread
-when nothing is queued ahead of them: handing a 4 KiB copy (~2 us) to the worker cost a
-wake-up and a GIL hand-over, 100-300 us on a loaded 2-core machine (measured)."""
-_FEW_ROWS = 4
-"""Transfers of at most this many descriptors are planned without numpy (see _plan_few)."""
 _PREFAULT_STEP = 16 << 20
 """Bytes of a peer's segment mapped per idle step of the worker (about a millisecond)."""
 
@@ -127,7 +127,8 @@ class _Peer:
     _poller: Any = None
 
     def gone(self) -> bool:
-        """Whether the peer process has exited (its pidfd turned readable); worker only."""
+        """Whether the peer process has exited (its pidfd turned readable); inside a job
+        only (jobs never overlap, whichever thread runs them)."""
         if self._poller is None:
             self._poller = select.poll()
             self._poller.register(self.pidfd, select.POLLIN)
@@ -155,35 +156,12 @@ class _Peer:
         self.cuda_ptrs.clear()
 
 
-@dataclass
-class _Batch:
-    """Descriptors of one transfer that travel the same way, coalesced."""
-
-    route: int
-    dst: I64
-    src: I64
-    length: I64
-    device: int = 0
-
-
-@dataclass(frozen=True)
-class _Request:
-    """A checked transfer whose descriptors the worker still has to split and coalesce."""
-
-    local_t: Table
-    remote_t: Table
-    li: I64
-    ri: I64
-    local: Descs
-    remote: Descs
-
-
 @dataclass(eq=False)
 class _Xfer:
     owner: ShmTransport
     peer: _Peer
     write: bool
-    batches: list[_Batch] | _Request
+    batches: list[Batch] | Request
     notify: bytes | None
     state: XferState = XferState.PENDING
     released: bool = False
@@ -195,34 +173,6 @@ class _Aborted(Exception):
 
 
 _PrefaultStep = tuple[PeerMapping, int, int]
-
-
-def _checked_pair(local: Descs, remote: Descs) -> tuple[Descs, Descs]:
-    """Both descriptor arrays checked (as ``as_descs`` and ``check_pair`` would) and copied:
-    the worker reads them after ``read`` returned, when the caller may already be refilling
-    its arrays. Arrays already in shape cost one copy and a handful of numpy calls; anything
-    else goes the long way, which also words the error."""
-    if (
-        type(local) is np.ndarray
-        and type(remote) is np.ndarray
-        and local.dtype == np.int64
-        and remote.dtype == np.int64
-        and local.ndim == 2
-        and local.shape == remote.shape
-        and local.shape[1] == 3
-    ):
-        n = local.shape[0]
-        both = np.concatenate((local, remote))
-        # Column by column: numpy reduces a (2n, 2) strided view about 5x slower than two
-        # (2n,) column views, and this is on the caller's thread for every post.
-        if n == 0 or (
-            both[:, 0].min() >= 0 and both[:, 1].min() >= 0 and (both[:n, 1] == both[n:, 1]).all()
-        ):
-            return both[:n], both[n:]
-    own_local = as_descs(np.array(local, dtype=np.int64, copy=True))
-    own_remote = as_descs(np.array(remote, dtype=np.int64, copy=True))
-    check_pair(own_local, own_remote)
-    return own_local, own_remote
 
 
 class ShmTransport:
@@ -487,7 +437,7 @@ class ShmTransport:
         self._check_open()
         notify = None if notify is None else as_message(notify)
         peer = self._peer(peer_name)
-        few = self._plan_few(peer, local, remote, write)
+        few = plan_few(self._local, peer.table, local, remote, write=write)
         if few is not None:
             xfer = _Xfer(self, peer, write, [], notify)
             with self._lock:
@@ -496,77 +446,51 @@ class ShmTransport:
             if not self._executor.run_now(few_job):
                 self._executor.submit(few_job)
             return xfer
-        local, remote = _checked_pair(local, remote)
-        table = self._local  # swapped whole under the lock, never changed in place
-        li = table.locate(local, "local")
-        ri = peer.table.locate(remote, "remote")
-        request = _Request(table, peer.table, li, ri, local, remote)
-        batches: list[_Batch] | _Request = request
-        if table.has_vram or peer.table.has_vram:
-            batches = self._plan(request, write)
+        host = self._plan_host(peer, local, remote, write)
+        batches: list[Batch] | Request
+        if host is not None:
+            batches = host
+            rows = local.shape[0]  # (an int64 array: _plan_host took it)
+            small = rows <= INLINE_ROWS and sum(b.total for b in host) <= INLINE_BYTES
+        else:
+            local, remote = checked_pair(local, remote)
+            table = self._local  # swapped whole under the lock, never changed in place
+            li = table.locate(local, "local")
+            ri = peer.table.locate(remote, "remote")
+            request = Request(table, peer.table, li, ri, local, remote)
+            batches = request
+            if table.has_vram or peer.table.has_vram:
+                batches = self._plan(request, write)
+            small = (
+                isinstance(batches, Request)
+                and local.shape[0] <= INLINE_ROWS
+                and int(local[:, 1].sum()) <= INLINE_BYTES
+            )
         xfer = _Xfer(self, peer, write, batches, notify)
         with self._lock:
             self._xfers.add(xfer)
         job = functools.partial(self._start, xfer)
-        if not (
-            isinstance(batches, _Request)
-            and local.shape[0] <= _INLINE_ROWS
-            and int(local[:, 1].sum()) <= _INLINE_BYTES
-            and self._executor.run_now(job)
-        ):
-            self._executor.submit(job)
+        executor = self._executor
+        # A small transfer is copied here; a planned one starts here (a few us).
+        started = executor.run_now(job) if small else host is not None and executor.start_now(job)
+        if not started:
+            executor.submit(job)
         return xfer
 
-    def _plan_few(
+    # The planners as methods: the conformance suite's broken variants override them.
+    def _plan_host(
         self, peer: _Peer, local: Descs, remote: Descs, write: bool
-    ) -> tuple[int, list[int], list[int], list[int]] | None:
-        """(route, dst, src, length) of a small host transfer over one route, found in
-        plain Python; None for anything else (larger, VRAM, mixed routes, or a descriptor
-        that is bad: the general path checks it again and words the error)."""
-        if not (
-            type(local) is np.ndarray
-            and type(remote) is np.ndarray
-            and local.shape == remote.shape
-            and local.ndim == 2
-            and 0 < local.shape[0] <= _FEW_ROWS
-            and local.shape[1] == 3
-            and local.dtype == np.int64
-            and remote.dtype == np.int64
-        ):
-            return None
-        table, remote_t = self._local, peer.table
-        route = remote_t.route
-        if table.has_vram or remote_t.has_vram or route not in (MAPPED, CMA):
-            return None
-        dst: list[int] = []
-        src: list[int] = []
-        length: list[int] = []
-        total = 0
-        for (la, n, _), (ra, rn, _) in zip(local.tolist(), remote.tolist(), strict=True):
-            if la < 0 or ra < 0 or n < 0 or n != rn:
-                return None
-            ri = remote_t.find(ra, n)
-            if table.find(la, n) < 0 or ri < 0:
-                return None
-            if n == 0:
-                continue
-            total += n
-            if route == CMA:  # CMA keeps (local, remote) order; the flag says which way
-                dst.append(la)
-                src.append(ra)
-            else:
-                ra += remote_t.delta_list[ri]
-                dst.append(ra if write else la)
-                src.append(la if write else ra)
-            length.append(n)
-        return (route, dst, src, length) if total <= _INLINE_BYTES else None
+    ) -> list[Batch] | None:
+        return plan_host(self._local, peer.table, local, remote, write=write)
+
+    _plan = staticmethod(plan)
 
     def _start_few(
         self, xfer: _Xfer, route: int, dst: list[int], src: list[int], length: list[int]
     ) -> None:
-        """The job of a transfer planned by :meth:`_plan_few`: copy, then end (which checks
-        that the peer lived through the copy); one step, so nothing to split. No check
-        before the copy: a dead peer fails CMA (ESRCH), and its segment stays mapped."""
+        """The job of a transfer planned by ``plan_few``: copy, then end (which checks that
+        the peer lived through the copy); one step, so nothing to split. No check before
+        the copy: a dead peer fails CMA (ESRCH), and its segment stays mapped."""
         if xfer.released or self._closed:
             return
         error: Exception | None = None
@@ -578,57 +502,6 @@ class ShmTransport:
         except Exception as exc:  # expected or a bug: either way this transfer FAILS
             error = exc
         self._end(xfer, error)
-
-    @staticmethod
-    def _plan(request: _Request, write: bool) -> list[_Batch]:
-        local_t, remote_t, li, ri = request.local_t, request.remote_t, request.li, request.ri
-        local, remote = request.local, request.remote
-        if local.shape[0] == 0:
-            return []
-        if not (local_t.has_vram or remote_t.has_vram) and remote_t.route in (MAPPED, CMA):
-            # One kind of host memory on both sides: one batch, no masks.
-            if remote_t.route == CMA:  # CMA batches keep (local, remote) order
-                d, s = local[:, 0], remote[:, 0]
-            else:
-                delta = remote_t.delta if remote_t.delta is not None else remote_t.deltas[ri]
-                raddr = remote[:, 0] + delta
-                d, s = (raddr, local[:, 0]) if write else (local[:, 0], raddr)
-            dd, ss, ll = coalesce_columns(d, s, local[:, 1])
-            return [_Batch(remote_t.route, dd, ss, ll)] if ll.shape[0] else []
-        lkind = local_t.kinds[li]
-        route = remote_t.routes[ri]
-        laddr = local[:, 0]
-        raddr = remote[:, 0] + remote_t.deltas[ri]
-        length = local[:, 1]
-        if ((lkind == VRAM) & (route == CMA)).any():
-            raise DescriptorError(
-                "VRAM <-> peer host memory outside a kvwire_shm.allocate segment is not supported"
-            )
-        batches: list[_Batch] = []
-        cuda_mask = (lkind == VRAM) | (route == CUDA)
-        for code, mask in (
-            (MAPPED, (route == MAPPED) & ~cuda_mask),
-            (CMA, (route == CMA) & ~cuda_mask),
-            (CUDA, cuda_mask),
-        ):
-            if not mask.any():
-                continue
-            if code == CMA:  # CMA batches keep (local, remote) order; the flag says which way
-                d, s = laddr[mask], remote[mask, 0]
-            elif write:
-                d, s = raddr[mask], laddr[mask]
-            else:
-                d, s = laddr[mask], raddr[mask]
-            dd, ss, ll = coalesce_columns(d, s, length[mask])
-            device = 0
-            if code == CUDA:
-                devs = np.where(lkind[mask] == VRAM, local[mask, 2], remote[mask, 2])
-                device = int(devs[0])
-                if (devs != device).any():
-                    raise DescriptorError("one transfer may involve only one GPU")
-            if ll.shape[0]:
-                batches.append(_Batch(code, dd, ss, ll, device))
-        return batches
 
     def _xfer(self, handle: object) -> _Xfer:
         if not isinstance(handle, _Xfer) or handle.owner is not self:
@@ -774,7 +647,7 @@ class ShmTransport:
         try:
             if xfer.peer.gone():
                 raise TransferFailedError(f"peer {xfer.peer.name!r} (pid {xfer.peer.pid}) is gone")
-            if isinstance(xfer.batches, _Request):
+            if isinstance(xfer.batches, Request):
                 xfer.batches = self._plan(xfer.batches, xfer.write)
             copies: list[Callable[[], object]] = []
             shared = False
@@ -788,8 +661,19 @@ class ShmTransport:
             return None
         return Split(chunks, functools.partial(self._end, xfer), shared=shared)
 
-    def _copies(self, xfer: _Xfer, batch: _Batch) -> tuple[list[Callable[[], object]], bool]:
+    def _copies(self, xfer: _Xfer, batch: Batch) -> tuple[list[Callable[[], object]], bool]:
         """The calls that copy one batch, and whether threads gain by sharing them."""
+        if batch.bounds is not None:  # planned whole by the C helper
+            if batch.route == CMA:
+                chunks = _cma.planned_chunks(
+                    xfer.peer.pid, batch.dst, batch.src, batch.length, batch.bounds,
+                    write=xfer.write,
+                )  # fmt: skip
+                return chunks, True
+            return _memcopy.planned_chunks(
+                batch.dst, batch.src, batch.length, batch.bounds,
+                total=batch.total, merged=batch.merged,
+            )  # fmt: skip
         if batch.route == CMA:
             cma_chunks = _cma.chunks if NATIVE is None else _cma.native_chunks
             return cma_chunks(
