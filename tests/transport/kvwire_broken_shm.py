@@ -410,8 +410,15 @@ class _CmaSkipsAFullLastBatch(ShmTransport):
         n = int(batch.length.shape[0])
         if batch.route == CMA and n and n % IOV_MAX == 0:
             keep = slice(0, n - IOV_MAX)
+            bounds = batch.bounds  # (planned by the C helper: its chunks go too)
+            if bounds is not None:
+                bounds = [b for b in bounds if b < n - IOV_MAX] + [n - IOV_MAX]
             batch = dataclasses.replace(
-                batch, dst=batch.dst[keep], src=batch.src[keep], length=batch.length[keep]
+                batch,
+                dst=batch.dst[keep],
+                src=batch.src[keep],
+                length=batch.length[keep],
+                bounds=bounds,
             )
         return super()._copies(xfer, batch)
 

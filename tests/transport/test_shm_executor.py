@@ -267,3 +267,44 @@ def test_start_now_refuses_while_a_job_runs_and_a_raising_job_frees_the_executor
         executor.start_now(broken)
     assert executor.start_now(lambda: None), "a raising job left the executor busy"
     assert executor.exclusive(lambda: None)
+
+
+@pytest.mark.parametrize("shared", [True, False], ids=["shared", "private"])
+def test_start_now_runs_a_split_itself_when_the_executor_stopped_meanwhile(shared: bool) -> None:
+    """``close()`` may stop the executor (and the worker exit) while a caller is inside
+    ``start_now``'s job: nobody else would run the split, so the caller does, and a
+    ``drain`` after it returns."""
+    executor = Executor()
+    ran: list[str] = []
+    ended: list[BaseException | None] = []
+
+    def job() -> Split:
+        executor.stop()  # as close() does from another thread while the job plans
+        return Split([lambda: ran.append("chunk")] * 3, ended.append, shared=shared)
+
+    assert executor.start_now(job)
+    assert ran == ["chunk"] * 3 and ended == [None]
+    drained = threading.Thread(target=executor.drain)
+    drained.start()
+    drained.join(30)
+    assert not drained.is_alive(), "drain hung on a split nobody runs"
+
+
+def test_start_now_wakes_a_drain_when_it_leaves_a_private_split_to_the_worker() -> None:
+    executor = Executor()
+    inside, go = threading.Event(), threading.Event()
+
+    def job() -> Split:
+        inside.set()
+        assert go.wait(30)
+        return Split([lambda: None, lambda: None], lambda _: None, shared=False)
+
+    starter = threading.Thread(target=executor.start_now, args=(job,))
+    starter.start()
+    assert inside.wait(30)
+    drained = threading.Thread(target=executor.drain)  # waits for the executor to fall idle
+    drained.start()
+    go.set()
+    starter.join(30)
+    drained.join(30)
+    assert not drained.is_alive(), "drain was not woken when start_now let go of the executor"

@@ -189,3 +189,93 @@ def test_the_c_plan_refuses_arrays_of_the_wrong_shape() -> None:
         NATIVE.plan(rows, rows, *table, False, False, 0, IOV_MAX)
     with pytest.raises(TypeError):
         NATIVE.plan(rows.astype(np.int32), rows, *table, False, False, CHUNK_BYTES, IOV_MAX)
+
+
+TOP = (1 << 63) - 1
+
+
+@pytest.mark.parametrize(
+    ("local_row", "remote_row", "local", "remote"),
+    [
+        # near the top of int64, spans cut
+        (
+            Row(TOP - 8 * CHUNK_BYTES, 8 * CHUNK_BYTES, 0, DRAM, LOCAL),
+            Row(TOP - 8 * CHUNK_BYTES, 8 * CHUNK_BYTES, 0, DRAM, CMA),
+            [[TOP - 8 * CHUNK_BYTES, 8 * CHUNK_BYTES, 0]],
+            [[TOP - 8 * CHUNK_BYTES, 8 * CHUNK_BYTES, 0]],
+        ),
+        # an empty row at the very end of a region, then a real one
+        (
+            Row(1 << 40, 8 * CHUNK_BYTES, 0, DRAM, LOCAL),
+            Row(0, 8 * CHUNK_BYTES, 0, DRAM, CMA),
+            [[(1 << 40) + 8 * CHUNK_BYTES, 0, 0], [1 << 40, 5, 0]],
+            [[8 * CHUNK_BYTES, 0, 0], [0, 5, 0]],
+        ),
+        # |dst - src| past int64 (a negative delta): both paths wrap alike, and do not cut
+        (
+            Row((1 << 62) + (1 << 40), 4 * CHUNK_BYTES, 0, DRAM, LOCAL),
+            Row(1 << 20, 4 * CHUNK_BYTES, 0, DRAM, MAPPED, -(1 << 62) - (1 << 41)),
+            [[(1 << 62) + (1 << 40), 3 * CHUNK_BYTES, 0]],
+            [[1 << 20, 3 * CHUNK_BYTES, 0]],
+        ),
+    ],
+    ids=["top-of-int64", "empty-row-at-the-end", "gap-past-int64"],
+)
+def test_the_c_plan_is_the_python_plan_at_the_edges(
+    local_row: Row, remote_row: Row, local: list[list[int]], remote: list[list[int]]
+) -> None:
+    local_t, remote_t = Table([local_row]), Table([remote_row])
+    ld, rd = np.array(local, dtype=np.int64), np.array(remote, dtype=np.int64)
+    expected = _python_plan(local_t, remote_t, ld, rd, write=False)
+    got = _native_plan(local_t, remote_t, ld, rd, write=False)
+    assert got is not None
+    for want, have in zip(expected[0], got[0], strict=True):
+        np.testing.assert_array_equal(have, want)
+    assert got[1:] == expected[1:]
+
+
+def test_a_transfer_too_large_to_list_is_left_to_the_python_path() -> None:
+    """More bytes than int64 counts, or more pieces than memory holds: None, not a crash
+    (the transport's general path then fails the transfer)."""
+    assert NATIVE is not None
+    local_t, remote_t = Table([Row(0, TOP, 0, DRAM, LOCAL)]), Table([Row(0, TOP, 0, DRAM, CMA)])
+    cols = (local_t.starts, local_t.ends, remote_t.starts, remote_t.ends, remote_t.deltas)
+    two = np.array([[0, 3 << 61, 0], [0, 3 << 61, 0]], dtype=np.int64)  # each one fits
+    assert NATIVE.plan(two, two.copy(), *cols, False, False, TOP, IOV_MAX) is None
+    one = np.array([[0, 1 << 62, 0]], dtype=np.int64)
+    assert NATIVE.plan(one, one.copy(), *cols, False, False, 1, IOV_MAX) is None  # 2^62 pieces
+    assert NATIVE.plan(one, one.copy(), *cols, False, False, CHUNK_BYTES, IOV_MAX) is None
+
+
+def test_no_region_registered_is_refused() -> None:
+    empty, (_, remote_t) = Table([]), _tables(CMA)
+    one = np.array([[4096, 64, 0]], dtype=np.int64)
+    remote = np.array([[0x30_0000_0000, 64, 0]], dtype=np.int64)
+    with pytest.raises(DescriptorError, match="no region is registered"):
+        _python_plan(empty, remote_t, one, remote, write=False)
+    assert _native_plan(empty, remote_t, one, remote, write=False) is None
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_chunks_hold_at_most_most_spans_and_chunk_bytes(seed: int) -> None:
+    """Small limits, as group_bounds draws them: many short spans, neighbours merged."""
+    assert NATIVE is not None
+    rng = np.random.default_rng(seed)
+    n = 200
+    lengths = rng.integers(0, 120, n).astype(np.int64)
+    at = 10_000 + np.concatenate(([0], np.cumsum(lengths)[:-1])).astype(np.int64)
+    at[::7] += 5000  # break some runs
+    local = np.stack([at, lengths, np.zeros(n, dtype=np.int64)], axis=1)
+    remote = local.copy()
+    remote[:, 0] += 1 << 30
+    region = np.array([0], dtype=np.int64), np.array([1 << 40], dtype=np.int64)
+    chunk, most = int(rng.integers(1, 50)), int(rng.integers(1, 6))
+    planned = NATIVE.plan(
+        local, remote, *region, *region, np.zeros(1, dtype=np.int64), False, False, chunk, most
+    )
+    assert planned is not None
+    spans, bounds, _, _ = planned
+    length = np.frombuffer(spans, dtype=np.int64).reshape(3, -1)[2]
+    ends = list(itertools.accumulate(length.tolist()))
+    assert bounds == group_bounds(ends, chunk, most)
+    assert length.max() <= chunk

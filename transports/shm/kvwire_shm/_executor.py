@@ -84,7 +84,7 @@ class Executor:
 
     def stop(self) -> list[Job]:
         """Start no more jobs (chunks of the running one may still be claimed); returns the
-        jobs that never started, in order."""
+        jobs that never started (or, from :meth:`start_now`, never copied), in order."""
         with self._cond:
             self._stopped = True
             left = list(self._queue)
@@ -156,18 +156,22 @@ class Executor:
         split = self._open(job)
         if split is None:
             return True
-        if not split.chunks:
-            self._finish(split)
-        elif split.shared and len(split.chunks) > 1:
-            with self._cond:
+        shared = split.shared and len(split.chunks) > 1
+        with self._cond:
+            # Stopped meanwhile (the worker may be gone): nobody else would run it.
+            handed = bool(split.chunks) and not self._stopped
+            if handed and shared:
                 self._split = split
-            self._on_split()
-            self._wakeups.put(None)
-        else:
-            with self._cond:
+            elif handed:
                 self._busy = False
                 self._queue.appendleft(functools.partial(_started, split))
-            self._wakeups.put(None)
+                self._cond.notify_all()
+        if not handed:
+            self._run_whole(split)
+            return True
+        if shared:
+            self._on_split()
+        self._wakeups.put(None)
         return True
 
     def _open(self, job: Job) -> Split | None:
@@ -185,20 +189,22 @@ class Executor:
         split = self._open(job)
         if split is None:
             return
-        alone = here or not split.shared or len(split.chunks) == 1
-        if alone:  # run here, back to back: nothing to hand out
-            for chunk in split.chunks:
-                try:
-                    chunk()
-                except Exception as exc:  # handed to finish, as from a shared chunk
-                    split.error = exc
-                    break
-        if alone or not split.chunks:
-            self._finish(split)
+        if here or not split.shared or len(split.chunks) <= 1:
+            self._run_whole(split)
             return
         with self._cond:
             self._split = split
         self._on_split()
+
+    def _run_whole(self, split: Split) -> None:
+        """Run ``split``'s chunks here, back to back (nothing to hand out), then finish."""
+        for chunk in split.chunks:
+            try:
+                chunk()
+            except Exception as exc:  # handed to finish, as from a shared chunk
+                split.error = exc
+                break
+        self._finish(split)
 
     def _run(self, split: Split, chunk: Chunk) -> None:
         error: BaseException | None = None

@@ -282,6 +282,19 @@ static PyObject *py_cma(PyObject *self, PyObject *args)
 
 /* -- planning a host transfer ----------------------------------------------------------- */
 
+/* int64 sums and differences as numpy computes them (wrapping), without C's undefined
+ * behaviour on overflow: absurd addresses must plan exactly as the Python path plans them. */
+static int64_t wrap_add(int64_t a, int64_t b)
+{
+    return (int64_t)((uint64_t)a + (uint64_t)b);
+}
+
+static int64_t wrap_gap(int64_t a, int64_t b)  /* np.abs(a - b): 2^63 apart reads negative */
+{
+    int64_t d = (int64_t)((uint64_t)a - (uint64_t)b);
+    return d < 0 ? (int64_t)(0 - (uint64_t)d) : d;
+}
+
 /* Index of the region holding [addr, addr + len), or -1 (regions sorted by start). */
 static Py_ssize_t locate(const int64_t *starts, const int64_t *ends, Py_ssize_t regions, int64_t addr,
                          int64_t len)
@@ -333,7 +346,8 @@ static PyObject *py_plan(PyObject *self, PyObject *args)
     }
     Py_buffer v[7];
     int held = 0;
-    PyObject *result = NULL, *out = NULL, *bounds = NULL;
+    PyObject *result = NULL, *bounds = NULL;
+    int64_t *scratch = NULL;
     PyObject *arrays[7] = {ol, or_, ols, ole, ors, ore, ord};
     static const char *names[7] = {"local", "remote", "local starts", "local ends",
                                    "remote starts", "remote ends", "remote deltas"};
@@ -352,11 +366,13 @@ static PyObject *py_plan(PyObject *self, PyObject *args)
     const int64_t *rdeltas = v[6].buf;
     Py_ssize_t rows = v[0].len / 24, lregions = v[2].len / 8, rregions = v[4].len / 8;
 
-    /* Pass 1: check, translate and merge in place into `out` (three columns of `rows`). */
-    out = PyByteArray_FromStringAndSize(NULL, rows * 24);
-    if (out == NULL)
+    /* Pass 1: check, translate and merge into `scratch` (three columns of `rows`). */
+    scratch = PyMem_Malloc(rows * 24 + 1);
+    if (scratch == NULL) {
+        PyErr_NoMemory();
         goto done;
-    int64_t *dst = (int64_t *)PyByteArray_AS_STRING(out), *src = dst + rows, *len = src + rows;
+    }
+    int64_t *dst = scratch, *src = dst + rows, *len = src + rows;
     Py_ssize_t m = 0, pieces = 0;
     int64_t total = 0;
     for (Py_ssize_t i = 0; i < rows; i++) {
@@ -369,44 +385,55 @@ static PyObject *py_plan(PyObject *self, PyObject *args)
             goto invalid;
         if (n == 0)
             continue;
+        if (n > INT64_MAX - total)  /* more bytes than int64 counts: the Python path's call */
+            goto invalid;
+        total += n;
         int64_t d = la, s = ra;  /* CMA keeps (local, remote) order; the flag says which way */
         if (mapped) {
-            int64_t here = ra + rdeltas[ri];
+            int64_t here = wrap_add(ra, rdeltas[ri]);
             d = write ? here : la;
             s = write ? la : here;
         }
-        if (m > 0 && dst[m - 1] + len[m - 1] == d && src[m - 1] + len[m - 1] == s) {
-            len[m - 1] += n;
+        if (m > 0 && wrap_add(dst[m - 1], len[m - 1]) == d && wrap_add(src[m - 1], len[m - 1]) == s) {
+            len[m - 1] += n;  /* at most `total`: no overflow */
         } else {
             dst[m] = d;
             src[m] = s;
             len[m] = n;
             m++;
         }
-        total += n;
     }
     /* Pass 2: count the pieces once long spans are cut (not a span whose ends overlap in
-     * one address space: memmove copies it as a unit). */
+     * one address space: memmove copies it as a unit). Too many to list: the Python path's
+     * call (it fails the transfer). */
     for (Py_ssize_t j = 0; j < m; j++) {
-        int64_t gap = dst[j] > src[j] ? dst[j] - src[j] : src[j] - dst[j];
-        int cut = len[j] > chunk && (!mapped || gap >= len[j]);
-        pieces += cut ? (len[j] + chunk - 1) / chunk : 1;
+        int cut = len[j] > chunk && (!mapped || wrap_gap(dst[j], src[j]) >= len[j]);
+        int64_t these = cut ? len[j] / chunk + (len[j] % chunk != 0) : 1;
+        if (these > PY_SSIZE_T_MAX / 24 - pieces)
+            goto invalid;
+        pieces += (Py_ssize_t)these;
     }
-    PyObject *spans = PyByteArray_FromStringAndSize(NULL, pieces * 24);
+    PyObject *spans = PyBytes_FromStringAndSize(NULL, pieces * 24);  /* filled before shared */
+    if (spans == NULL) {
+        if (!PyErr_ExceptionMatches(PyExc_MemoryError))
+            goto done;
+        PyErr_Clear();  /* too large to plan here: the Python path's call, as above */
+        goto invalid;
+    }
     bounds = PyList_New(0);
-    if (spans == NULL || bounds == NULL) {
-        Py_XDECREF(spans);
+    if (bounds == NULL) {
+        Py_DECREF(spans);
         goto done;
     }
-    int64_t *pd = (int64_t *)PyByteArray_AS_STRING(spans), *ps = pd + pieces, *pl = ps + pieces;
+    int64_t *pd = (int64_t *)PyBytes_AS_STRING(spans), *ps = pd + pieces, *pl = ps + pieces;
     Py_ssize_t k = 0;
     for (Py_ssize_t j = 0; j < m; j++) {
-        int64_t gap = dst[j] > src[j] ? dst[j] - src[j] : src[j] - dst[j];
-        int cut = len[j] > chunk && (!mapped || gap >= len[j]);
-        for (int64_t off = 0; off < len[j]; off += cut ? chunk : len[j]) {
-            pd[k] = dst[j] + off;
-            ps[k] = src[j] + off;
-            pl[k] = cut && len[j] - off > chunk ? chunk : len[j] - off;
+        int cut = len[j] > chunk && (!mapped || wrap_gap(dst[j], src[j]) >= len[j]);
+        int64_t step = cut ? chunk : len[j];
+        for (int64_t off = 0; off < len[j]; off += (len[j] - off > step ? step : len[j] - off)) {
+            pd[k] = wrap_add(dst[j], off);
+            ps[k] = wrap_add(src[j], off);
+            pl[k] = len[j] - off > step ? step : len[j] - off;
             k++;
         }
     }
@@ -424,7 +451,7 @@ static PyObject *py_plan(PyObject *self, PyObject *args)
             break;
         Py_ssize_t stop = first;
         int64_t bytes = 0;
-        while (stop < pieces && stop - first < most && (stop == first || bytes + pl[stop] <= chunk)) {
+        while (stop < pieces && stop - first < most && (stop == first || pl[stop] <= chunk - bytes)) {
             bytes += pl[stop];
             stop++;
         }
@@ -436,7 +463,7 @@ invalid:
     result = Py_None;
     Py_INCREF(result);
 done:
-    Py_XDECREF(out);
+    PyMem_Free(scratch);
     Py_XDECREF(bounds);
     for (int h = 0; h < held; h++)
         PyBuffer_Release(&v[h]);
