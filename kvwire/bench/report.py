@@ -245,6 +245,13 @@ def repeat_interleaved(
     }
 
 
+QUICK_REPEATS = 25
+"""Samples per shape of a transport READ with ``--quick`` (the generic bench's and a raw
+baseline's turns alike). Single samples on a shared 2-core machine vary up to 2x (thread
+wake-ups), so a median wants more than a handful; one sample is a READ of 16 or 64 MiB
+(about 1 and 5 ms here, and a memcpy as long beside it), so 25 add well under a second per
+transport."""
+
 MemcpySampler = Callable[[str, int], None]
 """``sample(label, nbytes)``: time one memcpy of ``nbytes`` (the transport bench's baseline)."""
 

@@ -34,15 +34,10 @@ from typing import Any
 import numpy as np
 
 from kvwire.bench import mooncake, sweeps
-from kvwire.bench.report import Report, Result, bandwidth_in_turns, repeat
+from kvwire.bench.report import QUICK_REPEATS, Report, Result, bandwidth_in_turns, repeat
 from kvwire.bench.sweeps import LATENCY_BYTES, SHAPES, scattered
 from kvwire.errors import ConfigError, TransportError
 from kvwire.transport import Transport, XferState, create, load, region_of_array
-
-QUICK_REPEATS = 25
-"""Samples per shape with ``--quick``. Single samples on a shared 2-core machine vary up to
-2x (thread wake-ups), so a median wants more than a handful; one sample is a READ of 16 or
-64 MiB (about 1 and 5 ms here), so 25 cost about a quarter of a second per transport."""
 
 
 class _Memcpy:

@@ -46,7 +46,7 @@ from typing import Any
 
 import numpy as np
 
-from kvwire.bench.report import MemcpySampler, Result, bandwidth_in_turns
+from kvwire.bench.report import QUICK_REPEATS, MemcpySampler, Result, bandwidth_in_turns
 from kvwire.bench.sweeps import LATENCY_BYTES, SHAPES, scattered
 from kvwire.errors import TransportError
 from kvwire.framing import close_pipes, read_frame, spawn, wait_or_kill, write_frame
@@ -56,8 +56,6 @@ REPEATS = {"64KiB": 120, "2MiB": 60}
 """Repetitions per shape (each times both contenders): about 1.5 and 3 s here. Under the
 load of a shared 2-core machine single samples vary 2-5x, so the medians need this many;
 the paired ratios (``.vs_raw``) settle with fewer."""
-QUICK_REPEATS = 25
-"""With ``--quick``: as many as ``kvwire.bench.transport.QUICK_REPEATS``, for the same reason."""
 BACKEND_OPTIONS = {"ucx_error_handling_mode": "none"}
 TIMEOUT_S = 60.0
 LATENCY_BLOCK = 20

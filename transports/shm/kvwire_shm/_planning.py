@@ -60,11 +60,10 @@ class Request:
     remote: Descs
 
 
-def checked_pair(local: Descs, remote: Descs) -> tuple[Descs, Descs]:
-    """Both descriptor arrays checked (as ``as_descs`` and ``check_pair`` would) and copied:
-    the worker reads them after ``read`` returned, when the caller may already be refilling
-    its arrays. Arrays already in shape cost one copy and a handful of numpy calls; anything
-    else goes the long way, which also words the error."""
+def _rows(local: Descs, remote: Descs) -> int:
+    """How many rows two descriptor arrays have when both are already in shape (int64
+    ``(n, 3)`` numpy arrays of one shape, the form engines pass), else -1: the fast paths
+    take only those, and anything else goes the long way, which also words errors."""
     if (
         type(local) is np.ndarray
         and type(remote) is np.ndarray
@@ -74,7 +73,22 @@ def checked_pair(local: Descs, remote: Descs) -> tuple[Descs, Descs]:
         and local.shape == remote.shape
         and local.shape[1] == 3
     ):
-        n = local.shape[0]
+        return int(local.shape[0])
+    return -1
+
+
+def _one_host_route(table: Table, remote_t: Table) -> bool:
+    """Host memory on both sides, and every peer region reached the same way."""
+    return not (table.has_vram or remote_t.has_vram) and remote_t.route in (MAPPED, CMA)
+
+
+def checked_pair(local: Descs, remote: Descs) -> tuple[Descs, Descs]:
+    """Both descriptor arrays checked (as ``as_descs`` and ``check_pair`` would) and copied:
+    the worker reads them after ``read`` returned, when the caller may already be refilling
+    its arrays. Arrays already in shape cost one copy and a handful of numpy calls; anything
+    else goes the long way, which also words the error."""
+    n = _rows(local, remote)
+    if n >= 0:
         both = np.concatenate((local, remote))
         # Column by column: numpy reduces a (2n, 2) strided view about 5x slower than two
         # (2n,) column views, and this is on the caller's thread for every post.
@@ -94,20 +108,9 @@ def plan_few(
     """(route, dst, src, length) of a small host transfer over one route, found in
     plain Python; None for anything else (larger, VRAM, mixed routes, or a descriptor
     that is bad: the general path checks it again and words the error)."""
-    if not (
-        type(local) is np.ndarray
-        and type(remote) is np.ndarray
-        and local.shape == remote.shape
-        and local.ndim == 2
-        and 0 < local.shape[0] <= FEW_ROWS
-        and local.shape[1] == 3
-        and local.dtype == np.int64
-        and remote.dtype == np.int64
-    ):
+    if not (0 < _rows(local, remote) <= FEW_ROWS and _one_host_route(table, remote_t)):
         return None
     route = remote_t.route
-    if table.has_vram or remote_t.has_vram or route not in (MAPPED, CMA):
-        return None
     dst: list[int] = []
     src: list[int] = []
     length: list[int] = []
@@ -140,22 +143,9 @@ def plan_host(
     :func:`checked_pair`, ``Table.locate`` and :func:`plan` cost ~100 us with caches cold, a
     sixth of a 16 MiB copy. None where the helper is off, for anything else, and for a
     descriptor that is not plainly valid (the general path then words the error)."""
-    route = remote_t.route
-    if (
-        NATIVE is None
-        or table.has_vram
-        or remote_t.has_vram
-        or route not in (MAPPED, CMA)
-        or type(local) is not np.ndarray
-        or type(remote) is not np.ndarray
-        or local.dtype != np.int64
-        or remote.dtype != np.int64
-        or local.ndim != 2
-        or local.shape != remote.shape
-        or local.shape[1] != 3
-        or not local.shape[0]
-    ):
+    if NATIVE is None or _rows(local, remote) <= 0 or not _one_host_route(table, remote_t):
         return None
+    route = remote_t.route
     planned = NATIVE.plan(
         np.ascontiguousarray(local),
         np.ascontiguousarray(remote),
@@ -183,7 +173,7 @@ def plan(request: Request, write: bool) -> list[Batch]:
     local, remote = request.local, request.remote
     if local.shape[0] == 0:
         return []
-    if not (local_t.has_vram or remote_t.has_vram) and remote_t.route in (MAPPED, CMA):
+    if _one_host_route(local_t, remote_t):
         # One kind of host memory on both sides: one batch, no masks.
         if remote_t.route == CMA:  # CMA batches keep (local, remote) order
             d, s = local[:, 0], remote[:, 0]
