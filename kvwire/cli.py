@@ -26,6 +26,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("bench", "measure kvwire beside its baselines"),
     "sim": ("sim", "deterministic simulation of P/D engines with fault injection"),
     "soak": ("soak", "run P and D processes for a time with random rank kills"),
+    "pairs": ("pairs", "random P/D pairs end to end for a time, every token checked"),
     "probe": ("probe", "fetch and decode a live engine's handshake"),
     "decode": ("decode", "decode a wire message and print it as JSON"),
     "compat-hash": ("compat_hash", "compute or compare compatibility hashes"),

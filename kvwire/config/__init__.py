@@ -193,11 +193,32 @@ class KVWireConfig:
             raise ConfigError(f"tp_rank {self.tp_rank} outside [0, {self.tp_size})")
         if not 0 <= self.pp_rank < self.pp_size:
             raise ConfigError(f"pp_rank {self.pp_rank} outside [0, {self.pp_size})")
+        self._validate_durations()
         if self.compat is not None and self.compat.transfer_mode != self.mode:
             raise ConfigError(
                 f"compat factors say transfer_mode {self.compat.transfer_mode!r}, "
                 f"the runtime runs {self.mode!r} (set both, or build the factors "
                 "with transfer_mode=config.mode)"
+            )
+
+    def _validate_durations(self) -> None:
+        """Durations that each parse but together make every request fail: refused here,
+        naming the knobs, instead of failing each request far from the setting."""
+        lease = self.lease_s
+        for name, value in (
+            ("expiry_margin_s", self.expiry_margin),
+            ("completion_margin_s", self.completion_margin),
+        ):
+            if value >= lease:
+                raise ConfigError(
+                    f"{name} {value:g} is not below lease_s {lease:g}: no READ could start "
+                    "and finish inside the producer's lease"
+                )
+        if self.heartbeat_s >= self.lease_extension_s:
+            raise ConfigError(
+                f"heartbeat_interval_s {self.heartbeat_s:g} is not below 2/3 of lease_s "
+                f"{lease:g} ({self.lease_extension_s:g}): a heartbeat extends a lease by that "
+                "much, so leases would run out between heartbeats"
             )
 
     # -- views for the parts ---------------------------------------------------------

@@ -239,25 +239,17 @@ def _attention_chunks(
     consumer: _Side,
     p_logical: IntArray,
     c_logical: IntArray,
-    num_tokens: int | None,
+    num_tokens: int,
 ) -> _Chunks:
     pk = expand_to_kernel_blocks(p_logical, producer.ppl)
     ck = expand_to_kernel_blocks(c_logical, consumer.ppl)
     unit = min(producer.kernel, consumer.kernel)
     # Where each list starts in the sequence: both end with it.
-    if num_tokens is not None:
-        p_start = _list_start(num_tokens, producer.logical, len(p_logical))
-        c_start = _list_start(num_tokens, consumer.logical, len(c_logical))
-    elif producer.logical == consumer.logical:
-        p_start = 0
-        c_start = max(0, len(p_logical) - len(c_logical)) * producer.logical
-    else:
-        p_start = c_start = 0
+    p_start = _list_start(num_tokens, producer.logical, len(p_logical))
+    c_start = _list_start(num_tokens, consumer.logical, len(c_logical))
     c_end = c_start + len(ck) * consumer.kernel
     lo = max(p_start, c_start)
-    hi = min(p_start + len(pk) * producer.kernel, c_end)
-    if num_tokens is not None:
-        hi = min(hi, -(-num_tokens // unit) * unit)
+    hi = min(p_start + len(pk) * producer.kernel, c_end, -(-num_tokens // unit) * unit)
     hi = max(hi, lo)
     tokens = np.arange(lo, hi, unit, dtype=np.int64)
     p_rel = tokens - p_start
@@ -292,6 +284,40 @@ def _state_chunks(p_ids: IntArray, c_ids: IntArray) -> _Chunks:
         zero_blocks=np.zeros(0, dtype=np.int64),
         zero_sub=np.zeros(0, dtype=np.int64),
     )
+
+
+def _sequence_end(
+    num_tokens: int | None,
+    producer: _Side,
+    consumer: _Side,
+    p_groups: Sequence[IntArray],
+    p_who: str,
+) -> int:
+    """The prompt's length in tokens, which places every list in the sequence.
+
+    The producer's longest list is the whole prompt (a full-attention group), so it holds
+    between one block less and exactly its length in tokens. Without ``num_tokens`` that
+    bound is the length itself: every list still lands right when the consumer's block is a
+    whole number of the producer's (both end in the same consumer block), but not when the
+    consumer's blocks are smaller: the prompt may end in any of the consumer blocks inside
+    the producer's last one, so the count is required.
+    """
+    held = max((len(g) for g in p_groups), default=0) * producer.logical
+    if num_tokens is None:
+        if consumer.logical % producer.logical:
+            raise LocalProtocolError(
+                f"the producer's blocks hold {producer.logical} tokens and the consumer's "
+                f"{consumer.logical}: without the prompt's token count (remote_num_tokens, "
+                "or num_tokens at the call) the consumer cannot tell where the prompt ends"
+            )
+        return held
+    if num_tokens > held:
+        error = LocalProtocolError if p_who == "local" else RemoteProtocolError
+        raise error(
+            f"num_tokens {num_tokens} is more than the producer's blocks hold "
+            f"({held // producer.logical} blocks of {producer.logical} tokens)"
+        )
+    return num_tokens
 
 
 # ---------------------------------------------------------------------------------------
@@ -450,11 +476,13 @@ class PeerLayout:
     ) -> TransferPlan:
         """Descriptors moving one request between this rank and the remote rank.
 
-        Block ids are *logical* ids per KV-cache group, each side's own. The producer's
-        lists are the request's full lists; the consumer's hold only the uncomputed suffix
-        (its prefix-cache hits stay local), so the producer's tail is used. ``num_tokens``
-        (``remote_num_tokens``) pins the token range exactly; without it, equal block sizes
-        trim by block count and unequal ones assume no prefix hit.
+        Block ids are *logical* ids per KV-cache group, each side's own and untrimmed: the
+        producer's lists are the request's full lists, the consumer's hold only the
+        uncomputed suffix (its prefix-cache hits stay local). Every list ends with the
+        sequence, so the prompt's length places each one in tokens and the pairing is by
+        token, whatever the two block sizes. ``num_tokens`` (``remote_num_tokens``) is that
+        length; without it the producer's longest list stands in for it, which is exact
+        unless the consumer's blocks are smaller (then the plan is refused, by name).
         """
         merge = self.coalesce if coalesce is None else coalesce
         local_groups = as_groups(local_block_ids)
@@ -470,6 +498,7 @@ class PeerLayout:
         z_parts: list[IntArray] = []
         order_parts: list[IntArray] = []
         chunk_cache: dict[tuple[int, int, bool], _Chunks] = {}
+        end = _sequence_end(num_tokens, self._producer, self._consumer, p_groups, p_who)
         for cluster in self._clusters:
             key = (cluster.p_group, cluster.c_group, cluster.state)
             chunks = chunk_cache.get(key)
@@ -479,9 +508,7 @@ class PeerLayout:
                 if cluster.state:
                     chunks = _state_chunks(p_ids, c_ids)
                 else:
-                    chunks = _attention_chunks(
-                        self._producer, self._consumer, p_ids, c_ids, num_tokens
-                    )
+                    chunks = _attention_chunks(self._producer, self._consumer, p_ids, c_ids, end)
                 chunk_cache[key] = chunks
             self._check_bounds(cluster, chunks, p_who, c_who)
             p_rows, c_rows, z_rows = _emit(cluster, chunks)

@@ -482,11 +482,16 @@ class MachineCore:
         if engine is None:
             return
         successors(ENGINE, engine.state, PeerLost, "engine")
+        self._engine_lost(engine, out)
         if engine.state is EngineState.READY:
             self._move(engine, ENGINE, "absent")
             engine.hb_armed = False
             engine.idle_armed = False
             self._maybe_forget(engine)
+
+    def _engine_lost(self, engine: Engine, out: list[Action]) -> None:
+        """What a side does with its requests when a peer engine went away (by default
+        nothing: their transfers end through ``TransferFailed``)."""
 
     def _maybe_forget(self, engine: Engine) -> None:
         if (

@@ -53,6 +53,7 @@ from kvwire.machine.events import (
     HandshakeFailed,
     LeaseConfirmed,
     NotificationReceived,
+    PeerLost,
     RemotePrefill,
     RequestAdded,
     Timer,
@@ -105,7 +106,6 @@ class _Req:
         "plan",
         "read_deadline",
         "remote",
-        "remote_blocks",
         "rid",
         "senders",
         "state",
@@ -126,7 +126,6 @@ class _Req:
         self.remote = remote
         self.engine = engine
         self.local: BlockIds = ()
-        self.remote_blocks: BlockIds = ()
         self.notif = b""
         self.plan: list[RemoteRank] = []
         self.next_post = 0
@@ -250,12 +249,14 @@ class ConsumerMachine(MachineCore):
             self._release_producer(req, out)
             self._finish(req, out)
             return
-        if self.config.mode is TransferMode.PULL:
-            problem = _trim_check(event.block_ids, req.remote.block_ids)
-            if problem is not None:
-                self._protocol_failure(req, problem, out)
-                return
-            req.remote_blocks = _tail(event.block_ids, req.remote.block_ids)
+        pull = self.config.mode is TransferMode.PULL
+        if pull and len(event.block_ids) != len(req.remote.block_ids):
+            problem = (
+                f"{len(event.block_ids)} local KV-cache groups but the producer sent "
+                f"{len(req.remote.block_ids)}"
+            )
+            self._protocol_failure(req, problem, out)
+            return
         if engine.state is EngineState.READY:
             self._start(req, now, out)
         else:
@@ -396,6 +397,20 @@ class ConsumerMachine(MachineCore):
             req.confirmed = confirmed
         self.stats.read_deadlines_extended += 1
 
+    def _engine_lost(self, engine: Engine, out: list[Action]) -> None:
+        """Push: a producer that went away will never write what we registered for. Fail
+        its requests now, with the cause, rather than at the registration watchdog (which
+        names only a missing write, and comes registration_timeout_s later)."""
+        if self.config.mode is not TransferMode.PUSH:
+            return
+        waiting = [
+            req for reqs in engine.hb_ids.values() for req in reqs if req.state is S.AWAIT_WRITES
+        ]
+        for req in waiting:
+            successors(CONSUMER, req.state, PeerLost, f"request {req.rid!r}")
+            detail = f"producer {engine.engine_id!r} went away before its writes arrived"
+            self._fail_now(req, FailReason.TRANSFER, detail, out)
+
     def _hb_add(self, req: _Req, now: float) -> None:
         engine = req.engine
         pid = req.remote.request_id
@@ -530,7 +545,7 @@ class ConsumerMachine(MachineCore):
                 rank,
                 req.engine.tp_size,
                 req.local,
-                req.remote_blocks,
+                req.remote.block_ids,
                 req.notif,
             )
         )
@@ -803,22 +818,3 @@ def _check_remote(remote: RemotePrefill, config: KVWireConfig) -> str | None:
     if big % small:
         return f"producer TP {remote.tp_size} and ours {config.tp_size} do not divide"
     return None
-
-
-def _trim_check(local: BlockIds, remote: BlockIds) -> str | None:
-    if len(local) != len(remote):
-        return f"{len(local)} local KV-cache groups but the producer sent {len(remote)}"
-    for lg, rg in zip(local, remote, strict=True):
-        if len(lg) > len(rg):
-            return f"{len(lg)} local blocks to fill but the producer holds only {len(rg)}"
-    return None
-
-
-def _tail(local: BlockIds, remote: BlockIds) -> BlockIds:
-    """The producer's blocks that pair with ours: the tail (our prefix hits stay local)."""
-    if len(local) == 1:
-        lg, rg = local[0], remote[0]
-        return (rg[len(rg) - len(lg) :] if lg else (),)
-    return tuple(
-        rg[len(rg) - len(lg) :] if lg else () for lg, rg in zip(local, remote, strict=True)
-    )

@@ -84,7 +84,6 @@ class _Req:
         "engine",
         "entry",
         "fail_reason",
-        "local_w",
         "needed",
         "next_post",
         "notif",
@@ -113,7 +112,6 @@ class _Req:
         self.next_post = 0
         self.xfers: dict[int, Transfer] = {}
         self.fail_reason = FreeReason.FAILED
-        self.local_w: BlockIds = ()
         self.remote_w: BlockIds = ()
         self.notif = b""
 
@@ -398,11 +396,6 @@ class ProducerMachine(MachineCore):
                 f"registration {reg.request_id!r} has {len(dgroups)} KV-cache groups, "
                 f"we hold {len(req.blocks)}"
             )
-        for dg, pg in zip(dgroups, req.blocks, strict=False):
-            if len(dg) > len(pg):
-                return (
-                    f"registration {reg.request_id!r} asks for {len(dg)} blocks, we hold {len(pg)}"
-                )
         return None
 
     def _start_writes(self, req: _Req, engine: Engine, out: list[Action]) -> None:
@@ -417,11 +410,7 @@ class ProducerMachine(MachineCore):
             out.append(PeerMisbehaved(str(exc), engine.engine_id, req.rid))
             self._free(req, FreeReason.PROTOCOL, out)
             return
-        remote = tuple(tuple(g) for g in reg.local_block_ids)
-        req.remote_w = remote
-        req.local_w = tuple(
-            pg[len(pg) - len(dg) :] if dg else () for dg, pg in zip(remote, req.blocks, strict=True)
-        )
+        req.remote_w = tuple(tuple(g) for g in reg.local_block_ids)
         req.plan = [(0, d) for d in targets]
         req.next_post = 0
         self._move(req, PRODUCER, "writing")
@@ -438,7 +427,7 @@ class ProducerMachine(MachineCore):
                 engine.engine_id,
                 rank,
                 engine.tp_size,
-                req.local_w,
+                req.blocks,
                 req.remote_w,
                 req.notif,
             )

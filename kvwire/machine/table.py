@@ -199,6 +199,8 @@ CONSUMER: dict[tuple[ConsumerState, Trigger], dict[str, ConsumerState]] = {
         "failed": C.FAILED,
     },
     (C.AWAIT_WRITES, Timer): {"failed": C.FAILED},
+    # Push: the producer that was to write went away (its notifications fail).
+    (C.AWAIT_WRITES, PeerLost): {"failed": C.FAILED},
     (C.AWAIT_WRITES, Abort): {"failed": C.FAILED},
     (C.DRAINING, TransferPosted): {"": C.DRAINING},
     (C.DRAINING, TransferDone): {"": C.DRAINING, "failed": C.FAILED},

@@ -22,6 +22,7 @@ from typing import Any, Generic, TypeVar
 from kvwire.config import KVWireConfig
 from kvwire.errors import ConfigError
 from kvwire.layout.geometry import KVGeometry
+from kvwire.runtime.arguments import geometry_arg
 from kvwire.runtime.driver import Driver, Outcome
 from kvwire.runtime.metrics import Metrics
 from kvwire.runtime.prometheus import MetricsServer, serve
@@ -87,6 +88,7 @@ class _Endpoint(Generic[FinishedT]):
 
         A rank peers dial starts its own handshake listener here when the config names no
         port, and serves its handshake from it."""
+        geometry = geometry_arg(geometry)
         cfg = self.config
         advertise = ("", 0)
         if self._dialled:

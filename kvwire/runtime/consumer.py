@@ -24,8 +24,14 @@ from kvwire.machine import (
     RequestFailed,
 )
 from kvwire.runtime._endpoint import _Endpoint
+from kvwire.runtime.arguments import (
+    block_ids_arg,
+    num_tokens_arg,
+    params_arg,
+    request_id_arg,
+)
 from kvwire.runtime.driver import Outcome
-from kvwire.runtime.producer import BlockIdsLike, as_block_ids
+from kvwire.runtime.producer import BlockIdsLike
 from kvwire.wire.params import parse_kv_transfer_params
 
 
@@ -69,15 +75,24 @@ class Consumer(_Endpoint[Finished]):
         request_id: str,
         kv_transfer_params: Mapping[str, Any] | bytes | str,
         block_ids: BlockIdsLike | None = None,
+        *,
+        num_tokens: int | None = None,
     ) -> None:
         """Request ``request_id`` arrived with the producer's params; with ``block_ids`` the
         blocks to fill are allocated too (else call :meth:`blocks_allocated` later).
 
-        Malformed params raise ``WireDecodeError`` (the engine decides what to do).
+        ``num_tokens`` is the prompt's length for producers whose params do not carry it
+        (``remote_num_tokens``): a consumer whose blocks are smaller than the producer's
+        needs it to place the prompt's end. Malformed params raise ``WireDecodeError``,
+        arguments that cannot be honoured ``LocalProtocolError`` naming them.
         """
         if self._driver.machine is None:
             raise ConfigError("register_kv_caches before add_request")
-        params = parse_kv_transfer_params(kv_transfer_params, version=self.config.version)
+        request_id_arg(request_id)
+        params = parse_kv_transfer_params(
+            params_arg(kv_transfer_params), version=self.config.version
+        )
+        blocks = None if block_ids is None else block_ids_arg(block_ids, self._driver.geometry)
         meta = params.req_meta()
         remote = meta.remote
         pull = self.config.mode == "pull"
@@ -86,24 +101,29 @@ class Consumer(_Endpoint[Finished]):
             request_id=remote.request_id,
             host=remote.host,
             port=remote.port,
-            block_ids=as_block_ids(remote.block_ids) if pull else (),
+            block_ids=tuple(tuple(g) for g in remote.block_ids) if pull else (),
             tp_size=meta.tp_size,
             pp_size=meta.pp_size,
             dcp_size=meta.dcp_size,
             blocks_expiry_time=remote.blocks_expiry_time,
         )
+        tokens = num_tokens_arg(num_tokens, (), 1)
         events: list[Event] = [RequestAdded(request_id, remote=prefill)]
-        if block_ids is not None:
-            events.append(AllocationDone(request_id, as_block_ids(block_ids)))
-        self._driver.request_started(request_id, remote.num_tokens)
+        if blocks is not None:
+            events.append(AllocationDone(request_id, blocks))
+        self._driver.request_started(
+            request_id, remote.num_tokens if remote.num_tokens is not None else tokens
+        )
         self._driver.feed(*events)
 
     def blocks_allocated(self, request_id: str, block_ids: BlockIdsLike) -> None:
         """The blocks to fill (only the uncomputed suffix; empty if all hit the prefix cache)."""
-        self._driver.feed(AllocationDone(request_id, as_block_ids(block_ids)))
+        request_id_arg(request_id)
+        blocks = block_ids_arg(block_ids, self._driver.geometry)
+        self._driver.feed(AllocationDone(request_id, blocks))
 
     def abort(self, request_id: str) -> None:
-        self._driver.feed(Abort(request_id))
+        self._driver.feed(Abort(request_id_arg(request_id)))
 
     def get_finished(self) -> Finished:
         """Requests done or failed since the last call."""

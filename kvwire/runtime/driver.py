@@ -38,6 +38,7 @@ from kvwire.errors import (
     KVWireError,
     LocalProtocolError,
     PeerUnreachableError,
+    TransportClosedError,
     TransportError,
 )
 from kvwire.layout import PeerLayout, topology
@@ -403,6 +404,12 @@ class Driver:
         self.metrics.transfer_posted(
             action.request_id, now, plan.num_bytes, plan.num_descs, now - t0
         )
+        self.log.info(
+            "%s posted to %s rank %s: %d descriptors, %d bytes",
+            "READ" if isinstance(action, PostRead) else "WRITE", action.engine_id,
+            action.remote_rank, plan.num_descs, plan.num_bytes,
+            extra={"request_id": action.request_id},
+        )  # fmt: skip
         self._events.append(TransferPosted(xid))
 
     def _send(self, action: SendNotification) -> None:
@@ -425,6 +432,13 @@ class Driver:
                     "notification to %s failed: %s", rank.agent, exc,
                     extra={"peer": action.engine_id, "request_id": action.request_id},
                 )  # fmt: skip
+                if not isinstance(exc, TransportClosedError):
+                    # The peer is gone (heartbeats are what notice it first in push mode,
+                    # where nothing else is sent to the producer while it writes).
+                    self.metrics.count("peers_lost")
+                    self._events.append(PeerLost(action.engine_id))
+                    self._forget_engine(action.engine_id, evicted=False)
+                    return
 
     def _release(self, xid: int, *, cancelled: bool) -> None:
         xfer = self._xfers.get(xid)
@@ -453,16 +467,20 @@ class Driver:
         now = self._clock()
         rid = action.request_id
         self._num_tokens.pop(rid, None)
+        extra = {"request_id": rid}
         if isinstance(action, FreeBlocks):
             self.metrics.request_ended(rid, now, "freed", action.reason.value)
+            self.log.info("request freed its blocks (%s)", action.reason.value, extra=extra)
         elif isinstance(action, RequestDone):
             self.metrics.request_ended(rid, now, "done")
+            self.log.info("request done", extra=extra)
         else:
+            # The engine recomputes a failed request, so nothing else would show it: an
+            # operator must see each one, and why, at the default level.
             self.metrics.request_ended(rid, now, "failed", action.reason.value)
-            self.log.info(
-                "request failed (%s): %s", action.reason.value, action.detail,
-                extra={"request_id": rid},
-            )  # fmt: skip
+            self.log.warning(
+                "request failed (%s): %s", action.reason.value, action.detail, extra=extra
+            )
         self._on_outcome(action)
 
     def _transfer_ended(self, xfer: _Xfer, *, ok: bool) -> None:
@@ -511,7 +529,7 @@ class Driver:
                 else "error"
             )  # fmt: skip
             self.metrics.handshake(False, time.perf_counter() - t0, kind)
-            self.log.info(
+            self.log.warning(
                 "handshake with %s failed: %s", action.engine_id, exc,
                 extra={"peer": f"{action.host}:{action.port}"},
             )  # fmt: skip

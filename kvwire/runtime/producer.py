@@ -13,10 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-
 from kvwire.errors import ConfigError, LocalProtocolError
-from kvwire.layout.geometry import KVGeometry
 from kvwire.machine import (
     Abort,
     Event,
@@ -29,6 +26,7 @@ from kvwire.machine import (
     RequestFailed,
 )
 from kvwire.runtime._endpoint import _Endpoint
+from kvwire.runtime.arguments import block_ids_arg, num_tokens_arg, request_id_arg
 from kvwire.runtime.driver import Outcome
 
 BlockIdsLike = Sequence[Sequence[int]]
@@ -42,30 +40,6 @@ class FreedRequest:
     block_ids: tuple[tuple[int, ...], ...]
     reason: str
     """``sent``, ``nothing_to_send``, ``expired``, ``aborted``, ``failed`` or ``protocol``."""
-
-
-def as_block_ids(block_ids: BlockIdsLike) -> tuple[tuple[int, ...], ...]:
-    """Per-group block ids as the machine wants them: tuples of Python ints (converted in
-    C by numpy, not block by block)."""
-    return tuple(
-        tuple(np.asarray(group, dtype=np.int64).reshape(-1).tolist()) for group in block_ids
-    )
-
-
-def check_block_ids(blocks: tuple[tuple[int, ...], ...], geometry: KVGeometry | None) -> None:
-    """Refuse ids outside the registered pool: a bad id would make a peer read or write
-    memory that is not KV cache."""
-    if geometry is None:
-        raise LocalProtocolError("register_kv_caches first")
-    pool = geometry.advertised_num_blocks()
-    for group in blocks:
-        if not group:
-            continue
-        ids = np.asarray(group, dtype=np.int64)
-        low, high = int(ids.min()), int(ids.max())
-        if low < 0 or high >= pool:
-            bad = high if high >= pool else low
-            raise LocalProtocolError(f"block id {bad} is outside the pool of {pool} blocks")
 
 
 class Producer(_Endpoint[list[FreedRequest]]):
@@ -88,7 +62,7 @@ class Producer(_Endpoint[list[FreedRequest]]):
 
     def request_started(self, request_id: str) -> None:
         """Optional: the prompt started prefilling (lets an abort come before the finish)."""
-        self._driver.feed(RequestAdded(request_id))
+        self._driver.feed(RequestAdded(request_id_arg(request_id)))
 
     def prefill_finished(
         self,
@@ -99,14 +73,24 @@ class Producer(_Endpoint[list[FreedRequest]]):
     ) -> dict[str, Any]:
         """Hold ``block_ids`` for consumers; returns the ``kv_transfer_params`` for the proxy.
 
-        An empty block list frees at once (nothing to send); the engine sees the request in
-        :meth:`get_finished` with reason ``nothing_to_send``.
+        ``block_ids`` holds one list of logical block ids per KV-cache group (``[[0, 1]]``
+        for a single group); ``num_tokens`` is the prompt's length, which a consumer with
+        smaller blocks needs (and push mode always: this side plans the writes). An empty
+        block list frees at once (nothing to send); the engine sees the request in
+        :meth:`get_finished` with reason ``nothing_to_send``. Arguments that cannot be
+        honoured raise :class:`~kvwire.errors.LocalProtocolError` naming them.
         """
-        blocks = as_block_ids(block_ids)
         machine = self._driver.machine
         if machine is None:
             raise ConfigError("register_kv_caches before prefill_finished")
-        check_block_ids(blocks, self._driver.geometry)
+        blocks, num_tokens = self._arguments(request_id, block_ids, num_tokens)
+        if num_tokens is None and self.config.mode == "push" and any(blocks):
+            # The writer places the prompt in the consumer's blocks, and the consumer has no
+            # way to say it failed: a missing length must fail here, not at its registration.
+            raise LocalProtocolError(
+                "push mode: prefill_finished needs num_tokens (the prompt's length), which "
+                "places the prompt in the consumer's blocks"
+            )
         events: list[Event] = []
         assert isinstance(machine, ProducerMachine)
         if machine.request_state(request_id) is ProducerState.ABSENT:
@@ -124,7 +108,17 @@ class Producer(_Endpoint[list[FreedRequest]]):
         num_tokens: int | None = None,
     ) -> dict[str, Any]:
         """The params a consumer needs to fetch this request (what vLLM's P returns)."""
-        return self._params(request_id, as_block_ids(block_ids), num_tokens)
+        blocks, num_tokens = self._arguments(request_id, block_ids, num_tokens)
+        return self._params(request_id, blocks, num_tokens)
+
+    def _arguments(
+        self, request_id: object, block_ids: object, num_tokens: object
+    ) -> tuple[tuple[tuple[int, ...], ...], int | None]:
+        request_id_arg(request_id)
+        geometry = self._driver.geometry
+        blocks = block_ids_arg(block_ids, geometry)
+        assert geometry is not None  # block_ids_arg refuses an unregistered runtime
+        return blocks, num_tokens_arg(num_tokens, blocks, geometry.block_size)
 
     def _params(
         self, request_id: str, blocks: tuple[tuple[int, ...], ...], num_tokens: int | None
@@ -170,7 +164,7 @@ class Producer(_Endpoint[list[FreedRequest]]):
 
     def abort(self, request_id: str) -> None:
         """The engine gave up on the request; its blocks show up in get_finished."""
-        self._driver.feed(Abort(request_id))
+        self._driver.feed(Abort(request_id_arg(request_id)))
 
     def get_finished(self) -> list[FreedRequest]:
         """Requests freed since the last call (their blocks are the engine's again)."""

@@ -461,6 +461,12 @@ class World:
         x.notif = action.notification
         local = list(action.local_block_ids[0]) if action.local_block_ids else []
         remote = list(action.remote_block_ids[0]) if action.remote_block_ids else []
+        # The machines pass both sides' whole lists; the planner pairs them by token, which
+        # with the simulator's one block size pairs the producer's tail with the consumer's.
+        if x.read:
+            remote = remote[len(remote) - len(local) :]
+        else:
+            local = local[len(local) - len(remote) :]
         if x.read:
             x.dst_ids, x.src_ids = local, remote
             x.gens = peer.alloc.gens[np.asarray(remote, dtype=np.int64)].copy()

@@ -160,6 +160,8 @@ def parse_kv_transfer_params(
     if isinstance(params, Mapping):
         return convert(dict(params), cls, what="kv_transfer_params")
     if isinstance(params, str):
+        if params.lstrip()[:1] != "{":  # text is JSON; msgpack travels as bytes
+            raise WireDecodeError("kv_transfer_params: text must be a JSON object")
         try:
             params = params.encode()
         except UnicodeEncodeError:  # lone surrogates: text no peer could have sent

@@ -111,6 +111,12 @@ TABLE: list[tuple[str, dict[str, str], str]] = [
     ("soak --p-tp 0", {}, "--p-tp must be an integer from 1 to 64"),
     ("soak --lease inf", {}, "--lease inf: expected a finite number"),
     ("soak --transport os:path", {}, "not a transport factory"),
+    ("pairs --seconds nan", {}, "--seconds must be positive and at most a week"),
+    ("pairs --seconds 0", {}, "--seconds must be positive and at most a week"),
+    ("pairs --report-every 0", {}, "--report-every must be positive"),
+    ("pairs --seed -1", {}, "--seed must be >= 0"),
+    ("pairs --tp 3", {}, "--tp sizes must be 1, 2, 4 or 8, got 3"),
+    ("pairs --tp", {}, "expected at least one argument"),
     # sim
     ("sim --requests 0", {}, "--requests must be between 1 and"),
     ("sim --requests 99999999999", {}, "--requests must be between 1 and"),

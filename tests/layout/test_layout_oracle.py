@@ -1,242 +1,34 @@
 """Descriptors proven on real bytes.
 
-The logical KV of a sequence is one array ``[layers, K/V, tokens, heads, head_dim]`` whose
-every element is its own flat index. The oracle lays it out into each rank's buffer with
-plain numpy reshapes and transposes (no kvwire code); kvwire's descriptors then move bytes
-between the producer's buffers and the consumer's, and each consumer buffer must equal the
-oracle laid out for the consumer: every listed block holds the right tokens, nothing
-outside the listed blocks is touched, and whatever the transfer does not write is covered
-by the zero ranges.
+The oracle (:mod:`kvwire.pairs.oracle`, no kvwire descriptor code) lays the logical KV out
+into each rank's buffer; kvwire's descriptors then move bytes between the producer's buffers
+and the consumer's, and each consumer buffer must equal the oracle laid out for the
+consumer: every listed block holds the right tokens, nothing outside the listed blocks is
+touched, and whatever the transfer does not write is covered by the zero ranges. The same
+oracle checks the whole runtime between processes (``tests/runtime/test_pairs.py``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import numpy as np
 import pytest
 
 from kvwire.layout import Descs, PeerLayout, TransferPlan, topology
 from kvwire.layout.alignment import Mode
-from kvwire.layout.geometry import BlockRegion, KVGeometry, RegionKind, RemoteGeometry, rank_heads
-
-HEAD_DIM = 2  # int32 elements per head per K or V
-ITEM = 4
-SENTINEL = -1
-CAPACITY = 32  # logical blocks per region
-SPACE = 1 << 32  # each buffer gets its own 4 GiB of fake address space
-
-
-@dataclass(frozen=True)
-class Side:
-    tp: int = 1
-    layout: str = "HND"
-    block: int = 16  # logical tokens per block
-    ppl: int = 1  # kernel blocks per logical block
-    pad: int = 0  # bytes between a block's payload and the next block
-
-
-@dataclass(frozen=True)
-class Case:
-    p: Side
-    d: Side
-    heads: int = 4
-    layers: int = 2
-    kv_split: bool = False  # K and V in separate regions
-    mla: bool = False
-    groups: int = 1
-    tokens: int = 45
-    hits: int = 0  # consumer prefix-cache hits, in consumer logical blocks
-    coalesce: bool = True
-    contiguous: bool = False
-    pass_tokens: bool = True
-    mode: str = "pull"
-    members: bool = False  # advertise layer names (pairs regions by name)
-    packed: str = ""  # "p" or "d": that side packs every layer's page into one row (v13)
-    window: int = 0  # group 1 is a sliding window of this many tokens (its lists are clipped)
-
-    def __str__(self) -> str:
-        p, d = self.p, self.d
-        bits = [
-            f"{self.mode}",
-            f"P{p.tp}{p.layout}b{p.block}k{p.block // p.ppl}",
-            f"D{d.tp}{d.layout}b{d.block}k{d.block // d.ppl}",
-            f"h{self.heads}",
-        ]
-        if self.packed:
-            bits.append(f"packed{self.packed}")
-        if self.window:
-            bits.append(f"win{self.window}")
-        for flag in ("kv_split", "mla", "contiguous", "members"):
-            if getattr(self, flag):
-                bits.append(flag)
-        if self.groups > 1:
-            bits.append(f"g{self.groups}")
-        if self.hits:
-            bits.append(f"hit{self.hits}")
-        if not self.coalesce:
-            bits.append("nocoal")
-        if not self.pass_tokens:
-            bits.append("notok")
-        if p.pad or d.pad:
-            bits.append("pad")
-        return "-".join(bits)
-
-
-# ----------------------------------------------------------------------------------------
-# The oracle: numpy layouts of the logical KV, independent of kvwire's descriptor code
-# ----------------------------------------------------------------------------------------
-
-
-@dataclass
-class RegionSpec:
-    layer: int
-    parts: tuple[int, ...]  # 0 = K, 1 = V
-    group: int
-    offset: int  # from the buffer start
-    block_len: int
-    stride: int
-    num_blocks: int  # kernel blocks
-    name: str
-
-
-@dataclass
-class RankBuffer:
-    base: int
-    device: int
-    buf: np.ndarray  # uint8
-    regions: list[RegionSpec]
-    heads: np.ndarray
-    geometry: KVGeometry
-    packed: bool = False
-
-
-def region_plan(case: Case, side: Side) -> list[tuple[int, tuple[int, ...], str]]:
-    out: list[tuple[int, tuple[int, ...], str]] = []
-    for layer in range(case.layers):
-        if case.mla:
-            out.append((layer, (0,), f"layers.{layer}"))
-        elif case.kv_split:
-            out.append((layer, (0,), f"layers.{layer}.k"))
-            out.append((layer, (1,), f"layers.{layer}.v"))
-        else:
-            out.append((layer, (0, 1), f"layers.{layer}"))
-    return out
-
-
-def make_rank(case: Case, side: Side, rank: int, who: int) -> RankBuffer:
-    total_heads = 1 if case.mla else case.heads
-    heads = rank_heads(rank, side.tp, total_heads)
-    kernel = side.block // side.ppl
-    num_blocks = CAPACITY * side.ppl
-    packed = case.packed == ("p" if who == 0 else "d")
-    layers = region_plan(case, side)
-    pages = [len(heads) * kernel * len(parts) * HEAD_DIM * ITEM for _, parts, _ in layers]
-    specs: list[RegionSpec] = []
-    regions_meta: list[tuple[int, int, int, list[str], dict[str, tuple[int, int]], int]] = []
-    offset = 0
-    if packed:
-        row = sum(pages)
-        stride = row + side.pad
-        inside = 0
-        for (layer, parts, name), page in zip(layers, pages, strict=True):
-            specs.append(
-                RegionSpec(layer, parts, 0, offset + inside, page, stride, num_blocks, name)
-            )
-            inside += page
-        packed_members = {s.name: (s.offset - offset, s.block_len) for s in specs}
-        regions_meta.append((offset, row, stride, [s.name for s in specs], packed_members, 0))
-        offset += stride * num_blocks + stride
-    else:
-        for (layer, parts, name), page in zip(layers, pages, strict=True):
-            stride = page + side.pad
-            group = layer % case.groups
-            specs.append(RegionSpec(layer, parts, group, offset, page, stride, num_blocks, name))
-            regions_meta.append((offset, page, stride, [name], {}, group))
-            offset += stride * num_blocks + 64  # a gap between regions
-    base = (who * 64 + rank + 1) * SPACE
-    device = who * 100 + rank
-    buf = np.full(offset // ITEM, SENTINEL, dtype=np.int32).view(np.uint8)
-    regions = [
-        BlockRegion(
-            base_addr=base + start,
-            block_len=length,
-            num_blocks=num_blocks,
-            block_stride=stride,
-            group_id=group,
-            name=names[0] if len(names) == 1 else f"row{who}",
-            members=tuple(names) if case.members else (),
-            packed_members=packed_members,
-            kind=RegionKind.REPLICATED if case.mla else RegionKind.ATTENTION,
-        )
-        for start, length, stride, names, packed_members, group in regions_meta
-    ]
-    geometry = KVGeometry(
-        regions,
-        kv_cache_layout=side.layout,
-        block_size=side.block,
-        physical_blocks_per_logical=side.ppl,
-        total_kv_heads=total_heads,
-        tp_rank=rank,
-        tp_size=side.tp,
-        is_mla=case.mla,
-        device_id=device,
-    )
-    return RankBuffer(base, device, buf, specs, heads, geometry, packed)
-
-
-def logical_kv(case: Case, padded_tokens: int) -> np.ndarray:
-    heads = 1 if case.mla else case.heads
-    shape = (case.layers, 2, padded_tokens, heads, HEAD_DIM)
-    return np.arange(np.prod(shape), dtype=np.int32).reshape(shape)
-
-
-def kernel_tokens(side: Side, logical_ids: np.ndarray, start: int) -> tuple[np.ndarray, np.ndarray]:
-    """Kernel block ids of a logical list and the token index of every slot, ``[nb, K]``."""
-    kernel = side.block // side.ppl
-    kernel_ids = (logical_ids[:, None] * side.ppl + np.arange(side.ppl)[None, :]).reshape(-1)
-    tokens = start + np.arange(kernel_ids.size * kernel).reshape(-1, kernel)
-    return kernel_ids, tokens
-
-
-def block_view(rb: RankBuffer, spec: RegionSpec) -> np.ndarray:
-    rows = rb.buf[spec.offset : spec.offset + spec.stride * spec.num_blocks]
-    return rows.reshape(spec.num_blocks, spec.stride)
-
-
-def to_blocks(values: np.ndarray, layout: str) -> np.ndarray:
-    """``[nb, K, H, C]`` token-major values into ``[nb, block bytes]`` in a layout."""
-    if layout == "HND":
-        values = values.transpose(0, 2, 1, 3)
-    return np.ascontiguousarray(values).reshape(values.shape[0], -1).view(np.uint8)
-
-
-def from_blocks(raw: np.ndarray, layout: str, kernel: int, heads: int) -> np.ndarray:
-    """Inverse of :func:`to_blocks`: ``[nb, block bytes]`` back to ``[nb, K, H, C]``."""
-    ints = np.ascontiguousarray(raw).view(np.int32)
-    if layout == "HND":
-        return ints.reshape(raw.shape[0], heads, kernel, -1).transpose(0, 2, 1, 3)
-    return ints.reshape(raw.shape[0], kernel, heads, -1)
-
-
-def expected_values(
-    kv: np.ndarray, spec: RegionSpec, heads: np.ndarray, tokens: np.ndarray
-) -> np.ndarray:
-    """``[nb, K, H, parts * head_dim]`` of the logical KV at these tokens and heads."""
-    sel: np.ndarray = kv[spec.layer][list(spec.parts)]  # [P, T, H, D]
-    sel = sel[:, tokens][:, :, :, heads]  # [P, nb, K, H, D]
-    sel = sel.transpose(1, 2, 3, 0, 4)  # [nb, K, H, P, D]
-    return sel.reshape(*sel.shape[:3], -1)
-
-
-def lay_out(
-    rb: RankBuffer, side: Side, kv: np.ndarray, ids: list[np.ndarray], starts: list[int]
-) -> None:
-    for spec in rb.regions:
-        kernel_ids, tokens = kernel_tokens(side, ids[spec.group], starts[spec.group])
-        values = expected_values(kv, spec, rb.heads, tokens)
-        block_view(rb, spec)[kernel_ids, : spec.block_len] = to_blocks(values, side.layout)
-
+from kvwire.layout.geometry import RemoteGeometry
+from kvwire.pairs.oracle import (
+    SPACE,
+    Case,
+    RankBuffer,
+    Side,
+    check_consumer,
+    check_producer,
+    lay_out,
+    make_rank,
+    make_request,
+)
 
 # ----------------------------------------------------------------------------------------
 # Moving bytes along descriptor rows
@@ -271,35 +63,13 @@ def zero_rows(buffers: dict[int, RankBuffer], rows: Descs) -> None:
 # ----------------------------------------------------------------------------------------
 
 
-def pick_ids(rng: np.random.Generator, count: int, contiguous: bool) -> np.ndarray:
-    if contiguous:
-        start = int(rng.integers(0, CAPACITY - count + 1))
-        return np.arange(start, start + count, dtype=np.int64)
-    return rng.permutation(CAPACITY)[:count].astype(np.int64)
-
-
 def run_case(case: Case) -> dict[str, int]:
-    rng = np.random.default_rng(abs(hash(str(case))) % (1 << 32))
-    p_total = -(-case.tokens // case.p.block)
-    d_total = -(-case.tokens // case.d.block)
-    assert case.hits < d_total
-    window_start = max(0, case.tokens - case.window) if case.window else 0
-    p_first = [window_start // case.p.block if g == 1 else 0 for g in range(case.groups)]
-    d_first = [
-        max(case.hits, window_start // case.d.block if g == 1 else 0) for g in range(case.groups)
-    ]
-    p_ids = [pick_ids(rng, p_total - p_first[g], case.contiguous) for g in range(case.groups)]
-    d_ids = [pick_ids(rng, d_total - d_first[g], case.contiguous) for g in range(case.groups)]
-    p_starts = [f * case.p.block for f in p_first]
-    d_starts = [f * case.d.block for f in d_first]
-    padded = max(p_total * case.p.block, d_total * case.d.block)
-    kv = logical_kv(case, padded)
-
-    producers = [make_rank(case, case.p, r, 0) for r in range(case.p.tp)]
-    consumers = [make_rank(case, case.d, r, 1) for r in range(case.d.tp)]
+    request = make_request(case)
+    producers = [make_rank(case, 0, r) for r in range(case.p.tp)]
+    consumers = [make_rank(case, 1, r) for r in range(case.d.tp)]
     buffers = {rb.base: rb for rb in producers + consumers}
     for rb in producers:
-        lay_out(rb, case.p, kv, p_ids, p_starts)
+        lay_out(rb, request.p_ids, request.p_starts, request)
 
     num_tokens = case.tokens if case.pass_tokens else None
     stats = {"descs": 0, "empty_plans": 0}
@@ -313,8 +83,8 @@ def run_case(case: Case) -> dict[str, int]:
             coalesce=case.coalesce,
         )
         if mode == "pull":
-            return layout.plan(d_ids, p_ids, num_tokens=num_tokens)
-        return layout.plan(p_ids, d_ids, num_tokens=num_tokens)
+            return layout.plan(request.d_ids, request.p_ids, num_tokens=num_tokens)
+        return layout.plan(request.p_ids, request.d_ids, num_tokens=num_tokens)
 
     if case.mode == "pull":
         for d, consumer in enumerate(consumers):
@@ -342,37 +112,9 @@ def run_case(case: Case) -> dict[str, int]:
     for rows in zeros:
         zero_rows(buffers, rows)
 
-    kernel = case.d.block // case.d.ppl
-    for consumer in consumers:
-        for spec in consumer.regions:
-            kernel_ids, tokens = kernel_tokens(case.d, d_ids[spec.group], d_starts[spec.group])
-            rows = block_view(consumer, spec)
-            got = from_blocks(
-                rows[kernel_ids, : spec.block_len], case.d.layout, kernel, len(consumer.heads)
-            )
-            want = expected_values(kv, spec, consumer.heads, tokens)
-            # Tokens before the producer's list (outside its window) are zeroed, not moved.
-            real = (tokens < case.tokens) & (tokens >= p_starts[spec.group])
-            np.testing.assert_array_equal(
-                got[real],
-                want[real],
-                err_msg=f"{case} region {spec.name} rank heads {consumer.heads}",
-            )
-            assert not (got == SENTINEL).any(), (
-                f"{case} region {spec.name}: bytes neither moved nor zeroed"
-            )
-            untouched = np.ones(spec.num_blocks, dtype=bool)
-            untouched[kernel_ids] = False
-            assert (rows[untouched, : spec.block_len].view(np.int32) == SENTINEL).all(), (
-                "a block outside the list was written"
-            )
-            if not consumer.packed:  # a packed row's other bytes are other layers' pages
-                padding = rows[:, spec.block_len :].view(np.int32)
-                assert (padding == SENTINEL).all(), "padding was written"
-    for producer in producers:  # sources are read only
-        fresh = make_rank(case, case.p, producer.geometry.tp_rank, 0)
-        lay_out(fresh, case.p, kv, p_ids, p_starts)
-        np.testing.assert_array_equal(fresh.buf, producer.buf)
+    problems = [p for consumer in consumers for p in check_consumer(case, consumer, request)]
+    problems += [p for producer in producers for p in check_producer(case, producer, request)]
+    assert not problems, f"{case}: " + "; ".join(problems)
     return stats
 
 

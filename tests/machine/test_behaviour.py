@@ -138,7 +138,8 @@ def test_consumer_with_more_ranks_reads_its_one_producer_rank() -> None:
     c.handle(AllocationDone("d1", ((5,),)), 0.0)
     read = one(c.handle(HandshakeDone("P", attempt, 2), 0.0), PostRead)
     assert read.remote_rank == (0, 1)
-    assert read.remote_block_ids == ((12,),)  # the tail of the producer's list
+    # Both whole lists: the planner pairs them by token (the producer's tail here).
+    assert read.local_block_ids == ((5,),) and read.remote_block_ids == ((10, 11, 12),)
     # vLLM's count: how many consumer ranks read this producer rank (4 // 2), not our TP.
     assert read.notification == b"p1:2"
 
@@ -156,7 +157,7 @@ def test_push_registration_and_prompt_match_in_either_order_by_base_id() -> None
             acts = p.handle(note, 0.2)
         attempt = one(acts, StartHandshake).attempt
         write = one(p.handle(HandshakeDone("D", attempt, 1), 0.3), PostWrite)
-        assert write.local_block_ids == ((2, 3),) and write.remote_block_ids == ((8, 9),)
+        assert write.local_block_ids == ((1, 2, 3),) and write.remote_block_ids == ((8, 9),)
         assert write.notification == b"req-7-12345678:1"
         # A duplicate registration is idempotent.
         assert of(p.handle(note, 0.35), (PostWrite, StartHandshake)) == []

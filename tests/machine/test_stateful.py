@@ -459,6 +459,7 @@ class PushConsumerModel(_ConsumerSide):
         self.parked: dict[str, tuple[float, set[str]]] = {}  # rid -> (first parked, senders)
         self.await_since: dict[str, float] = {}
         self.empty: set[str] = set()
+        self.losing = False
 
     def feed(self, event: Any, dt: float = 0.01) -> list[Action]:
         self.now += dt
@@ -491,7 +492,8 @@ class PushConsumerModel(_ConsumerSide):
                 if self.state[rid] == "await":
                     assert len(self.counted.get(rid, ())) < 2, f"{rid} failed after both writes"
                     timed_out = self.now >= self.await_since[rid] + self.REG_S
-                    assert timed_out or a.reason.value == "aborted", a
+                    lost = self.losing and a.reason.value == "transfer"
+                    assert timed_out or lost or a.reason.value == "aborted", a
                 self._ended(rid)
         for rid, st_ in self.state.items():
             if st_ == "await":
@@ -536,6 +538,15 @@ class PushConsumerModel(_ConsumerSide):
     @rule(rid=st.sampled_from(IDS))
     def abort(self, rid: str) -> None:
         self.feed(Abort(rid))
+
+    @rule()
+    def peer_lost(self) -> None:
+        """The producer is gone: every request awaiting its writes fails now."""
+        awaiting = {rid for rid, st_ in self.state.items() if st_ == "await"}
+        self.losing = True
+        self.feed(PeerLost("P"))
+        self.losing = False
+        assert not awaiting & set(self.state), "a request awaiting writes outlived its producer"
 
     @invariant()
     def agrees(self) -> None:

@@ -79,7 +79,9 @@ def test_port_zero_with_several_ranks_asks_for_the_engine_listener() -> None:
 def test_prefill_finished_checks_block_ids_against_the_pool() -> None:
     with Producer(config("p-pool")) as producer:
         producer.register_kv_caches(geometry(64))
-        with pytest.raises(LocalProtocolError, match="block id 999 is outside the pool of 64"):
+        with pytest.raises(
+            LocalProtocolError, match="block id 999 is outside the registered pool of 64 blocks"
+        ):
             producer.prefill_finished("r", [[1, 999]])
         with pytest.raises(LocalProtocolError, match="block id -1 is outside"):
             producer.prefill_finished("r2", [[-1]])

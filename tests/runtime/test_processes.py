@@ -99,6 +99,36 @@ def test_killed_prefill_fails_its_requests_then_a_restarted_one_is_handshaken_ag
         prefill.close()
 
 
+def test_a_push_producer_that_dies_is_noticed_by_the_heartbeats_not_the_watchdog(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """P dies while its writes are due: D's next heartbeats fail, and every request still
+    waiting for writes fails naming the producer, long before the registration watchdog
+    (600 s here; the test waits at most 60 s). A request whose writes all landed first
+    is done with the right bytes: which requests those are is the race, not asserted."""
+    monkeypatch.setenv("KVWIRE_REGISTRATION_TIMEOUT_S", "600")
+    monkeypatch.setenv("KVWIRE_LEASE_S", "6")  # heartbeats every second
+    monkeypatch.setenv("KVWIRE_HANDSHAKE_TIMEOUT_S", "2")
+    prefill, decode = _engines("push")
+    prefill.start()
+    decode.start()
+    try:
+        tokens = 1024
+        params = [prefill.prefill(f"r{i}", i, tokens) for i in range(6)]
+        for i, p in enumerate(params):
+            decode.submit(f"r{i}", i, p, tokens)
+        prefill.kill_rank(0)
+        results = finish(decode, 6)
+        for r in results:
+            if r.ok:
+                assert r.wrong_bytes == 0 and r.checked_bytes > 0
+            else:
+                assert r.reasons and set(r.reasons) <= {"transfer", "handshake"}, r
+    finally:
+        decode.close()
+        prefill.close()
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

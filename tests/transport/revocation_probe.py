@@ -17,7 +17,7 @@ Each READ is reported as ``failed``, ``pending`` (still running after the wait: 
 ``done:untouched`` (D's sentinel: reported done, nothing moved) or ``done:other`` (a mix of
 A and B: ``--why`` shows the fractions); P's death (a signal) is reported as ``P died:
 <signal>``. With ``--in-flight`` (root: two network
-namespaces, tests/netns/test_netns_revocation.py) the READ of step 3 is posted before P
+namespaces, tests/netns/revocation_in_flight.py) the READ of step 3 is posted before P
 revokes and reuses, over a throttled link, and waited for afterwards.
 
 Run ``python tests/transport/revocation_probe.py --why`` for the whole table (about two
@@ -521,11 +521,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main_in_flight(only: str | None, verbose: bool) -> int:
-    """The in-flight cases of tests/netns/test_netns_revocation.py (root, iproute2, tc)."""
+    """The in-flight cases of tests/netns/revocation_in_flight.py (root, iproute2, tc)."""
     netns = Path(__file__).resolve().parents[1] / "netns"
     sys.path.insert(0, str(netns))
     fixtures = importlib.import_module("netns_fixtures")
-    netns_test = importlib.import_module("test_netns_revocation")
+    netns_test = importlib.import_module("revocation_in_flight")
 
     reason = fixtures.unavailable_reason()
     if reason is not None:
