@@ -249,8 +249,9 @@ class Driver:
                 agent_metadata=self.transport.local_metadata(),
                 **self.geometry.agent_metadata_fields(),
             )
+            lease = cfg.lease_s if self.role == "producer" and cfg.mode == "pull" else None
             return encode_handshake_payload(
-                md, compatibility_hash=cfg.advertised_hash, factors=cfg.compat
+                md, compatibility_hash=cfg.advertised_hash, factors=cfg.compat, lease_s=lease
             )
 
     def close(self, timeout: float = 10.0) -> None:
@@ -506,6 +507,13 @@ class Driver:
                 version=cfg.version,
                 local_factors=cfg.compat,
             )
+            if result.lease_s is not None and result.lease_s <= cfg.expiry_margin:
+                raise IncompatiblePeerError(
+                    f"engine {action.engine_id!r} holds blocks for lease_s {result.lease_s:g}, "
+                    f"not above our expiry_margin_s {cfg.expiry_margin:g}: every READ would "
+                    "start inside the margin and be declined (lower expiry_margin_s here, or "
+                    "raise lease_s there)"
+                )
             layouts: dict[RemoteRank, PeerLayout | None] = {}
             posts_here = (self.role == "consumer") == (cfg.mode == "pull")
             assert self.geometry is not None

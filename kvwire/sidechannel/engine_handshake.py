@@ -13,7 +13,12 @@ from dataclasses import dataclass
 from kvwire.errors import HandshakeError, WireDecodeError
 from kvwire.sidechannel.client import HandshakeClient
 from kvwire.wire.compat import CompatFactors
-from kvwire.wire.handshake import decode_handshake, decode_handshake_payload, peer_features
+from kvwire.wire.handshake import (
+    decode_handshake,
+    decode_handshake_payload,
+    peer_features,
+    peer_lease,
+)
 from kvwire.wire.schemas import AnyAgentMetadata
 
 
@@ -28,6 +33,8 @@ class PeerHandshake:
     attempts: int
     features: frozenset[str] = frozenset()
     """kvwire protocol additions every queried rank announced (empty for a vLLM peer)."""
+    lease_s: float | None = None
+    """The shortest lease a queried rank announced (None: none did, as vLLM peers)."""
 
 
 def fetch_agent_metadata(
@@ -50,6 +57,7 @@ def fetch_agent_metadata(
     replies = client.fetch_payloads(host, port, ranks)
     decoded: dict[tuple[int, int], AnyAgentMetadata] = {}
     features: frozenset[str] | None = None
+    leases: list[float] = []
     for key, reply in replies.replies.items():
         try:
             md = decode_handshake(
@@ -69,8 +77,17 @@ def fetch_agent_metadata(
         decoded[key] = md
         # The envelope decoded again (the metadata inside stays opaque bytes): a handshake
         # happens once per engine, and only a kvwire peer's hello names features.
-        announced = peer_features(decode_handshake_payload(reply.payload))
+        envelope = decode_handshake_payload(reply.payload)
+        announced = peer_features(envelope)
         features = announced if features is None else features & announced
+        lease = peer_lease(envelope)
+        if lease is not None:
+            leases.append(lease)
     return PeerHandshake(
-        decoded, replies.clock_offset, replies.best_rtt, replies.attempts, features or frozenset()
+        decoded,
+        replies.clock_offset,
+        replies.best_rtt,
+        replies.attempts,
+        features or frozenset(),
+        min(leases, default=None),
     )

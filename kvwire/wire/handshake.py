@@ -92,12 +92,14 @@ def encode_handshake_payload(
     *,
     compatibility_hash: str,
     factors: CompatFactors | None = None,
+    lease_s: float | None = None,
 ) -> bytes:
     """The listener's answer frame: the hash and the encoded metadata.
 
     Without ``factors`` the bytes are exactly vLLM's. With them, the payload also carries
     kvwire's ``kvwire`` field (our version and factors), which vLLM skips and a kvwire
-    consumer uses to explain a mismatch. Encode once per rank and reuse the bytes.
+    consumer uses to explain a mismatch, and ``lease_s`` (a pull producer's lease). Encode
+    once per rank and reuse the bytes.
     """
     inner = metadata if isinstance(metadata, bytes) else encode_struct(metadata)
     hello = None
@@ -106,6 +108,7 @@ def encode_handshake_payload(
             connector_version=factors.nixl_connector_version,
             factors=factors.as_dict(),
             features=list(FEATURES),
+            lease_s=lease_s,
         )
     return encode_struct(
         HandshakePayload(
@@ -243,6 +246,11 @@ def peer_features(payload: HandshakePayload) -> frozenset[str]:
     """The protocol additions a kvwire peer announces; empty for a plain vLLM peer."""
     hello = payload.kvwire
     return frozenset(hello.features or ()) if hello is not None else frozenset()
+
+
+def peer_lease(payload: HandshakePayload) -> float | None:
+    """The lease a kvwire pull producer announces; ``None`` for any other peer."""
+    return payload.kvwire.lease_s if payload.kvwire is not None else None
 
 
 def peer_version(payload: HandshakePayload) -> int | None:

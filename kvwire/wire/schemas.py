@@ -146,6 +146,9 @@ class KVWireHello(msgspec.Struct, frozen=True, gc=False, omit_defaults=True):
     features: Annotated[list[FeatureName], msgspec.Meta(max_length=MAX_FEATURES)] | None = None
     """Protocol additions this peer understands beyond vLLM's (see :data:`FEATURES`). A
     consumer uses one only with a producer that named it, so vLLM peers never see them."""
+    lease_s: Annotated[float, msgspec.Meta(gt=0.0, le=1e9)] | None = None
+    """A pull producer's lease: a consumer whose expiry margin is not below it could start
+    no READ, and says so at the handshake instead of failing every request."""
 
 
 class HandshakePayload(msgspec.Struct, frozen=True, gc=False, omit_defaults=True):

@@ -154,3 +154,19 @@ def test_push_producers_need_the_prompt_length() -> None:
 def test_durations_that_fail_every_request_are_refused(knobs: dict[str, Any], words: str) -> None:
     with pytest.raises(ConfigError, match=words):
         KVWireConfig(engine_id="x", **knobs)
+
+
+def test_a_producer_whose_lease_no_read_fits_is_refused_at_the_handshake() -> None:
+    """P's lease (2 s) is not above D's expiry margin (3 s): every READ would be declined,
+    so the handshake fails naming both knobs, and the request with it."""
+    p_config = KVWireConfig(engine_id="p", compat=_factors(), lease_s=2.0)
+    d_config = KVWireConfig(engine_id="d", compat=_factors(), expiry_margin_s=3.0)
+    with Producer(p_config) as producer, Consumer(d_config) as consumer:
+        producer.register_kv_caches(geometry())
+        consumer.register_kv_caches(geometry())
+        params = producer.prefill_finished("r", [[0, 1]], num_tokens=20)
+        consumer.add_request("r", params, [[2, 3]])
+        assert consumer.wait_finished(30.0)
+        failure = consumer.get_finished().failed["r"]
+        assert failure.reason == "handshake"
+        assert "lease_s 2, not above our expiry_margin_s 3" in failure.detail
