@@ -311,8 +311,7 @@ def _check_globals(
         # vLLM accepts sizes that divide; moving between them is a token gather kvwire's
         # planner does not do, so the side that plans the transfer refuses by name.
         problems.add("dcp_size", ld, rd, "kvwire plans DCP transfers only between equal sizes")
-    has_ssm = any(local.kind_of(i) is RegionKind.SSM for i in range(len(local.regions)))
-    if has_ssm:
+    if local.has_ssm:
         if rt != lt:
             problems.add("tp_size", lt, rt, "SSM state moves only between equal TP sizes")
         if tuple(remote.ssm_sizes) != tuple(local.ssm_sizes):

@@ -203,6 +203,13 @@ class KVGeometry:
     """Every attention region is replicated (the model uses MLA)."""
     ssm_sizes: tuple[int, int] = (0, 0)
     """(conv state bytes, SSM state bytes) per logical block, advertised for SSM models."""
+    group_kinds: tuple[RegionKind, ...] = ()
+    """What each KV-cache group stores, by group index. It matters for *shared* regions
+    (``group_id`` -1), which hold a page of every group, as vLLM's hybrid KV cache manager
+    lays them out (all groups' tensors in one allocation, a block id owned by one group at a
+    time): each group's blocks there are moved as that group's kind, an SSM group's as the
+    state at the start of its page (``sum(ssm_sizes)`` bytes) at logical block ids. Empty:
+    every group has its regions' kind."""
     device_id: int = 0
     attn_backend_name: str = "FLASH_ATTN"
     num_blocks: int | None = None
@@ -211,6 +218,9 @@ class KVGeometry:
     def __post_init__(self) -> None:
         object.__setattr__(self, "regions", tuple(self.regions))
         object.__setattr__(self, "kv_cache_layout", parse_layout(self.kv_cache_layout))
+        object.__setattr__(self, "group_kinds", tuple(RegionKind(k) for k in self.group_kinds))
+        if RegionKind.SSM in self.group_kinds and sum(self.ssm_sizes) <= 0:
+            raise ConfigError("a geometry with an SSM group needs its ssm_sizes")
         if not self.regions:
             raise ConfigError("a KV geometry needs at least one region")
         if self.block_size <= 0 or self.physical_blocks_per_logical <= 0:
@@ -283,6 +293,17 @@ class KVGeometry:
         if kind is RegionKind.ATTENTION and self.is_mla:
             return RegionKind.REPLICATED
         return kind
+
+    def group_kind(self, group: int, index: int) -> RegionKind:
+        """What group ``group``'s pages in region ``index`` hold."""
+        if group < len(self.group_kinds) and self.group_kinds[group] is RegionKind.SSM:
+            return RegionKind.SSM
+        return self.kind_of(index)
+
+    @property
+    def has_ssm(self) -> bool:
+        kinds = (self.kind_of(i) for i in range(len(self.regions)))
+        return RegionKind.SSM in self.group_kinds or RegionKind.SSM in kinds
 
     def heads_in_region(self, index: int) -> int:
         if self.kind_of(index) is not RegionKind.ATTENTION:

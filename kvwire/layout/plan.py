@@ -213,8 +213,6 @@ class _Chunks:
 def _group_ids(block_ids: Sequence[IntArray], group: int, who: str) -> IntArray:
     if not block_ids:  # vLLM's way of saying "nothing": a full prefix-cache hit
         return np.zeros(0, dtype=np.int64)
-    if group == SHARED_GROUP_ID:
-        return np.concatenate(block_ids)
     if not 0 <= group < len(block_ids):
         error = LocalProtocolError if who == "local" else RemoteProtocolError
         raise error(
@@ -345,6 +343,20 @@ class _Cluster:
     labels: tuple[str, ...]
 
 
+@dataclass(frozen=True)
+class _Entry:
+    """One region pair moving one group's blocks with one pattern."""
+
+    pair: RegionPair
+    p_group: int
+    c_group: int
+    state: bool
+    pattern: _Pattern
+    slab: bool = False
+    """An SSM group's state page in a region laid out for attention (addressed by logical
+    id across the region's kernel blocks)."""
+
+
 def _join(parts: list[Descs]) -> Descs:
     if len(parts) == 1:
         return parts[0]
@@ -396,11 +408,8 @@ class PeerLayout:
         self._producer, self._consumer = (
             (remote_side, local_side) if mode == "pull" else (local_side, remote_side)
         )
-        self._clusters = self._build_clusters()
-        # Clusters emit their rows one after another; only when their regions interleave
-        # (KV-cache groups alternating by layer) must the rows be put back in region order.
-        positions = np.concatenate([cluster.order for cluster in self._clusters])
-        self._reorder = bool(np.any(np.diff(positions) < 0))
+        self._cluster_cache: dict[int, tuple[list[_Cluster], bool]] = {}
+        self._clusters(1)  # a pairing that cannot be planned fails here, at the handshake
 
     # -- handshake-time preparation ----------------------------------------------------
 
@@ -428,37 +437,78 @@ class PeerLayout:
         content = pair.local.block_len // (heads_here * self.local.kernel_block_size)
         return _attention_pattern(self._producer, self._consumer, p_heads, c_heads, moved, content)
 
-    def _build_clusters(self) -> list[_Cluster]:
-        buckets: dict[tuple[int, int, int, bool], list[tuple[int, RegionPair, _Pattern]]] = {}
-        attention = [p for p in self.pairs if p.kind is not RegionKind.SSM]
-        states = [p for p in self.pairs if p.kind is RegionKind.SSM]
-        for position, pair in enumerate(attention + states):
-            pattern = self._pattern(pair)
+    def _entries(self, num_groups: int) -> list[_Entry]:
+        """What each region pair moves, attention before state (vLLM's descriptor order).
+
+        A region of one group moves that group's blocks. A *shared* region (group -1 on
+        either side, vLLM's hybrid layout) holds a page of every group, so it is moved once
+        per group, each group's blocks as that group's kind: joining the groups' lists into
+        one sequence moved a sliding window's or an SSM group's blocks as if they were the
+        full-attention group's next tokens. An SSM group's page in a region laid out for
+        attention (a slab of vLLM's one allocation) is its states at the page's start."""
+        attention: list[_Entry] = []
+        states: list[_Entry] = []
+        for pair in self.pairs:
             pv, cv = self._sides(pair)
-            key = (id(pattern), pv.group_id, cv.group_id, pair.kind is RegionKind.SSM)
-            buckets.setdefault(key, []).append((position, pair, pattern))
+            fixed = max(pv.group_id, cv.group_id)
+            groups = [fixed] if fixed != SHARED_GROUP_ID else list(range(num_groups))
+            for g in groups:
+                if pair.kind is RegionKind.SSM:
+                    states.append(_Entry(pair, pv.group_id, cv.group_id, True, self._pattern(pair)))
+                elif self.local.group_kind(g, pair.local.index) is RegionKind.SSM:
+                    states.append(_Entry(pair, g, g, True, self._slab_state_pattern(), True))
+                else:
+                    attention.append(_Entry(pair, g, g, False, self._pattern(pair)))
+        return attention + states
+
+    def _slab_state_pattern(self) -> _Pattern:
+        """An SSM group's page in a slab: the states at its start, then padding up to the
+        attention page (vLLM pads the state page to it); only the states move."""
+        return _whole_block_pattern(int(sum(self.local.ssm_sizes)))
+
+    def _clusters(self, num_groups: int) -> tuple[list[_Cluster], bool]:
+        """The clusters for requests with ``num_groups`` block lists (computed once per
+        count: only shared regions depend on it), and whether their rows interleave."""
+        built = self._cluster_cache.get(num_groups)
+        if built is None:
+            built = self._build_clusters(num_groups)
+            self._cluster_cache[num_groups] = built
+        return built
+
+    def _build_clusters(self, num_groups: int) -> tuple[list[_Cluster], bool]:
+        buckets: dict[tuple[int, int, int, bool, bool], list[tuple[int, _Entry]]] = {}
+        for position, entry in enumerate(self._entries(num_groups)):
+            key = (id(entry.pattern), entry.p_group, entry.c_group, entry.state, entry.slab)
+            buckets.setdefault(key, []).append((position, entry))
         clusters = []
-        for (_, p_group, c_group, state), members in buckets.items():
-            views = [self._sides(pair) for _, pair, _ in members]
+        for (_, p_group, c_group, state, slab), members in buckets.items():
+            views = [self._sides(entry.pair) for _, entry in members]
+            # An SSM page in a slab sits at a logical block id in a region that advertises
+            # kernel blocks: one page spans a logical block's kernel blocks.
+            p_scale = self._producer.ppl if slab else 1
+            c_scale = self._consumer.ppl if slab else 1
             clusters.append(
                 _Cluster(
-                    order=np.array([pos for pos, _, _ in members], dtype=np.int64),
+                    order=np.array([pos for pos, _ in members], dtype=np.int64),
                     p_base=np.array([pv.base for pv, _ in views], dtype=np.int64),
-                    p_stride=np.array([pv.stride for pv, _ in views], dtype=np.int64),
+                    p_stride=np.array([pv.stride * p_scale for pv, _ in views], dtype=np.int64),
                     p_dev=np.array([pv.device_id for pv, _ in views], dtype=np.int64),
-                    p_limit=min(pv.num_blocks for pv, _ in views),
+                    p_limit=min(pv.num_blocks for pv, _ in views) // p_scale,
                     c_base=np.array([cv.base for _, cv in views], dtype=np.int64),
-                    c_stride=np.array([cv.stride for _, cv in views], dtype=np.int64),
+                    c_stride=np.array([cv.stride * c_scale for _, cv in views], dtype=np.int64),
                     c_dev=np.array([cv.device_id for _, cv in views], dtype=np.int64),
-                    c_limit=min(cv.num_blocks for _, cv in views),
+                    c_limit=min(cv.num_blocks for _, cv in views) // c_scale,
                     p_group=p_group,
                     c_group=c_group,
                     state=state,
-                    pattern=members[0][2],
-                    labels=tuple(pair.local.label for _, pair, _ in members),
+                    pattern=members[0][1].pattern,
+                    labels=tuple(entry.pair.local.label for _, entry in members),
                 )
             )
-        return clusters
+        # Clusters emit their rows one after another; only when their regions interleave
+        # (KV-cache groups alternating by layer) must the rows be put back in region order.
+        positions = np.concatenate([cluster.order for cluster in clusters])
+        return clusters, bool(np.any(np.diff(positions) < 0))
 
     def _sides(self, pair: RegionPair) -> tuple[RegionView, RegionView]:
         """(producer view, consumer view) of a pair."""
@@ -499,7 +549,8 @@ class PeerLayout:
         order_parts: list[IntArray] = []
         chunk_cache: dict[tuple[int, int, bool], _Chunks] = {}
         end = _sequence_end(num_tokens, self._producer, self._consumer, p_groups, p_who)
-        for cluster in self._clusters:
+        clusters, reorder = self._clusters(max(len(p_groups), len(c_groups), 1))
+        for cluster in clusters:
             key = (cluster.p_group, cluster.c_group, cluster.state)
             chunks = chunk_cache.get(key)
             if chunks is None:
@@ -515,13 +566,13 @@ class PeerLayout:
             p_parts.append(p_rows)
             c_parts.append(c_rows)
             z_parts.append(z_rows)
-            if self._reorder:
+            if reorder:
                 segs = cluster.pattern.segments.shape[0] * chunks.producer_blocks.size
                 order_parts.append(np.repeat(cluster.order, segs))
         producer = _join(p_parts)
         consumer = _join(c_parts)
         zero = _join(z_parts)
-        if self._reorder:
+        if reorder:
             order = np.argsort(np.concatenate(order_parts), kind="stable")
             # ``take`` copies whole rows; ``producer[order]`` made the whole plan about twice
             # as slow in a hand measurement (160 regions alternating two KV-cache groups).

@@ -82,8 +82,10 @@ def block_ids_arg(
 
 
 def geometry_groups(geometry: KVGeometry) -> int | None:
-    """How many KV-cache groups index the geometry's blocks; None when every region is
-    shared by all groups (then the engine's group count cannot be read from the regions)."""
+    """How many KV-cache groups index the geometry's blocks: the groups it declares, else
+    those its regions name; None when every region is shared and no group is declared."""
+    if geometry.group_kinds:
+        return len(geometry.group_kinds)
     ids = [r.group_id for r in geometry.regions if r.group_id >= 0]
     return max(ids) + 1 if ids else None
 

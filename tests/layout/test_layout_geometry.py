@@ -202,7 +202,7 @@ def test_state_regions_of_one_page_size_share_a_cluster_and_keep_region_order() 
         )
 
     layout = PeerLayout(hybrid(1 << 40, 0), RemoteGeometry.from_local(hybrid(1 << 44, 1)))
-    assert len(layout._clusters) == 2  # attention, and both state regions together
+    assert len(layout._clusters(1)[0]) == 2  # attention, and both state regions together
     plan = layout.plan([[4], [2]], [[7], [6]], coalesce=False)
     # Attention regions first, then state regions in their own order.
     assert plan.local_descs[:, 0].tolist() == [
