@@ -26,6 +26,7 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -39,6 +40,7 @@ from kvwire.errors import (
     LocalProtocolError,
     PeerUnreachableError,
     TransportError,
+    WireDecodeError,
 )
 from kvwire.layout import PeerLayout, topology
 from kvwire.layout.geometry import KVGeometry, RemoteGeometry
@@ -74,10 +76,13 @@ from kvwire.machine import (
     TransferPosted,
 )
 from kvwire.runtime.metrics import Metrics
-from kvwire.sidechannel import HandshakeClient, fetch_agent_metadata
+from kvwire.sidechannel import HandshakeClient, PeerHandshake, fetch_agent_metadata
 from kvwire.transport import Descs, MemKind, Region, Transport, XferState, create
-from kvwire.wire.handshake import encode_handshake_payload
+from kvwire.wire.handshake import decode_handshake, encode_handshake_payload
 from kvwire.wire.schemas import AgentMetadataV13, AgentMetadataV14
+
+if TYPE_CHECKING:
+    from kvwire.sidechannel.store import Directory
 
 Outcome = FreeBlocks | RequestDone | RequestFailed
 Machine = ProducerMachine | ConsumerMachine
@@ -87,6 +92,9 @@ Machine = ProducerMachine | ConsumerMachine
 class _PeerRank:
     agent: str
     layout: PeerLayout | None
+    blob: bytes = b""
+    """The transport metadata the agent was added from: a store record carrying other
+    bytes means the peer restarted."""
 
 
 @dataclass
@@ -189,6 +197,8 @@ class Driver:
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._asking: set[str] = set()
         """Engines with a lease query in flight (one at a time: a slow peer is not piled on)."""
+        self._directory: Directory | None = None
+        """The metadata store's view of our peers (``metadata_store``; handshaking side)."""
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._closed = False
@@ -231,10 +241,43 @@ class Driver:
             self._pool = concurrent.futures.ThreadPoolExecutor(
                 max_workers=4, thread_name_prefix=f"kvwire-{self.role}-handshake"
             )
+            group = self.store_group()
+            if cfg.metadata_store is not None and self.handshakes_here and group is not None:
+                from kvwire.sidechannel.store import Directory  # only with a store
+
+                self._directory = Directory(
+                    cfg.metadata_store,
+                    group,
+                    secret=cfg.secret,
+                    on_change=self._store_changed,
+                    probe_s=max(1.0, cfg.metadata_store_ttl_s / 3),
+                ).start()
             self._thread = threading.Thread(
                 target=self._run, name=f"kvwire-{self.role}-driver", daemon=True
             )
             self._thread.start()
+
+    @property
+    def handshakes_here(self) -> bool:
+        """Whether this side starts handshakes (pull: the consumer; push: the producer)."""
+        return (self.role == "consumer") == (self.config.mode == "pull")
+
+    @property
+    def clock(self) -> Callable[[], float]:
+        """The clock deadlines and handshake clock samples are read from."""
+        return self._clock
+
+    def store_group(self) -> str | None:
+        """The compatibility hash that scopes this rank's keys in the metadata store; None
+        when the config has neither factors nor a hash (then the store is not used)."""
+        try:
+            return self.config.local_hash or self.config.advertised_hash
+        except ConfigError:
+            return None
+
+    @property
+    def directory(self) -> Directory | None:
+        return self._directory
 
     def handshake_payload(self) -> bytes:
         """This rank's encoded handshake answer, as the engine's listener serves it."""
@@ -259,6 +302,8 @@ class Driver:
                 return
             self._closed = True
         self._stop.set()
+        if self._directory is not None:
+            self._directory.close()
         if self._thread is not None:
             self._thread.join(timeout)
         if self._pool is not None:
@@ -478,16 +523,18 @@ class Driver:
             ranks = topology.remote_ranks(
                 cfg.tp_rank, cfg.tp_size, action.expected_tp_size, action.expected_pp_size
             )
-            result = fetch_agent_metadata(
-                self._client,
-                action.host,
-                action.port,
-                ranks,
-                local_hash=cfg.local_hash,
-                expected_engine_id=action.engine_id,
-                version=cfg.version,
-                local_factors=cfg.compat,
-            )
+            result = self._store_handshake(action.engine_id, ranks)
+            if result is None:
+                result = fetch_agent_metadata(
+                    self._client,
+                    action.host,
+                    action.port,
+                    ranks,
+                    local_hash=cfg.local_hash,
+                    expected_engine_id=action.engine_id,
+                    version=cfg.version,
+                    local_factors=cfg.compat,
+                )
             layouts: dict[RemoteRank, PeerLayout | None] = {}
             posts_here = (self.role == "consumer") == (cfg.mode == "pull")
             assert self.geometry is not None
@@ -524,8 +571,8 @@ class Driver:
                 peer = self._engines.setdefault(action.engine_id, _PeerEngine())
                 old_agents = {r.agent for r in peer.ranks.values()}
                 for key, layout in layouts.items():
-                    agent = self.transport.add_peer(result.metadata[key].agent_metadata)
-                    peer.ranks[key] = _PeerRank(agent, layout)
+                    blob = result.metadata[key].agent_metadata
+                    peer.ranks[key] = _PeerRank(self.transport.add_peer(blob), layout, blob)
                 peer.stale_agents |= old_agents - {r.agent for r in peer.ranks.values()}
                 self._retire_stale(peer)
                 self.metrics.handshake(True, time.perf_counter() - t0)
@@ -543,6 +590,55 @@ class Driver:
         except KVWireError as exc:
             self.metrics.handshake(False, time.perf_counter() - t0, "transport")
             self._feed_quietly(HandshakeFailed(action.engine_id, action.attempt, str(exc)))
+
+    def _store_handshake(self, engine_id: str, ranks: Sequence[RemoteRank]) -> PeerHandshake | None:
+        """The handshake from the metadata store's cache; None: go over ZMQ (no store, the
+        store unreachable, or the peer not published: a vLLM peer, a peer without one)."""
+        if self._directory is None:
+            return None
+        cfg = self.config
+        result = self._directory.handshake(
+            engine_id,
+            ranks,
+            local_hash=cfg.local_hash,
+            version=cfg.version,
+            local_factors=cfg.compat,
+            clock=self._clock,
+        )
+        self.metrics.count("store_handshakes" if result is not None else "store_fallbacks")
+        return result
+
+    def _store_changed(self, engine_id: str, rank: RemoteRank, payload: bytes | None) -> None:
+        """The store says a peer rank vanished or now serves other metadata: drop the
+        engine's agents now, so no request reads from them; the next one handshakes anew.
+        A record carrying the very agent we hold (republished after an etcd outage) is
+        no change."""
+        with self._lock:
+            peer = self._engines.get(engine_id)
+            held = peer.ranks.get(rank) if peer is not None else None
+            if self._closed or held is None:
+                return
+            if payload is not None:
+                try:
+                    md = decode_handshake(payload, local_hash=None, version=self.config.version)
+                    if md.agent_metadata == held.blob:
+                        return
+                except WireDecodeError:
+                    pass
+            self.metrics.count("store_peers_dropped")
+            self.log.info(
+                "metadata store: %s rank %s %s; dropping its agents", engine_id, rank,
+                "restarted" if payload is not None else "is gone",
+                extra={"peer": engine_id},
+            )  # fmt: skip
+            self._feed_quietly(PeerLost(engine_id))
+            self._forget_engine(engine_id, evicted=False)
+
+    def peer_agents(self, engine_id: str) -> dict[RemoteRank, str]:
+        """The transport agents this rank holds for a peer engine (empty: none cached)."""
+        with self._lock:
+            peer = self._engines.get(engine_id)
+            return {k: r.agent for k, r in peer.ranks.items()} if peer is not None else {}
 
     def _feed_quietly(self, *events: Event) -> None:
         try:

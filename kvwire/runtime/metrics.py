@@ -89,6 +89,13 @@ class _Totals:
     lease_queries_failed: int = 0
     lease_queries_skipped: int = 0
     """Not sent: one to the engine still out, or an authenticated side channel."""
+    store_handshakes: int = 0
+    """Handshakes served from the metadata store's cache (no ZMQ round trip)."""
+    store_fallbacks: int = 0
+    """Handshakes that went over ZMQ although a store is configured (unreachable, or the
+    peer is not published)."""
+    store_peers_dropped: int = 0
+    """Peer engines whose agents were dropped because the store showed a restart or loss."""
     failures: dict[str, int] = field(default_factory=dict)
     """Failed requests by reason (``RequestFailure.reason``): each request counted once."""
     handshake_failures: dict[str, int] = field(default_factory=dict)
