@@ -133,7 +133,7 @@ class _Endpoint(Generic[FinishedT]):
         def record() -> bytes:
             return encode_record(
                 key, payload, host=host, port=port, clock=clock(), wall=time.time(),
-                secret=cfg.secret,
+                role=self._role, secret=cfg.secret,
             )  # fmt: skip
 
         self._publisher = Publisher(url, key, record, ttl=cfg.metadata_store_ttl_s).start()

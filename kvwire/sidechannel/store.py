@@ -75,12 +75,16 @@ class StoreRecord(msgspec.Struct, frozen=True, array_like=True):
     wall: float
     """The publisher's driver clock and wall clock read together: a consumer's clock offset."""
     kvwire_version: str
+    role: str = ""
+    """``producer`` or ``consumer`` (a push-mode consumer publishes too)."""
     seal: bytes = b""
     """With a secret: nonce and tag (``kvwire.sidechannel.auth``); empty when plain."""
 
     def header(self) -> bytes:
         """Every field but the payload and the seal: what the tag covers besides them."""
-        return _encoder.encode((self.host, self.port, self.clock, self.wall, self.kvwire_version))
+        return _encoder.encode(
+            (self.host, self.port, self.clock, self.wall, self.kvwire_version, self.role)
+        )
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -102,9 +106,10 @@ def encode_record(
     port: int,
     clock: float,
     wall: float,
+    role: str,
     secret: bytes | None,
 ) -> bytes:
-    record = StoreRecord(payload, host, port, clock, wall, _kvwire_version())
+    record = StoreRecord(payload, host, port, clock, wall, _kvwire_version(), role)
     if secret is not None:
         seal, sealed = seal_record(secret, key, record.header(), payload)
         record = msgspec.structs.replace(record, payload=sealed, seal=seal)

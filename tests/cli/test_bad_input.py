@@ -160,6 +160,12 @@ TABLE: list[tuple[str, dict[str, str], str]] = [
     ("conformance json:dumps", {}, "not a transport"),
     ("conformance shm -o novalue", {}, "-o wants KEY=VALUE"),
     ("conformance shm -o bogus=1", {}, "unknown option(s) bogus"),
+    # fleet
+    ("fleet", {}, "no metadata store: pass --store etcd://host:port"),
+    ("fleet --store http://h:1", {}, "--store 'http://h:1': expected etcd://host:port"),
+    ("fleet --store etcd://127.0.0.1:1", {}, "etcd at etcd://127.0.0.1:1 unreachable"),
+    ("fleet --store etcd://127.0.0.1:1 --updates 2", {}, "--updates takes a count >= 1"),
+    ("fleet", {"KVWIRE_METADATA_STORE": "etcd://h:x"}, "KVWIRE_METADATA_STORE='etcd://h:x'"),
     # the global options and the configuration file
     ("--log-level loud sim", {}, "argument --log-level: invalid choice: 'LOUD'"),
     ("--config {missing} sim", {}, "cannot read config file"),
