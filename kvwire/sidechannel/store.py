@@ -250,6 +250,8 @@ class Directory:
         """Set while the cache is current (listed and watched)."""
         self.rejected = 0
         """Records refused (undecodable, unauthenticated, tampered)."""
+        self.messages = 0
+        """Watch messages received (each a batch of changes), beside ``client.requests``."""
         self._thread = threading.Thread(target=self._run, name="kvwire-store-watch", daemon=True)
 
     def start(self) -> Directory:
@@ -355,6 +357,7 @@ class Directory:
         while not self._stop.is_set():
             events = watch.events(timeout=min(0.5, self._probe_s))
             if events:
+                self.messages += 1
                 self._apply(events)
                 quiet_since = time.monotonic()
             elif time.monotonic() - quiet_since >= self._probe_s:

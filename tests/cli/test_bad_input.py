@@ -118,6 +118,10 @@ TABLE: list[tuple[str, dict[str, str], str]] = [
     ("sim --seed -1", {}, "--seed must be >= 0"),
     ("sim --faults nope", {}, "nope"),
     # bench
+    ("bench fleet --fleet 3", {}, "--fleet '3': expected PxDxTP"),
+    ("bench fleet --fleet 1x1x3", {}, "TP 1/2/4/8"),
+    ("bench fleet --store redis://h:1", {}, "--store 'redis://h:1': expected etcd://host:port"),
+    ("bench wire --store etcd://h:1", {}, "--fleet and --store are options of the fleet suite"),
     ("bench nope", {}, "unknown bench suite 'nope'"),
     ("bench transport --transport nope", {}, "no transport named 'nope'"),
     ("bench transport --transport os:path", {}, "not a transport factory"),
