@@ -40,10 +40,13 @@ class Fleet:
     memory: list[npt.NDArray[np.uint8]] = field(default_factory=list)
     spec: CacheSpec = field(default_factory=lambda: CacheSpec(preset("llama-3-8b"), 2, 32, 0, 1))
 
-    def config(self, engine_id: str, store: str | None, **kw: object) -> KVWireConfig:
+    def config(
+        self, engine_id: str, store: str | None, mode: str = "pull", **kw: object
+    ) -> KVWireConfig:
         return KVWireConfig(
             engine_id=engine_id,
-            compat=self.spec.compat("pull"),
+            mode=mode,
+            compat=self.spec.compat(mode),
             metadata_store=store,
             metadata_store_ttl_s=TTL_S,
             handshake_timeout_s=2.0,
@@ -128,6 +131,19 @@ def test_a_published_producer_is_handshaken_from_the_store(etcd: EtcdServer, fle
     assert totals["store_handshakes"] == 1 and totals["store_fallbacks"] == 0
     # No ZMQ round trip was made: the producer's own listener answered nobody.
     assert producer._listener is not None and producer._listener.stats().served == 0
+
+
+def test_push_mode_producers_handshake_with_consumers_from_the_store(
+    etcd: EtcdServer, fleet: Fleet
+) -> None:
+    """Push: the consumer publishes (producers dial it) and the producer reads the store."""
+    producer, p_kv = fleet.producer("prefill-w", etcd.url, mode="push")
+    consumer, d_kv = fleet.consumer("decode-w", etcd.url, mode="push")
+    assert consumer.publisher is not None and producer.directory is not None
+    wait_until(lambda: "decode-w" in producer.directory.engines(), what="P sees D")
+    assert transfer(fleet, producer, p_kv, consumer, d_kv, "w1", 1).done == ["w1"]
+    totals = producer.metrics.snapshot()["totals"]
+    assert totals["store_handshakes"] == 1 and totals["store_fallbacks"] == 0
 
 
 def test_a_restarted_producer_is_dropped_before_the_next_request(
