@@ -34,6 +34,7 @@ from kvwire.config import KVWireConfig
 from kvwire.errors import (
     ConfigError,
     DescriptorError,
+    HandshakeError,
     HandshakeTimeoutError,
     IncompatiblePeerError,
     KVWireError,
@@ -516,40 +517,22 @@ class Driver:
     # ------------------------------------------------------------------ handshakes
 
     def _handshake(self, action: StartHandshake) -> None:
-        """On the pool: fetch and validate off the lock, then add agents and tell the machine."""
+        """On the pool: fetch and validate off the lock, then add agents and tell the machine.
+
+        A handshake served from the metadata store is used only if the store still holds
+        those very records once the lock is taken: a restart published meanwhile would
+        otherwise reach this engine's agent cache after the watch had nothing to drop."""
         cfg = self.config
         t0 = time.perf_counter()
         try:
             ranks = topology.remote_ranks(
                 cfg.tp_rank, cfg.tp_size, action.expected_tp_size, action.expected_pp_size
             )
-            result = self._store_handshake(action.engine_id, ranks)
-            if result is None:
-                result = fetch_agent_metadata(
-                    self._client,
-                    action.host,
-                    action.port,
-                    ranks,
-                    local_hash=cfg.local_hash,
-                    expected_engine_id=action.engine_id,
-                    version=cfg.version,
-                    local_factors=cfg.compat,
-                )
-            layouts: dict[RemoteRank, PeerLayout | None] = {}
-            posts_here = (self.role == "consumer") == (cfg.mode == "pull")
-            assert self.geometry is not None
-            for (pp, tp), md in result.metadata.items():
-                layout = None
-                if posts_here:
-                    remote = RemoteGeometry.from_agent_metadata(
-                        md,
-                        tp_rank=tp,
-                        tp_size=action.expected_tp_size,
-                        pp_rank=pp,
-                        pp_size=action.expected_pp_size,
-                    )
-                    layout = PeerLayout(self.geometry, remote, mode=cfg.mode, coalesce=cfg.coalesce)
-                layouts[(pp, tp)] = layout
+            for _ in range(3):
+                result, used = self._fetch_peer(action, ranks)
+                layouts = self._peer_layouts(action, result)
+                if not used or self._store_unchanged(action.engine_id, used):
+                    break
         except KVWireError as exc:
             kind = (
                 "unreachable" if isinstance(exc, PeerUnreachableError)
@@ -568,6 +551,8 @@ class Driver:
             with self._lock:
                 if self._closed:
                     return
+                if used and not self._store_unchanged(action.engine_id, used):
+                    raise HandshakeError(f"{action.engine_id} republished during the handshake")
                 peer = self._engines.setdefault(action.engine_id, _PeerEngine())
                 old_agents = {r.agent for r in peer.ranks.values()}
                 for key, layout in layouts.items():
@@ -591,13 +576,61 @@ class Driver:
             self.metrics.handshake(False, time.perf_counter() - t0, "transport")
             self._feed_quietly(HandshakeFailed(action.engine_id, action.attempt, str(exc)))
 
-    def _store_handshake(self, engine_id: str, ranks: Sequence[RemoteRank]) -> PeerHandshake | None:
-        """The handshake from the metadata store's cache; None: go over ZMQ (no store, the
-        store unreachable, or the peer not published: a vLLM peer, a peer without one)."""
+    def _fetch_peer(
+        self, action: StartHandshake, ranks: Sequence[RemoteRank]
+    ) -> tuple[PeerHandshake, dict[RemoteRank, bytes]]:
+        """The peer's metadata from the store when it has it (with the payloads used), else
+        over ZMQ (with none)."""
+        found = self._store_handshake(action.engine_id, ranks)
+        if found is not None:
+            return found
+        cfg = self.config
+        result = fetch_agent_metadata(
+            self._client,
+            action.host,
+            action.port,
+            ranks,
+            local_hash=cfg.local_hash,
+            expected_engine_id=action.engine_id,
+            version=cfg.version,
+            local_factors=cfg.compat,
+        )
+        return result, {}
+
+    def _peer_layouts(
+        self, action: StartHandshake, result: PeerHandshake
+    ) -> dict[RemoteRank, PeerLayout | None]:
+        """Each remote rank's descriptor plan (None on the side that does not post)."""
+        cfg = self.config
+        layouts: dict[RemoteRank, PeerLayout | None] = {}
+        assert self.geometry is not None
+        for (pp, tp), md in result.metadata.items():
+            layout = None
+            if self.handshakes_here:
+                remote = RemoteGeometry.from_agent_metadata(
+                    md,
+                    tp_rank=tp,
+                    tp_size=action.expected_tp_size,
+                    pp_rank=pp,
+                    pp_size=action.expected_pp_size,
+                )
+                layout = PeerLayout(self.geometry, remote, mode=cfg.mode, coalesce=cfg.coalesce)
+            layouts[(pp, tp)] = layout
+        return layouts
+
+    def _store_unchanged(self, engine_id: str, used: dict[RemoteRank, bytes]) -> bool:
+        return self._directory is not None and self._directory.unchanged(engine_id, used)
+
+    def _store_handshake(
+        self, engine_id: str, ranks: Sequence[RemoteRank]
+    ) -> tuple[PeerHandshake, dict[RemoteRank, bytes]] | None:
+        """The handshake from the metadata store's cache and the payloads it used; None: go
+        over ZMQ (no store, the store unreachable, or the peer not published: a vLLM peer,
+        a peer without one)."""
         if self._directory is None:
             return None
         cfg = self.config
-        result = self._directory.handshake(
+        found = self._directory.handshake(
             engine_id,
             ranks,
             local_hash=cfg.local_hash,
@@ -605,8 +638,8 @@ class Driver:
             local_factors=cfg.compat,
             clock=self._clock,
         )
-        self.metrics.count("store_handshakes" if result is not None else "store_fallbacks")
-        return result
+        self.metrics.count("store_handshakes" if found is not None else "store_fallbacks")
+        return found
 
     def _store_changed(self, engine_id: str, rank: RemoteRank, payload: bytes | None) -> None:
         """The store says a peer rank vanished or now serves other metadata: drop the

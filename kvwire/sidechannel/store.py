@@ -282,6 +282,11 @@ class Directory:
                 out[(pp, tp)] = entry.record
         return out
 
+    def unchanged(self, engine_id: str, used: Mapping[Rank, bytes]) -> bool:
+        """Whether the cache still holds exactly these payloads for the engine's ranks."""
+        records = self.lookup(engine_id, used)
+        return records is not None and all(records[k].payload == p for k, p in used.items())
+
     def engines(self) -> dict[str, dict[Rank, StoreRecord]]:
         """Every engine of the group the cache holds (for introspection and the bench)."""
         out: dict[str, dict[Rank, StoreRecord]] = {}
@@ -301,14 +306,16 @@ class Directory:
         version: int,
         local_factors: CompatFactors | None,
         clock: Callable[[], float],
-    ) -> PeerHandshake | None:
-        """A handshake served from the cache, or None (the caller handshakes over ZMQ)."""
+    ) -> tuple[PeerHandshake, dict[Rank, bytes]] | None:
+        """A handshake served from the cache and the payloads it used (to check with
+        :meth:`unchanged` later), or None (the caller handshakes over ZMQ)."""
         records = self.lookup(engine_id, ranks)
         if not records:
             return None
+        used = {key: r.payload for key, r in records.items()}
         try:
             decoded, features = decode_peer_payloads(
-                {key: r.payload for key, r in records.items()},
+                used,
                 where=f"store {self.client.url}",
                 local_hash=local_hash,
                 expected_engine_id=engine_id,
@@ -321,7 +328,7 @@ class Directory:
         anchor = next(iter(records.values()))
         # Remote clock minus ours, through wall time: (their clock - their wall) - (ours - ours).
         offset = (anchor.clock - anchor.wall) - (clock() - time.time())
-        return PeerHandshake(decoded, offset, 2 * CLOCK_UNCERTAINTY_S, 0, features)
+        return PeerHandshake(decoded, offset, 2 * CLOCK_UNCERTAINTY_S, 0, features), used
 
     # -- the watch thread -------------------------------------------------------------------
 

@@ -32,6 +32,13 @@ def wait_until(predicate: Callable[[], bool], timeout: float = 30.0, what: str =
         time.sleep(0.01)
 
 
+def sees(rank: Producer | Consumer, engine_id: str) -> bool:
+    """The rank's store view is current (listed and watched) and holds the engine."""
+    directory = rank.directory
+    assert directory is not None
+    return directory.healthy.is_set() and engine_id in directory.engines()
+
+
 @dataclass
 class Fleet:
     """Ranks made by one test (closed in teardown) and their KV memory (kept until then)."""
@@ -124,7 +131,7 @@ def test_a_published_producer_is_handshaken_from_the_store(etcd: EtcdServer, fle
     consumer, d_kv = fleet.consumer("decode-a", etcd.url)
     assert producer.publisher is not None and consumer.directory is not None
     wait_until(producer.publisher.published.is_set, what="P published")
-    wait_until(lambda: "prefill-a" in consumer.directory.engines(), what="D sees P")
+    wait_until(lambda: sees(consumer, "prefill-a"), what="D sees P")
     seen = transfer(fleet, producer, p_kv, consumer, d_kv, "r1", 1)
     assert seen.done == ["r1"]
     totals = consumer.metrics.snapshot()["totals"]
@@ -140,7 +147,7 @@ def test_push_mode_producers_handshake_with_consumers_from_the_store(
     producer, p_kv = fleet.producer("prefill-w", etcd.url, mode="push")
     consumer, d_kv = fleet.consumer("decode-w", etcd.url, mode="push")
     assert consumer.publisher is not None and producer.directory is not None
-    wait_until(lambda: "decode-w" in producer.directory.engines(), what="P sees D")
+    wait_until(lambda: sees(producer, "decode-w"), what="P sees D")
     assert transfer(fleet, producer, p_kv, consumer, d_kv, "w1", 1).done == ["w1"]
     totals = producer.metrics.snapshot()["totals"]
     assert totals["store_handshakes"] == 1 and totals["store_fallbacks"] == 0
@@ -152,7 +159,7 @@ def test_a_restarted_producer_is_dropped_before_the_next_request(
     producer, p_kv = fleet.producer("prefill-r", etcd.url)
     consumer, d_kv = fleet.consumer("decode-r", etcd.url)
     assert consumer.directory is not None
-    wait_until(lambda: "prefill-r" in consumer.directory.engines(), what="D sees P")
+    wait_until(lambda: sees(consumer, "prefill-r"), what="D sees P")
     assert transfer(fleet, producer, p_kv, consumer, d_kv, "before", 1).done == ["before"]
     old_agents = consumer.peer_agents("prefill-r")
     assert old_agents
@@ -180,7 +187,7 @@ def test_a_producer_whose_keepalive_stops_is_forgotten_and_reached_over_zmq(
     producer, p_kv = fleet.producer("prefill-k", etcd.url)
     consumer, d_kv = fleet.consumer("decode-k", etcd.url)
     assert producer.publisher is not None and consumer.directory is not None
-    wait_until(lambda: "prefill-k" in consumer.directory.engines(), what="D sees P")
+    wait_until(lambda: sees(consumer, "prefill-k"), what="D sees P")
     assert transfer(fleet, producer, p_kv, consumer, d_kv, "one", 1).done == ["one"]
 
     producer.publisher.close(withdraw=False)  # the keepalive stops; P itself lives on
@@ -207,7 +214,7 @@ def test_etcd_down_at_start_falls_back_to_zmq_and_the_store_is_used_once_it_is_u
         etcd.start()  # the publisher and the watch retry on their own
         assert producer.publisher is not None and consumer.directory is not None
         wait_until(producer.publisher.published.is_set, what="P published late")
-        wait_until(lambda: "prefill-d" in consumer.directory.engines(), what="D sees P")
+        wait_until(lambda: sees(consumer, "prefill-d"), what="D sees P")
         # The record carries the agent D already holds: no drop, the next request reuses it.
         seen = transfer(fleet, producer, p_kv, consumer, d_kv, "same", 2)
         assert seen.done == ["same"]
@@ -223,7 +230,7 @@ def test_etcd_lost_mid_run_falls_back_to_zmq(etcd: EtcdServer, fleet: Fleet, fau
     producer, p_kv = fleet.producer("prefill-m", etcd.url)
     consumer, d_kv = fleet.consumer("decode-m", etcd.url)
     assert consumer.directory is not None
-    wait_until(lambda: "prefill-m" in consumer.directory.engines(), what="D sees P")
+    wait_until(lambda: sees(consumer, "prefill-m"), what="D sees P")
     assert transfer(fleet, producer, p_kv, consumer, d_kv, "m1", 1).done == ["m1"]
 
     if fault == "killed":
@@ -247,7 +254,7 @@ def test_published_payloads_are_authenticated_with_a_secret(etcd: EtcdServer, fl
     producer, p_kv = fleet.producer("prefill-s", etcd.url, secret=SECRET)
     consumer, d_kv = fleet.consumer("decode-s", etcd.url, secret=SECRET)
     assert producer.publisher is not None and consumer.directory is not None
-    wait_until(lambda: "prefill-s" in consumer.directory.engines(), what="D sees P")
+    wait_until(lambda: sees(consumer, "prefill-s"), what="D sees P")
     key = producer.publisher.key
     _, kvs = EtcdClient(etcd.url).get_prefix(key)
     sealed = kvs[0].value
