@@ -8,8 +8,10 @@ Each run:
 1. **cold start**: the prefill engines come up (and publish), then the decode engines
    (and list the store), then every decode engine pulls one request from every prefill
    engine. Measured: the metadata messages (a ZMQ handshake is a request and an answer per
-   queried rank; an etcd call is a request and an answer, a watch message one more) and the
-   time from the first decode rank starting to the last first transfer.
+   queried rank; an etcd call is a request and an answer, a watch message one more; lease
+   keepalives and quiet-watch probes, which recur per rank whatever the fleet does, are
+   counted apart as upkeep) and the time from the first decode rank starting to the last
+   first transfer.
 2. **restart**: prefill engine 0 crashes (its ranks close without withdrawing their
    records) and comes back with new agent metadata. Measured: the time from the new
    engine starting until every decode rank has dropped the stale agents (store only: over
@@ -143,15 +145,26 @@ class _Fleet:
         listeners = [e.listener for e in [*self.prefill, *self.closed] if e.listener is not None]
         return 2 * sum(listener.stats().served for listener in listeners)
 
-    def store_messages(self) -> int:
-        """etcd requests and answers of every rank, plus each watch message received."""
-        total = 0
+    def store_messages(self) -> tuple[int, int]:
+        """etcd messages of every rank: ``(discovery, upkeep)``. Discovery: lease grants,
+        puts, listings, watch creations (a request and an answer each) and every watch
+        message received. Upkeep: keepalives, quiet-watch probes and revocations, which
+        recur every TTL/3 per rank whatever the fleet does."""
+        discovery = upkeep = 0
         for engine in [*self.prefill, *self.decode, *self.closed]:
             for rank in engine.ranks:
                 for part in (rank.publisher, rank.directory):
-                    if part is not None:
-                        total += 2 * part.client.requests + getattr(part, "messages", 0)
-        return total
+                    if part is None:
+                        continue
+                    calls = part.client.calls
+                    periodic = sum(calls[k] for k in _UPKEEP)
+                    upkeep += 2 * periodic
+                    discovery += 2 * (sum(calls.values()) - periodic)
+                    discovery += getattr(part, "messages", 0)
+        return discovery, upkeep
+
+
+_UPKEEP = ("lease/keepalive", "probe", "lease/revoke")
 
 
 def _request(
@@ -230,7 +243,7 @@ def _run_mode(
                 for rank in engine.ranks:
                     if not rank.publisher.published.wait(60.0):
                         raise TimeoutError("fleet bench: a prefill rank did not publish")
-        base_zmq, base_store = fleet.zmq_messages(), fleet.store_messages()
+        base_zmq, (base_store, _) = fleet.zmq_messages(), fleet.store_messages()
         t0 = time.perf_counter()
         fleet.decode = [fleet.start_decode(i) for i in range(d)]
         if store is not None:
@@ -241,9 +254,9 @@ def _run_mode(
         failed = _all_pairs(fleet, "cold", list(range(p)))
         out["cold_start_s"] = time.perf_counter() - t0
         out["cold_failures"] = len(failed)
-        out["messages"] = (
-            fleet.store_messages() if store is not None else fleet.zmq_messages() - base_zmq
-        )
+        discovery, upkeep = fleet.store_messages()
+        out["messages"] = discovery if store is not None else fleet.zmq_messages() - base_zmq
+        out["upkeep_messages"] = upkeep
         out["zmq_handshake_messages"] = fleet.zmq_messages() - base_zmq
         out["publish_messages"] = base_store
         old = {(di, r): c.peer_agents("prefill-0") for di, e in enumerate(fleet.decode)
@@ -323,6 +336,12 @@ def run(args: argparse.Namespace) -> Report:
     report.add(
         Result("fleet.messages.store_zmq_handshakes", store["zmq_handshake_messages"], "messages")
     )
+    report.add(
+        Result(
+            "fleet.messages.store_upkeep", store["upkeep_messages"], "messages",
+            baseline="keepalives and quiet-watch probes in the cold-start window",
+        )
+    )  # fmt: skip
     report.add(Result("fleet.cold_start_s.zmq", zmq["cold_start_s"], "s"))
     report.add(
         Result(

@@ -14,6 +14,7 @@ is a plain ``socket.timeout`` between messages and never corrupts a half-read ch
 from __future__ import annotations
 
 import base64
+import collections
 import contextlib
 import http.client
 import json
@@ -87,16 +88,22 @@ class EtcdClient:
         self.host, self.port = parse_store_url(url)
         self.timeout = timeout
         self._lock = threading.Lock()
-        self.requests = 0
-        """Calls made (each one request and one answer): what ``kvwire bench fleet`` counts."""
+        self.calls: collections.Counter[str] = collections.Counter()
+        """Calls made by kind (each one request and one answer; a watch's later messages
+        are counted by its reader): what ``kvwire bench fleet`` counts."""
 
-    def _count(self) -> None:
+    @property
+    def requests(self) -> int:
+        return sum(self.calls.values())
+
+    def _count(self, kind: str) -> None:
         with self._lock:
-            self.requests += 1
+            self.calls[kind] += 1
 
-    def call(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        """POST ``body`` to ``/v3/{path}``; the decoded answer, or MetadataStoreError."""
-        self._count()
+    def call(self, path: str, body: dict[str, Any], *, kind: str = "") -> dict[str, Any]:
+        """POST ``body`` to ``/v3/{path}``; the decoded answer, or MetadataStoreError.
+        Counted under ``kind``, by default the path."""
+        self._count(kind or path)
         conn = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout)
         try:
             conn.request(
@@ -161,12 +168,16 @@ class EtcdClient:
         ]  # fmt: skip
         return revision, kvs
 
+    def probe(self) -> None:
+        """A cheap read that proves etcd answers (a count of one absent key)."""
+        self.call("kv/range", {"key": "AA==", "count_only": True}, kind="probe")
+
     def delete(self, key: bytes) -> None:
         self.call("kv/deleterange", {"key": _b64(key)})
 
     def watch(self, prefix: bytes, start_revision: int) -> WatchStream:
         """Events under ``prefix`` from ``start_revision`` on (see :class:`WatchStream`)."""
-        self._count()
+        self._count("watch")
         return WatchStream(self, prefix, start_revision)
 
 

@@ -369,7 +369,7 @@ class Directory:
                 quiet_since = time.monotonic()
             elif time.monotonic() - quiet_since >= self._probe_s:
                 # A partition sends no FIN: a quiet watch is confirmed by a cheap read.
-                self.client.call("kv/range", {"key": "AA==", "count_only": True})
+                self.client.probe()
                 quiet_since = time.monotonic()
 
     def _open(self, key: bytes, value: bytes) -> StoreRecord | None:
