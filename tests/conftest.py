@@ -1,5 +1,8 @@
-"""A real etcd for the metadata-store tests: one server per test, on loopback, with its own
-data directory, killed in teardown whatever the test did."""
+"""Fixtures every test directory may use.
+
+``etcd``: a real etcd for the metadata-store tests (tests/store, tests/runtime), one server
+per test, on loopback, with its own data directory, killed in teardown whatever the test
+did."""
 
 from __future__ import annotations
 
