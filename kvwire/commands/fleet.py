@@ -45,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
     from kvwire.commands import load_config
     from kvwire.errors import ConfigError, MetadataStoreError
     from kvwire.sidechannel.etcd import EtcdClient
-    from kvwire.sidechannel.store import ROOT
+    from kvwire.sidechannel.store_records import ROOT
 
     if args.updates is not None and (args.updates < 1 or not args.watch):
         raise ConfigError("--updates takes a count >= 1, with --watch")
@@ -82,7 +82,7 @@ def fleet_report(
 ) -> dict[str, Any]:
     """Engines, groups and group-to-group differences from the store's raw records."""
     from kvwire.errors import KVWireError
-    from kvwire.sidechannel.store import decode_record, parse_key
+    from kvwire.sidechannel.store_records import decode_record, parse_key
     from kvwire.wire.handshake import decode_handshake_payload
 
     engines: dict[tuple[str, str], dict[str, Any]] = {}

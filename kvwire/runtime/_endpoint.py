@@ -119,7 +119,8 @@ class _Endpoint(Generic[FinishedT]):
     def _publish(self, url: str) -> None:
         """Put the payload the listener serves into the metadata store, under a lease
         renewed in the background (never blocking: etcd may be down)."""
-        from kvwire.sidechannel.store import Publisher, encode_record, rank_key
+        from kvwire.sidechannel.store import Publisher
+        from kvwire.sidechannel.store_records import encode_record, rank_key
 
         cfg = self.config
         group = self._driver.store_group()

@@ -7,131 +7,35 @@ keepalive renews; consumers list and watch the store, so a cold fleet costs N + 
 messages instead of N x M, and a restarted (new metadata) or vanished (lease expired)
 producer is seen by every consumer before its next request.
 
-The store is an accelerator, never a dependency: while it is unreachable, :meth:`
-Directory.lookup` answers None and the runtime handshakes over ZMQ as before, and the
-ZMQ listener keeps serving for peers without a store (stock vLLM among them).
+The store is an accelerator, never a dependency: while it is unreachable,
+:meth:`Directory.lookup` answers None and the runtime handshakes over ZMQ as before, and
+the ZMQ listener keeps serving for peers without a store (stock vLLM among them).
 
-Keys: ``/kvwire/v1/engines/{compat hash}/{engine id}/{pp}/{tp}``: a consumer watches its
-own hash only, so it never sees a peer it could not talk to. Values: a :class:`StoreRecord`
-(msgpack) around the handshake payload bytes; with a secret the payload is sealed and
-tagged with the authenticated handshake's keys (:func:`kvwire.sidechannel.auth.seal_record`).
+What is stored, and how it is sealed: :mod:`kvwire.sidechannel.store_records`.
 """
 
 from __future__ import annotations
 
-import importlib.metadata
 import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
-import msgspec
-
 from kvwire.errors import HandshakeAuthError, KVWireError, MetadataStoreError
-from kvwire.sidechannel.auth import open_record, seal_record
 from kvwire.sidechannel.engine_handshake import PeerHandshake, decode_peer_payloads
 from kvwire.sidechannel.etcd import EtcdClient, KeyValue, WatchEvent, WatchStream
+from kvwire.sidechannel.store_records import (
+    CLOCK_UNCERTAINTY_S,
+    Rank,
+    StoreRecord,
+    decode_record,
+    group_prefix,
+    parse_key,
+)
 from kvwire.wire.compat import CompatFactors
 
 log = logging.getLogger(__name__)
-
-ROOT = b"/kvwire/v1/engines/"
-CLOCK_UNCERTAINTY_S = 0.25
-"""How far two hosts' wall clocks may differ (NTP): a store record's clock anchor maps a
-producer's deadlines into ours through wall time, not through a measured round trip."""
-_MAX_RECORD = 16 << 20
-
-Rank = tuple[int, int]
-
-
-def group_prefix(compat_hash: str) -> bytes:
-    return ROOT + compat_hash.encode() + b"/"
-
-
-def rank_key(compat_hash: str, engine_id: str, pp_rank: int, tp_rank: int) -> bytes:
-    return group_prefix(compat_hash) + f"{engine_id}/{pp_rank}/{tp_rank}".encode()
-
-
-def parse_key(key: bytes) -> tuple[str, str, Rank] | None:
-    """``(compat hash, engine id, (pp, tp))`` of a record key; None for anything else."""
-    if not key.startswith(ROOT):
-        return None
-    parts = key[len(ROOT) :].decode("utf-8", "replace").split("/")
-    if len(parts) < 4 or not parts[0] or not parts[-2].isdigit() or not parts[-1].isdigit():
-        return None
-    return parts[0], "/".join(parts[1:-2]), (int(parts[-2]), int(parts[-1]))
-
-
-class StoreRecord(msgspec.Struct, frozen=True, array_like=True):
-    """One published rank: its handshake payload and what a peer needs besides it."""
-
-    payload: bytes
-    """The bytes the rank's listener serves (sealed when ``seal`` is set)."""
-    host: str
-    port: int
-    """The rank's ZMQ listener: the fallback, and what ``kvwire fleet`` shows."""
-    clock: float
-    wall: float
-    """The publisher's driver clock and wall clock read together: a consumer's clock offset."""
-    kvwire_version: str
-    role: str = ""
-    """``producer`` or ``consumer`` (a push-mode consumer publishes too)."""
-    seal: bytes = b""
-    """With a secret: nonce and tag (``kvwire.sidechannel.auth``); empty when plain."""
-
-    def header(self) -> bytes:
-        """Every field but the payload and the seal: what the tag covers besides them."""
-        return _encoder.encode(
-            (self.host, self.port, self.clock, self.wall, self.kvwire_version, self.role)
-        )
-
-
-_encoder = msgspec.msgpack.Encoder()
-_decoder = msgspec.msgpack.Decoder(StoreRecord)
-
-
-def _kvwire_version() -> str:
-    try:
-        return importlib.metadata.version("kvwire")
-    except importlib.metadata.PackageNotFoundError:  # pragma: no cover - a source tree
-        return "unknown"
-
-
-def encode_record(
-    key: bytes,
-    payload: bytes,
-    *,
-    host: str,
-    port: int,
-    clock: float,
-    wall: float,
-    role: str,
-    secret: bytes | None,
-) -> bytes:
-    record = StoreRecord(payload, host, port, clock, wall, _kvwire_version(), role)
-    if secret is not None:
-        seal, sealed = seal_record(secret, key, record.header(), payload)
-        record = msgspec.structs.replace(record, payload=sealed, seal=seal)
-    return _encoder.encode(record)
-
-
-def decode_record(key: bytes, value: bytes, secret: bytes | None) -> StoreRecord:
-    """The record with its payload opened; HandshakeAuthError for a plain record when we
-    hold a secret (or the reverse), a wrong secret or a tampered record."""
-    if len(value) > _MAX_RECORD:
-        raise MetadataStoreError(f"store record of {len(value)} bytes is too large")
-    try:
-        record = _decoder.decode(value)
-    except msgspec.DecodeError as exc:
-        raise MetadataStoreError(f"undecodable store record: {exc}") from None
-    if secret is None:
-        if record.seal:
-            raise HandshakeAuthError("store record is sealed but this rank has no secret")
-        return record
-    payload = open_record(secret, key, record.header(), record.seal, record.payload)
-    return msgspec.structs.replace(record, payload=payload, seal=b"")
-
 
 # -- the producer side ------------------------------------------------------------------------
 
@@ -417,16 +321,3 @@ class Directory:
             self._on_change(parsed[1], parsed[2], payload)
         except Exception:  # the runtime's callback must not stop the watch
             log.exception("metadata store change handler failed")
-
-
-def fleet_snapshot(url: str) -> tuple[int, Mapping[bytes, StoreRecord | Exception]]:
-    """Every record under the root (all groups), opened without a secret: for ``kvwire
-    fleet``, which shows who is published, not their memory keys."""
-    revision, kvs = EtcdClient(url).get_prefix(ROOT)
-    out: dict[bytes, StoreRecord | Exception] = {}
-    for kv in kvs:
-        try:
-            out[kv.key] = _decoder.decode(kv.value)
-        except msgspec.DecodeError as exc:
-            out[kv.key] = exc
-    return revision, out

@@ -6,7 +6,7 @@ import pytest
 
 from kvwire.errors import HandshakeAuthError, MetadataStoreError
 from kvwire.sidechannel.etcd import parse_store_url, prefix_end
-from kvwire.sidechannel.store import decode_record, encode_record, parse_key, rank_key
+from kvwire.sidechannel.store_records import decode_record, encode_record, parse_key, rank_key
 
 SECRET = b"k" * 32
 KEY = rank_key("abc123", "prefill/7", 1, 3)

@@ -249,7 +249,7 @@ def test_etcd_lost_mid_run_falls_back_to_zmq(etcd: EtcdServer, fleet: Fleet, fau
 
 def test_published_payloads_are_authenticated_with_a_secret(etcd: EtcdServer, fleet: Fleet) -> None:
     from kvwire.sidechannel.etcd import EtcdClient
-    from kvwire.sidechannel.store import StoreRecord, decode_record
+    from kvwire.sidechannel.store_records import StoreRecord, decode_record
 
     producer, p_kv = fleet.producer("prefill-s", etcd.url, secret=SECRET)
     consumer, d_kv = fleet.consumer("decode-s", etcd.url, secret=SECRET)
