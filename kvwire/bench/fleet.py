@@ -18,6 +18,8 @@ Each run:
    ZMQ nothing is seen until a request fails), then the load failures of one request from
    every decode engine to the restarted one.
 
+A third run names a store that never answers (etcd down): it must equal the ZMQ-only run.
+
 The order is the usual one, decode engines joining a running prefill fleet: a decode rank
 watching before the prefill ranks publish would get each publication as a watch message,
 which this run would count.
@@ -42,6 +44,7 @@ from kvwire.demo.worker import allocate
 from kvwire.errors import ConfigError
 from kvwire.runtime import Consumer, Finished, Producer
 from kvwire.sidechannel import HandshakeListener
+from kvwire.testing.ports import free_port
 from kvwire.transport import create
 
 MODEL = "llama-3-8b"
@@ -229,16 +232,18 @@ def _expiry(fleet: _Fleet) -> float:
 
 
 def _run_mode(
-    shape: tuple[int, int, int], store: str | None, *, expiry: bool = False
+    shape: tuple[int, int, int], store: str | None, *, expiry: bool = False, up: bool = True
 ) -> dict[str, Any]:
+    """One run; ``up=False``: every rank names a store that never answers."""
     p, d, tp = shape
+    live = store is not None and up
     blocks = 2 * max(p, d) + 2
     specs = {r: CacheSpec(preset(MODEL), LAYERS, blocks, r, tp) for r in range(tp)}
     fleet = _Fleet(p, d, tp, store, specs.__getitem__)
     out: dict[str, Any] = {}
     try:
         fleet.prefill = [fleet.start_prefill(i) for i in range(p)]
-        if store is not None:  # the fleet is published before decode engines join
+        if live:  # the fleet is published before decode engines join
             for engine in fleet.prefill:
                 for rank in engine.ranks:
                     if not rank.publisher.published.wait(60.0):
@@ -246,7 +251,7 @@ def _run_mode(
         base_zmq, (base_store, _) = fleet.zmq_messages(), fleet.store_messages()
         t0 = time.perf_counter()
         fleet.decode = [fleet.start_decode(i) for i in range(d)]
-        if store is not None:
+        if live:
             for engine in fleet.decode:
                 for rank in engine.ranks:
                     if not rank.directory.healthy.wait(60.0):
@@ -255,7 +260,7 @@ def _run_mode(
         out["cold_start_s"] = time.perf_counter() - t0
         out["cold_failures"] = len(failed)
         discovery, upkeep = fleet.store_messages()
-        out["messages"] = discovery if store is not None else fleet.zmq_messages() - base_zmq
+        out["messages"] = discovery if live else fleet.zmq_messages() - base_zmq
         out["upkeep_messages"] = upkeep
         out["zmq_handshake_messages"] = fleet.zmq_messages() - base_zmq
         out["publish_messages"] = base_store
@@ -266,7 +271,7 @@ def _run_mode(
         t_restart = time.perf_counter()
         fleet.prefill[0] = fleet.start_prefill(0)
         seen_s = None
-        if store is not None:
+        if live:
             deadline = time.monotonic() + TTL_S + 30.0
             while any(
                 c.peer_agents("prefill-0") == old[(di, r)]
@@ -282,7 +287,7 @@ def _run_mode(
         failed = _all_pairs(fleet, "restart", [0])
         out["restart_load_failures"] = len(failed)
         out["restart_failure_reasons"] = sorted(set(failed.values()))
-        if store is not None and expiry and p > 1:
+        if live and expiry and p > 1:
             out["expiry_seen_s"] = _expiry(fleet)
     finally:
         fleet.close()
@@ -320,56 +325,45 @@ def run(args: argparse.Namespace) -> Report:
             )
         zmq = _run_mode(shape, None)
         store = _run_mode(shape, url, expiry=True)
+    down = _run_mode(shape, f"etcd://127.0.0.1:{free_port()}", up=False)
     growth.append({"ranks": (p + d) * tp, "shape": list(shape), "zmq": zmq["messages"],
                    "store": store["messages"]})  # fmt: skip
     report = Report("fleet")
-    ranks = (p + d) * tp
-    report.add(Result("fleet.ranks", ranks, "ranks"))
-    report.add(Result("fleet.pairs", p * d, "engine pairs"))
-    report.add(Result("fleet.messages.zmq", zmq["messages"], "messages"))
-    report.add(
-        Result(
-            "fleet.messages.store", store["messages"], "messages",
-            baseline="fleet.messages.zmq", ratio=store["messages"] / max(1, zmq["messages"]),
-        )
-    )  # fmt: skip
-    report.add(
-        Result("fleet.messages.store_zmq_handshakes", store["zmq_handshake_messages"], "messages")
-    )
-    report.add(
-        Result(
-            "fleet.messages.store_upkeep", store["upkeep_messages"], "messages",
-            baseline="keepalives and quiet-watch probes in the cold-start window",
-        )
-    )  # fmt: skip
-    report.add(Result("fleet.cold_start_s.zmq", zmq["cold_start_s"], "s"))
-    report.add(
-        Result(
-            "fleet.cold_start_s.store", store["cold_start_s"], "s",
-            baseline="fleet.cold_start_s.zmq", ratio=store["cold_start_s"] / zmq["cold_start_s"],
-        )
-    )  # fmt: skip
-    report.add(
-        Result(
-            "fleet.cold_load_failures", zmq["cold_failures"] + store["cold_failures"], "requests"
-        )
-    )
-    report.add(
-        Result(
-            "fleet.restart_seen_s", store["restart_seen_s"], "s", baseline=f"TTL {TTL_S:g} s + 1 s"
-        )
-    )
-    report.add(Result("fleet.restart_load_failures", store["restart_load_failures"], "requests"))
-    report.add(Result("fleet.restart_load_failures.zmq", zmq["restart_load_failures"], "requests"))
+    ttl = f"TTL {TTL_S:g} s"
+
+    def add(name: str, value: float, unit: str, baseline: str | None = None) -> None:
+        """A figure; with a baseline of this run's ZMQ-only figures, their ratio too."""
+        base = {
+            "fleet.messages.zmq": zmq["messages"], "fleet.cold_start_s.zmq": zmq["cold_start_s"],
+        }.get(baseline or "")  # fmt: skip
+        ratio = value / base if base else None
+        report.add(Result(name, value, unit, baseline=baseline, ratio=ratio))
+
+    add("fleet.ranks", (p + d) * tp, "ranks")
+    add("fleet.pairs", p * d, "engine pairs")
+    add("fleet.messages.zmq", zmq["messages"], "messages")
+    add("fleet.messages.store", store["messages"], "messages", "fleet.messages.zmq")
+    add("fleet.messages.store_zmq_handshakes", store["zmq_handshake_messages"], "messages")
+    add("fleet.messages.store_upkeep", store["upkeep_messages"], "messages",
+        "keepalives and quiet-watch probes in the cold-start window")  # fmt: skip
+    add("fleet.cold_start_s.zmq", zmq["cold_start_s"], "s")
+    add("fleet.cold_start_s.store", store["cold_start_s"], "s", "fleet.cold_start_s.zmq")
+    add("fleet.cold_load_failures", zmq["cold_failures"] + store["cold_failures"], "requests")
+    add("fleet.restart_seen_s", store["restart_seen_s"], "s", f"{ttl} + 1 s")
+    add("fleet.restart_load_failures", store["restart_load_failures"], "requests")
+    add("fleet.restart_load_failures.zmq", zmq["restart_load_failures"], "requests")
+    add("fleet.store_down.messages", down["messages"], "messages", "fleet.messages.zmq")
+    add("fleet.store_down.cold_start_s", down["cold_start_s"], "s", "fleet.cold_start_s.zmq")
+    add("fleet.store_down.restart_load_failures", down["restart_load_failures"], "requests",
+        "fleet.restart_load_failures.zmq")  # fmt: skip
     if "expiry_seen_s" in store:
-        report.add(
-            Result("fleet.expiry_seen_s", store["expiry_seen_s"], "s", baseline=f"TTL {TTL_S:g} s")
-        )
+        add("fleet.expiry_seen_s", store["expiry_seen_s"], "s", ttl)
     report.sweeps["fleet"] = {
         "shape": {"prefill_engines": p, "decode_engines": d, "tp": tp},
         "lease_ttl_s": TTL_S,
         "zmq": zmq,
         "store": store,
+        "store_down": down,
         "growth": growth,
     }
     return report
