@@ -269,6 +269,13 @@ class Metrics:
             (f"{prefix}_notifications", "counter", "Notifications, by direction.",
              [("_total", {**role, "direction": "sent"}, snap["notifications_sent"]),
               ("_total", {**role, "direction": "received"}, snap["notifications_received"])]),
+            (f"{prefix}_store_handshakes", "counter",
+             "Handshakes with a metadata store configured, by where the metadata came from.",
+             [("_total", {**role, "source": "store"}, snap["store_handshakes"]),
+              ("_total", {**role, "source": "zmq"}, snap["store_fallbacks"])]),
+            (f"{prefix}_store_peers_dropped", "counter",
+             "Peer engines dropped because the metadata store showed a restart or a loss.",
+             [("_total", role, snap["store_peers_dropped"])]),
         ]  # fmt: skip
         return fam
 

@@ -179,6 +179,9 @@ def test_a_restarted_producer_is_dropped_before_the_next_request(
     totals = consumer.metrics.snapshot()["totals"]
     assert totals["store_handshakes"] == 2 and totals["requests_failed"] == 0
     assert consumer.errors == [] and producer.errors == []
+    text = consumer.metrics.prometheus_text()
+    assert 'kvwire_store_handshakes_total{role="consumer",source="store"} 2.0' in text
+    assert 'kvwire_store_peers_dropped_total{role="consumer"} 1.0' in text
 
 
 def test_a_producer_whose_keepalive_stops_is_forgotten_and_reached_over_zmq(
