@@ -193,6 +193,7 @@ class WatchStream:
         self._buffer = b""
         self._body_left = 0
         self._crlf_left = 0
+        self._ended = False
         self._decoded = b""
         self._closed = False
         body = json.dumps(
@@ -290,8 +291,10 @@ class WatchStream:
                     size = int(line.split(b";")[0], 16)
                 except ValueError:
                     raise MetadataStoreError("etcd watch: bad chunk header") from None
-                if size == 0:
-                    raise MetadataStoreError("etcd ended the watch")
+                if size == 0:  # the last chunk: what was decoded is still to be read
+                    self._ended = True
+                    self._buffer = b""
+                    return
                 self._buffer = rest
                 self._body_left, self._crlf_left = size, 2
             take = min(self._body_left, len(self._buffer))
@@ -310,6 +313,8 @@ class WatchStream:
         """The next JSON message, or None when ``timeout`` passes with none complete."""
         self._dechunk()
         while b"\n" not in self._decoded:
+            if self._ended:
+                raise MetadataStoreError("etcd ended the watch")
             if len(self._decoded) > _MAX_LINE:
                 raise MetadataStoreError("etcd watch: oversized message")
             try:
