@@ -101,6 +101,8 @@ class Publisher:
                     self._lease = 0  # expired while etcd was away: publish anew
                     self.published.clear()
                     continue
+                else:
+                    self.published.set()  # renewed: the record is there (again)
                 self._wake.wait(self._ttl / 3)
             except MetadataStoreError as exc:
                 log.info("metadata store: %s (retrying in %.1fs)", exc, retry)
@@ -230,7 +232,7 @@ class Directory:
             log.info("store record of %s unusable, handshaking over ZMQ: %s", engine_id, exc)
             return None
         anchor = next(iter(records.values()))
-        # Remote clock minus ours, through wall time: (their clock - their wall) - (ours - ours).
+        # Remote clock minus ours through wall time: (their clock - their wall) - (ours - our wall).
         offset = (anchor.clock - anchor.wall) - (clock() - time.time())
         return PeerHandshake(decoded, offset, 2 * CLOCK_UNCERTAINTY_S, 0, features), used
 
@@ -285,7 +287,8 @@ class Directory:
             return None
 
     def _replace(self, kvs: list[KeyValue]) -> None:
-        """A fresh listing: the cache becomes it; ranks that changed or vanished are told."""
+        """A fresh listing: the cache becomes it; ranks that changed, vanished or appeared
+        are told (one that appeared may have been handshaken over ZMQ before a restart)."""
         fresh: dict[bytes, Entry] = {}
         for kv in kvs:
             record = self._open(kv.key, kv.value)
@@ -297,6 +300,8 @@ class Directory:
             now = fresh.get(key)
             if now is None or now.record.payload != entry.record.payload:
                 self._tell(key, now.record.payload if now is not None else None)
+        for key in fresh.keys() - old.keys():
+            self._tell(key, fresh[key].record.payload)
 
     def _apply(self, events: list[WatchEvent]) -> None:
         told: list[tuple[bytes, bytes | None]] = []

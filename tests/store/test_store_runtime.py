@@ -228,6 +228,35 @@ def test_etcd_down_at_start_falls_back_to_zmq_and_the_store_is_used_once_it_is_u
         etcd.close()
 
 
+def test_a_restart_while_etcd_was_down_is_seen_when_it_comes_back(
+    tmp_path_factory: pytest.TempPathFactory, fleet: Fleet
+) -> None:
+    """D handshook over ZMQ; P restarted while etcd was down (D holds a stale agent); when
+    etcd is back, D's listing or watch shows P's new record and D drops the stale agent."""
+    etcd = EtcdServer(tmp_path_factory.mktemp("etcd-back"))
+    try:
+        etcd.pick_ports()
+        producer, p_kv = fleet.producer("prefill-b", etcd.url)
+        consumer, d_kv = fleet.consumer("decode-b", etcd.url)
+        assert transfer(fleet, producer, p_kv, consumer, d_kv, "zmq", 1).done == ["zmq"]
+        producer.close(withdraw=False)
+        producer, p_kv = fleet.producer("prefill-b", etcd.url)
+
+        etcd.start()
+        wait_until(
+            lambda: consumer.metrics.snapshot()["totals"]["store_peers_dropped"] == 1,
+            what="D dropped the agent it took over ZMQ",
+        )
+        wait_until(lambda: sees(consumer, "prefill-b"), what="D sees P")
+        seen = transfer(fleet, producer, p_kv, consumer, d_kv, "back", 2)
+        assert seen.done == ["back"] and not seen.failed
+        assert consumer.metrics.snapshot()["totals"]["store_handshakes"] == 1
+    finally:
+        fleet.close()
+        fleet.closers.clear()
+        etcd.close()
+
+
 @pytest.mark.parametrize("fault", ["killed", "partitioned"])
 def test_etcd_lost_mid_run_falls_back_to_zmq(etcd: EtcdServer, fleet: Fleet, fault: str) -> None:
     producer, p_kv = fleet.producer("prefill-m", etcd.url)
