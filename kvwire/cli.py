@@ -31,6 +31,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "decode": ("decode", "decode a wire message and print it as JSON"),
     "compat-hash": ("compat_hash", "compute or compare compatibility hashes"),
     "conformance": ("conformance", "run the transport conformance suite"),
+    "fleet": ("fleet", "list the engines a metadata store (etcd) holds, by compatibility"),
 }
 
 EXIT_USAGE = 2

@@ -88,6 +88,12 @@ class HandshakeAuthError(HandshakeError):
     not authenticate, or an answer that is forged or replayed. No metadata was used."""
 
 
+class MetadataStoreError(KVWireError):
+    """The metadata store (etcd) could not be reached, or answered something unusable.
+
+    Never fails a request: the runtime falls back to the ZMQ handshake when it sees one."""
+
+
 class ConfigError(KVWireError, ValueError):
     """A configuration value or a command-line argument is invalid."""
 

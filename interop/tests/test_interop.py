@@ -11,6 +11,7 @@ names, ``CPU_ATTN`` and the hash factors of a CPU engine) through kvwire's own c
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -25,6 +26,10 @@ from harness import (
     vllm_compatible_extra,
     wait_until,
 )
+
+from kvwire.sidechannel.etcd import EtcdClient
+from kvwire.sidechannel.store_records import ROOT
+from kvwire.testing.etcd import EtcdServer
 
 TOKENS = 100  # 4 blocks of 32: the last one partly filled
 # Request ids as vLLM makes them (``{id}-{8 hex}``): P and D ids differ in the suffix only,
@@ -313,3 +318,28 @@ def test_kvwire_default_factors_match_a_vllm_engine(zygote: Zygote) -> None:
     finally:
         d.close()
         p.close()
+
+
+# -- a mixed fleet on a metadata store --------------------------------------------------------
+# kvwire engines with ``metadata_store`` set, stock vLLM engines without one. kvwire publishes
+# and still serves its ZMQ listener, so a vLLM decode engine handshakes as before; a vLLM
+# prefill engine is not published, so a kvwire decode engine falls back to ZMQ.
+
+
+@pytest.fixture
+def store(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    with EtcdServer() as server:
+        monkeypatch.setenv("KVWIRE_METADATA_STORE", server.url)  # kvwire's rank processes
+        yield server.url
+
+
+def test_stock_vllm_d_reads_from_a_published_kvwire_p(zygote: Zygote, store: str) -> None:
+    kvwire_to_vllm(zygote, "pull", 1, 1, GQA)
+    # The kvwire prefill rank published (a put) and withdrew its record when it closed (the
+    # revoked lease deleted it): a fresh etcd is at revision 1.
+    revision, records = EtcdClient(store).get_prefix(ROOT)
+    assert revision >= 3 and records == []
+
+
+def test_kvwire_d_with_a_store_reads_from_stock_vllm_p_over_zmq(zygote: Zygote, store: str) -> None:
+    vllm_to_kvwire(zygote, "pull", 1, 1, GQA)

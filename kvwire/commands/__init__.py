@@ -37,5 +37,6 @@ FLAGS = {
     "handshake_timeout_s": "--timeout",
     "handshake_retries": "--retries",
     "version": "--version",
+    "metadata_store": "--store",
 }
 """Configuration fields whose flag is not ``--`` plus the field's name."""

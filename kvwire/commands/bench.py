@@ -1,7 +1,9 @@
 """Measure kvwire beside baselines measured in the same run.
 
-Suites: layout, wire, machine, transport, e2e. Every figure comes with its baseline and
-their ratio; ``--json`` prints one JSON object per suite (a list when several run).
+Suites: layout, wire, machine, transport, e2e, fleet (metadata traffic of a fleet over
+ZMQ handshakes and over an etcd metadata store, cold start and a prefill restart). Every
+figure comes with its baseline and their ratio; ``--json`` prints one JSON object per
+suite (a list when several run).
 """
 
 from __future__ import annotations
@@ -13,8 +15,8 @@ import sys
 
 from kvwire.errors import ConfigError
 
-SUITES = ("layout", "wire", "machine", "transport", "e2e")
-NO_CHARTS = frozenset({"layout"})
+SUITES = ("layout", "wire", "machine", "transport", "e2e", "fleet")
+NO_CHARTS = frozenset({"layout", "fleet"})
 """Suites whose figures are single points, with no sweep for ``--plot`` to draw."""
 
 
@@ -24,6 +26,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="fewer repetitions and sizes")
     parser.add_argument("--transport", action="append", help="transport(s) for the transport suite")
     parser.add_argument("--plot", metavar="DIR", help="write PNG charts of the sweeps here")
+    parser.add_argument(
+        "--fleet",
+        metavar="PxDxTP",
+        help="fleet suite: prefill engines x decode engines x TP (default: 8x8x2, --quick 4x4x2)",
+    )
+    parser.add_argument(
+        "--store",
+        metavar="URL",
+        help="fleet suite: etcd://host:port to use (default: start an etcd on loopback)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -42,6 +54,19 @@ def run(args: argparse.Namespace) -> int:
                 f"(charts come from {', '.join(s for s in SUITES if s not in NO_CHARTS)})"
             )
         plot.require_matplotlib()  # fail before spending minutes on the suites
+    if args.fleet or args.store:
+        from kvwire.bench.fleet import parse_shape
+        from kvwire.config import KNOBS
+
+        if "fleet" not in names:
+            raise ConfigError("--fleet and --store are options of the fleet suite")
+        if args.fleet:
+            parse_shape(args.fleet)
+        if args.store:
+            try:
+                KNOBS["metadata_store"].parse(args.store)
+            except ValueError as exc:
+                raise ConfigError(f"--store {args.store!r}: {exc}") from None
     if args.transport:
         from kvwire.commands.demo import check_transport
 

@@ -115,6 +115,13 @@ class KVWireConfig:
     secret: bytes | None = field(default=None, repr=False)
     """Shared secret of the authenticated handshake (``kvwire.sidechannel.auth``); never in
     a repr or a log. None: vLLM's plain handshake."""
+    metadata_store: str | None = None
+    """``etcd://host:port``: each rank publishes its handshake payload there (under an etcd
+    lease) and peers read and watch it instead of a ZMQ round trip, falling back to ZMQ
+    whenever the store is unreachable (docs/operations.md). None: ZMQ handshakes only."""
+    metadata_store_ttl_s: float = 10.0
+    """The etcd lease of a published rank: a rank whose keepalive stops is forgotten by its
+    peers this long after (a restart is seen at once)."""
     lease_s: float = 30.0
     heartbeat_interval_s: float | None = None
     registration_timeout_s: float = 30.0

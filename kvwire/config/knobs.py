@@ -212,6 +212,39 @@ def _secret(raw: Any) -> bytes | None:
     return raw
 
 
+STORE_SCHEMES = ("etcd",)
+
+
+def _metadata_store(raw: Any) -> str | None:
+    """``etcd://host:port`` (port 2379 when left out), kept as that normalized text."""
+    if raw is None or (isinstance(raw, str) and not raw.strip()):
+        return None
+    text = _text(raw)
+    scheme, sep, rest = text.partition("://")
+    if not sep or scheme.lower() not in STORE_SCHEMES:
+        raise ValueError("expected etcd://host:port")
+    host, colon, port_text = rest.rstrip("/").rpartition(":")
+    if not colon:
+        host, port_text = rest.rstrip("/"), "2379"
+    host = host.strip("[]")
+    if not host or "/" in host or "@" in host:
+        raise ValueError("expected etcd://host:port")
+    try:
+        port = int(port_text, 10)
+    except ValueError:
+        raise ValueError("expected etcd://host:port with a numeric port") from None
+    if not 1 <= port <= 65535:
+        raise ValueError("expected a port from 1 to 65535")
+    return f"etcd://[{host}]:{port}" if ":" in host else f"etcd://{host}:{port}"
+
+
+def _store_ttl(raw: Any) -> float:
+    value = _seconds(raw)
+    if not 2.0 <= value <= 3600.0:
+        raise ValueError("expected a lease TTL from 2 to 3600 s")
+    return value
+
+
 def _transport(raw: Any) -> Any:
     """A transport name, or an already created transport object (kept as given)."""
     if isinstance(raw, str):
@@ -255,6 +288,12 @@ KNOBS: dict[str, Knob] = {
     "compat_hash": Knob(_optional_text, "KVWIRE_COMPAT_HASH", "use this hash, not the factors'"),
     "secret_file": Knob(_optional_text, "KVWIRE_SECRET_FILE", "file of the handshake secret"),
     "secret": Knob(_secret, None, "the handshake secret itself"),
+    "metadata_store": Knob(
+        _metadata_store, "KVWIRE_METADATA_STORE", "etcd://host:port: publish and watch metadata"
+    ),
+    "metadata_store_ttl_s": Knob(
+        _store_ttl, "KVWIRE_METADATA_STORE_TTL_S", "etcd lease of a published rank (2..3600 s)"
+    ),
     "lease_s": Knob(_seconds, "KVWIRE_LEASE_S", "how long P holds blocks D has not read"),
     "heartbeat_interval_s": Knob(
         _optional_seconds, "KVWIRE_HEARTBEAT_INTERVAL_S", "D's lease heartbeat (lease / 6)"
@@ -353,6 +392,8 @@ VLLM_EXTRA_CONFIG_KEYS: dict[str, tuple[str, Parser]] = {
     "coalesce": ("coalesce", _bool),
     "handshake_timeout": ("handshake_timeout_s", _seconds),
     "metrics_port": ("metrics_port", _metrics_port),
+    "metadata_store": ("metadata_store", _metadata_store),
+    "metadata_store_ttl": ("metadata_store_ttl_s", _store_ttl),
 }
 """vLLM ``kv_connector_extra_config`` key -> (field, parser).
 

@@ -196,7 +196,8 @@ def run_decode(reader: Any, out: FrameWriter, init: dict[str, Any]) -> None:
                 consumer.blocks_allocated(cmd["rid"], [blocks[int(cmd.get("hit", 0)) :]])
             elif op == "stats":
                 metrics = consumer.metrics.snapshot()["totals"]
-                stats = {"metrics": metrics, "machine": consumer.machine_stats()}
+                stats = {"metrics": metrics, "machine": consumer.machine_stats(),
+                         "store": _store_view(consumer)}  # fmt: skip
                 out.send({"event": "stats", **stats, "errors": consumer.errors})
             else:
                 out.send({"event": "error", "error": f"unknown op {op!r}"})
@@ -205,6 +206,15 @@ def run_decode(reader: Any, out: FrameWriter, init: dict[str, Any]) -> None:
         if reporter.is_alive():
             reporter.join()
         consumer.close()
+
+
+def _store_view(rank: Consumer) -> list[str] | None:
+    """The engines the rank's metadata store view holds while it is current; None without
+    a store or while it is not (etcd unreachable, not listed yet)."""
+    directory = rank.directory
+    if directory is None or not directory.healthy.is_set():
+        return None
+    return sorted(directory.engines())
 
 
 def main() -> int:

@@ -16,8 +16,9 @@ advertised as the host's routable address (:mod:`kvwire.sidechannel.advertise`).
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Sequence
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from kvwire.config import KVWireConfig
 from kvwire.errors import ConfigError
@@ -29,6 +30,9 @@ from kvwire.runtime.prometheus import MetricsServer, serve
 from kvwire.sidechannel import HandshakeListener
 from kvwire.sidechannel.advertise import advertised_host, advertised_port
 from kvwire.transport import Region, Transport
+
+if TYPE_CHECKING:
+    from kvwire.sidechannel.store import Directory, Publisher
 
 FinishedT = TypeVar("FinishedT")
 EndpointT = TypeVar("EndpointT", bound="_Endpoint[Any]")
@@ -51,6 +55,7 @@ class _Endpoint(Generic[FinishedT]):
         self._finished = self._empty_finished()
         self._cv = threading.Condition()
         self._listener: HandshakeListener | None = None
+        self._publisher: Publisher | None = None
         self._metrics_server: MetricsServer | None = None
         self._dialled = self._role == "producer" or config.mode == "push"
         if self._dialled and config.side_channel_port == 0 and config.tp_size * config.pp_size > 1:
@@ -107,9 +112,49 @@ class _Endpoint(Generic[FinishedT]):
                 self._listener.set_payloads({key: self._driver.handshake_payload()})
                 if self._role == "producer":
                     self._listener.set_lease_source(key, self._driver.lease_deadlines)
+            if self._dialled and cfg.metadata_store is not None:
+                self._publish(cfg.metadata_store)
         except BaseException:
             self._close_listener()
             raise
+
+    def _publish(self, url: str) -> None:
+        """Put the payload the listener serves into the metadata store, under a lease
+        renewed in the background (never blocking: etcd may be down)."""
+        from kvwire.sidechannel.store import Publisher
+        from kvwire.sidechannel.store_records import encode_record, rank_key
+
+        cfg = self.config
+        group = self._driver.store_group()
+        if group is None:
+            return
+        key = rank_key(group, cfg.engine_id, cfg.pp_rank, cfg.tp_rank)
+        payload = self._driver.handshake_payload()
+        host, port = self._driver.advertise
+        clock = self._driver.clock
+
+        def record() -> bytes:
+            return encode_record(
+                key, payload, host=host, port=port, clock=clock(), wall=time.time(),
+                role=self._role, secret=cfg.secret,
+            )  # fmt: skip
+
+        self._publisher = Publisher(url, key, record, ttl=cfg.metadata_store_ttl_s).start()
+
+    @property
+    def directory(self) -> Directory | None:
+        """This rank's view of the metadata store (``metadata_store`` set, the side that
+        starts handshakes)."""
+        return self._driver.directory
+
+    def peer_agents(self, engine_id: str) -> dict[tuple[int, int], str]:
+        """The transport agents held for a peer engine, by (pp, tp); empty: none cached."""
+        return self._driver.peer_agents(engine_id)
+
+    @property
+    def publisher(self) -> Publisher | None:
+        """This rank's metadata-store publisher (``metadata_store`` set, a dialled rank)."""
+        return self._publisher
 
     @property
     def side_channel(self) -> tuple[str, int]:
@@ -146,9 +191,13 @@ class _Endpoint(Generic[FinishedT]):
     def errors(self) -> list[str]:
         return list(self._driver.errors)
 
-    def close(self) -> None:
+    def close(self, *, withdraw: bool = True) -> None:
         """Stop every thread, release transfers, deregister, close an owned transport and
-        an owned listener."""
+        an owned listener. ``withdraw=False`` leaves the rank's metadata-store record to
+        expire with its lease, as a crash would (for tests and ``kvwire bench fleet``)."""
+        publisher, self._publisher = self._publisher, None
+        if publisher is not None:
+            publisher.close(withdraw=withdraw)
         self._close_listener()
         server, self._metrics_server = self._metrics_server, None
         if server is not None:

@@ -26,6 +26,7 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -33,6 +34,7 @@ from kvwire.config import KVWireConfig
 from kvwire.errors import (
     ConfigError,
     DescriptorError,
+    HandshakeError,
     HandshakeTimeoutError,
     IncompatiblePeerError,
     KVWireError,
@@ -40,6 +42,7 @@ from kvwire.errors import (
     PeerUnreachableError,
     TransportClosedError,
     TransportError,
+    WireDecodeError,
 )
 from kvwire.layout import PeerLayout, topology
 from kvwire.layout.geometry import KVGeometry, RemoteGeometry
@@ -75,10 +78,13 @@ from kvwire.machine import (
     TransferPosted,
 )
 from kvwire.runtime.metrics import Metrics
-from kvwire.sidechannel import HandshakeClient, fetch_agent_metadata
+from kvwire.sidechannel import HandshakeClient, PeerHandshake, fetch_agent_metadata
 from kvwire.transport import Descs, MemKind, Region, Transport, XferState, create
-from kvwire.wire.handshake import encode_handshake_payload
+from kvwire.wire.handshake import decode_handshake, encode_handshake_payload
 from kvwire.wire.schemas import AgentMetadataV13, AgentMetadataV14
+
+if TYPE_CHECKING:
+    from kvwire.sidechannel.store import Directory
 
 Outcome = FreeBlocks | RequestDone | RequestFailed
 Machine = ProducerMachine | ConsumerMachine
@@ -88,6 +94,9 @@ Machine = ProducerMachine | ConsumerMachine
 class _PeerRank:
     agent: str
     layout: PeerLayout | None
+    blob: bytes = b""
+    """The transport metadata the agent was added from: a store record carrying other
+    bytes means the peer restarted."""
 
 
 @dataclass
@@ -190,6 +199,8 @@ class Driver:
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._asking: set[str] = set()
         """Engines with a lease query in flight (one at a time: a slow peer is not piled on)."""
+        self._directory: Directory | None = None
+        """The metadata store's view of our peers (``metadata_store``; handshaking side)."""
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._closed = False
@@ -232,10 +243,43 @@ class Driver:
             self._pool = concurrent.futures.ThreadPoolExecutor(
                 max_workers=4, thread_name_prefix=f"kvwire-{self.role}-handshake"
             )
+            group = self.store_group()
+            if cfg.metadata_store is not None and self.handshakes_here and group is not None:
+                from kvwire.sidechannel.store import Directory  # only with a store
+
+                self._directory = Directory(
+                    cfg.metadata_store,
+                    group,
+                    secret=cfg.secret,
+                    on_change=self._store_changed,
+                    probe_s=max(1.0, cfg.metadata_store_ttl_s / 3),
+                ).start()
             self._thread = threading.Thread(
                 target=self._run, name=f"kvwire-{self.role}-driver", daemon=True
             )
             self._thread.start()
+
+    @property
+    def handshakes_here(self) -> bool:
+        """Whether this side starts handshakes (pull: the consumer; push: the producer)."""
+        return (self.role == "consumer") == (self.config.mode == "pull")
+
+    @property
+    def clock(self) -> Callable[[], float]:
+        """The clock deadlines and handshake clock samples are read from."""
+        return self._clock
+
+    def store_group(self) -> str | None:
+        """The compatibility hash that scopes this rank's keys in the metadata store; None
+        when the config has neither factors nor a hash (then the store is not used)."""
+        try:
+            return self.config.local_hash or self.config.advertised_hash
+        except ConfigError:
+            return None
+
+    @property
+    def directory(self) -> Directory | None:
+        return self._directory
 
     def handshake_payload(self) -> bytes:
         """This rank's encoded handshake answer, as the engine's listener serves it."""
@@ -261,6 +305,8 @@ class Driver:
                 return
             self._closed = True
         self._stop.set()
+        if self._directory is not None:
+            self._directory.close()
         if self._thread is not None:
             self._thread.join(timeout)
         if self._pool is not None:
@@ -490,45 +536,23 @@ class Driver:
     # ------------------------------------------------------------------ handshakes
 
     def _handshake(self, action: StartHandshake) -> None:
-        """On the pool: fetch and validate off the lock, then add agents and tell the machine."""
+        """On the pool: fetch and validate off the lock, then add agents and tell the machine.
+
+        A handshake served from the metadata store is used only if the store still holds
+        those very records once the lock is taken: a restart published meanwhile would
+        otherwise reach this engine's agent cache after the watch had nothing to drop."""
         cfg = self.config
         t0 = time.perf_counter()
         try:
             ranks = topology.remote_ranks(
                 cfg.tp_rank, cfg.tp_size, action.expected_tp_size, action.expected_pp_size
             )
-            result = fetch_agent_metadata(
-                self._client,
-                action.host,
-                action.port,
-                ranks,
-                local_hash=cfg.local_hash,
-                expected_engine_id=action.engine_id,
-                version=cfg.version,
-                local_factors=cfg.compat,
-            )
-            if result.lease_s is not None and result.lease_s <= cfg.expiry_margin:
-                raise IncompatiblePeerError(
-                    f"engine {action.engine_id!r} holds blocks for lease_s {result.lease_s:g}, "
-                    f"not above our expiry_margin_s {cfg.expiry_margin:g}: every READ would "
-                    "start inside the margin and be declined (lower expiry_margin_s here, or "
-                    "raise lease_s there)"
-                )
-            layouts: dict[RemoteRank, PeerLayout | None] = {}
-            posts_here = (self.role == "consumer") == (cfg.mode == "pull")
-            assert self.geometry is not None
-            for (pp, tp), md in result.metadata.items():
-                layout = None
-                if posts_here:
-                    remote = RemoteGeometry.from_agent_metadata(
-                        md,
-                        tp_rank=tp,
-                        tp_size=action.expected_tp_size,
-                        pp_rank=pp,
-                        pp_size=action.expected_pp_size,
-                    )
-                    layout = PeerLayout(self.geometry, remote, mode=cfg.mode, coalesce=cfg.coalesce)
-                layouts[(pp, tp)] = layout
+            for _ in range(3):
+                result, used = self._fetch_peer(action, ranks)
+                self._check_peer_lease(action.engine_id, result)
+                layouts = self._peer_layouts(action, result)
+                if not used or self._store_unchanged(action.engine_id, used):
+                    break
         except KVWireError as exc:
             kind = (
                 "unreachable" if isinstance(exc, PeerUnreachableError)
@@ -547,11 +571,13 @@ class Driver:
             with self._lock:
                 if self._closed:
                     return
+                if used and not self._store_unchanged(action.engine_id, used):
+                    raise HandshakeError(f"{action.engine_id} republished during the handshake")
                 peer = self._engines.setdefault(action.engine_id, _PeerEngine())
                 old_agents = {r.agent for r in peer.ranks.values()}
                 for key, layout in layouts.items():
-                    agent = self.transport.add_peer(result.metadata[key].agent_metadata)
-                    peer.ranks[key] = _PeerRank(agent, layout)
+                    blob = result.metadata[key].agent_metadata
+                    peer.ranks[key] = _PeerRank(self.transport.add_peer(blob), layout, blob)
                 peer.stale_agents |= old_agents - {r.agent for r in peer.ranks.values()}
                 self._retire_stale(peer)
                 self.metrics.handshake(True, time.perf_counter() - t0)
@@ -569,6 +595,114 @@ class Driver:
         except KVWireError as exc:
             self.metrics.handshake(False, time.perf_counter() - t0, "transport")
             self._feed_quietly(HandshakeFailed(action.engine_id, action.attempt, str(exc)))
+
+    def _check_peer_lease(self, engine_id: str, result: PeerHandshake) -> None:
+        """A producer whose lease no READ fits in (every one would start inside our expiry
+        margin and be declined) is refused here, naming both knobs, not request by request."""
+        margin = self.config.expiry_margin
+        if result.lease_s is not None and result.lease_s <= margin:
+            raise IncompatiblePeerError(
+                f"engine {engine_id!r} holds blocks for lease_s {result.lease_s:g}, not above "
+                f"our expiry_margin_s {margin:g}: every READ would start inside the margin and "
+                "be declined (lower expiry_margin_s here, or raise lease_s there)"
+            )
+
+    def _fetch_peer(
+        self, action: StartHandshake, ranks: Sequence[RemoteRank]
+    ) -> tuple[PeerHandshake, dict[RemoteRank, bytes]]:
+        """The peer's metadata from the store when it has it (with the payloads used), else
+        over ZMQ (with none)."""
+        found = self._store_handshake(action.engine_id, ranks)
+        if found is not None:
+            return found
+        cfg = self.config
+        result = fetch_agent_metadata(
+            self._client,
+            action.host,
+            action.port,
+            ranks,
+            local_hash=cfg.local_hash,
+            expected_engine_id=action.engine_id,
+            version=cfg.version,
+            local_factors=cfg.compat,
+        )
+        return result, {}
+
+    def _peer_layouts(
+        self, action: StartHandshake, result: PeerHandshake
+    ) -> dict[RemoteRank, PeerLayout | None]:
+        """Each remote rank's descriptor plan (None on the side that does not post)."""
+        cfg = self.config
+        layouts: dict[RemoteRank, PeerLayout | None] = {}
+        assert self.geometry is not None
+        for (pp, tp), md in result.metadata.items():
+            layout = None
+            if self.handshakes_here:
+                remote = RemoteGeometry.from_agent_metadata(
+                    md,
+                    tp_rank=tp,
+                    tp_size=action.expected_tp_size,
+                    pp_rank=pp,
+                    pp_size=action.expected_pp_size,
+                )
+                layout = PeerLayout(self.geometry, remote, mode=cfg.mode, coalesce=cfg.coalesce)
+            layouts[(pp, tp)] = layout
+        return layouts
+
+    def _store_unchanged(self, engine_id: str, used: dict[RemoteRank, bytes]) -> bool:
+        return self._directory is not None and self._directory.unchanged(engine_id, used)
+
+    def _store_handshake(
+        self, engine_id: str, ranks: Sequence[RemoteRank]
+    ) -> tuple[PeerHandshake, dict[RemoteRank, bytes]] | None:
+        """The handshake from the metadata store's cache and the payloads it used; None: go
+        over ZMQ (no store, the store unreachable, or the peer not published: a vLLM peer,
+        a peer without one)."""
+        if self._directory is None:
+            return None
+        cfg = self.config
+        found = self._directory.handshake(
+            engine_id,
+            ranks,
+            local_hash=cfg.local_hash,
+            version=cfg.version,
+            local_factors=cfg.compat,
+            clock=self._clock,
+        )
+        self.metrics.count("store_handshakes" if found is not None else "store_fallbacks")
+        return found
+
+    def _store_changed(self, engine_id: str, rank: RemoteRank, payload: bytes | None) -> None:
+        """The store says a peer rank vanished or now serves other metadata: drop the
+        engine's agents now, so no request reads from them; the next one handshakes anew.
+        A record carrying the very agent we hold (republished after an etcd outage) is
+        no change."""
+        with self._lock:
+            peer = self._engines.get(engine_id)
+            held = peer.ranks.get(rank) if peer is not None else None
+            if self._closed or held is None:
+                return
+            if payload is not None:
+                try:
+                    md = decode_handshake(payload, local_hash=None, version=self.config.version)
+                    if md.agent_metadata == held.blob:
+                        return
+                except WireDecodeError:
+                    pass
+            self.metrics.count("store_peers_dropped")
+            self.log.info(
+                "metadata store: %s rank %s %s; dropping its agents", engine_id, rank,
+                "restarted" if payload is not None else "is gone",
+                extra={"peer": engine_id},
+            )  # fmt: skip
+            self._feed_quietly(PeerLost(engine_id))
+            self._forget_engine(engine_id, evicted=False)
+
+    def peer_agents(self, engine_id: str) -> dict[RemoteRank, str]:
+        """The transport agents this rank holds for a peer engine (empty: none cached)."""
+        with self._lock:
+            peer = self._engines.get(engine_id)
+            return {k: r.agent for k, r in peer.ranks.items()} if peer is not None else {}
 
     def _feed_quietly(self, *events: Event) -> None:
         try:

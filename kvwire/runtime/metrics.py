@@ -89,6 +89,13 @@ class _Totals:
     lease_queries_failed: int = 0
     lease_queries_skipped: int = 0
     """Not sent: one to the engine still out, or an authenticated side channel."""
+    store_handshakes: int = 0
+    """Handshakes served from the metadata store's cache (no ZMQ round trip)."""
+    store_fallbacks: int = 0
+    """Handshakes that went over ZMQ although a store is configured (unreachable, or the
+    peer is not published)."""
+    store_peers_dropped: int = 0
+    """Peer engines whose agents were dropped because the store showed a restart or loss."""
     failures: dict[str, int] = field(default_factory=dict)
     """Failed requests by reason (``RequestFailure.reason``): each request counted once."""
     handshake_failures: dict[str, int] = field(default_factory=dict)
@@ -262,6 +269,13 @@ class Metrics:
             (f"{prefix}_notifications", "counter", "Notifications, by direction.",
              [("_total", {**role, "direction": "sent"}, snap["notifications_sent"]),
               ("_total", {**role, "direction": "received"}, snap["notifications_received"])]),
+            (f"{prefix}_store_handshakes", "counter",
+             "Handshakes with a metadata store configured, by where the metadata came from.",
+             [("_total", {**role, "source": "store"}, snap["store_handshakes"]),
+              ("_total", {**role, "source": "zmq"}, snap["store_fallbacks"])]),
+            (f"{prefix}_store_peers_dropped", "counter",
+             "Peer engines dropped because the metadata store showed a restart or a loss.",
+             [("_total", role, snap["store_peers_dropped"])]),
         ]  # fmt: skip
         return fam
 

@@ -61,6 +61,7 @@ CHALLENGE_BYTES = 40
 MAC_BYTES = 32
 
 _CLIENT_LABEL = b"kvwire-auth-v1 client proof\x00"
+_RECORD_LABEL = b"kvwire-auth-v1 store record\x00"
 _LISTENER_LABEL = b"kvwire-auth-v1 listener answer\x00"
 _RANKS = struct.Struct(">II")
 _CLOCK_LEN = struct.Struct(">I")
@@ -167,6 +168,45 @@ def _xor_keystream(keys: AuthKeys, challenge: bytes, nonce: bytes, data: bytes) 
     stream = hashlib.shake_256(keys.seal + challenge + nonce).digest(len(data))
     mixed = int.from_bytes(data, "little") ^ int.from_bytes(stream, "little")
     return mixed.to_bytes(len(data), "little")
+
+
+# -- records published in a metadata store -------------------------------------------------
+
+
+def _record_binding(key: bytes) -> bytes:
+    """What a store record's keystream and tag are bound to besides its nonce: the key it
+    is published under, so a record copied to another engine's or rank's key fails."""
+    return hashlib.sha256(_RECORD_LABEL + key).digest()
+
+
+def seal_record(secret: bytes, key: bytes, header: bytes, payload: bytes) -> tuple[bytes, bytes]:
+    """``(seal, sealed payload)``: ``seal`` is the fresh nonce followed by the tag.
+
+    The same keys, keystream and encrypt-then-MAC as a handshake answer; the tag covers
+    the key, a fresh nonce, ``header`` (the record's other fields) and the sealed payload."""
+    keys = AuthKeys.derive(secret)
+    nonce = os.urandom(NONCE_BYTES)
+    binding = _record_binding(key)
+    sealed = _xor_keystream(keys, binding, nonce, payload)
+    mac = hmac.new(keys.mac, _RECORD_LABEL + binding + nonce, "sha256")
+    mac.update(_CLOCK_LEN.pack(len(header)) + header + sealed)
+    return nonce + mac.digest(), sealed
+
+
+def open_record(secret: bytes, key: bytes, header: bytes, seal: bytes, sealed: bytes) -> bytes:
+    """The payload of a sealed record, once its tag checks out; HandshakeAuthError if not."""
+    keys = AuthKeys.derive(secret)
+    if len(seal) != NONCE_BYTES + MAC_BYTES:
+        raise HandshakeAuthError("store record is not authenticated (no secret on its publisher?)")
+    nonce, tag = seal[:NONCE_BYTES], seal[NONCE_BYTES:]
+    binding = _record_binding(key)
+    mac = hmac.new(keys.mac, _RECORD_LABEL + binding + nonce, "sha256")
+    mac.update(_CLOCK_LEN.pack(len(header)) + header + sealed)
+    if not hmac.compare_digest(mac.digest(), tag):
+        raise HandshakeAuthError(
+            "store record failed authentication (a different secret, or a tampered record)"
+        )
+    return _xor_keystream(keys, binding, nonce, sealed)
 
 
 # -- the listener's side --------------------------------------------------------------------

@@ -7,7 +7,7 @@ probe`` share one definition of "this peer is who the request said it is".
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from kvwire.errors import HandshakeError, WireDecodeError
@@ -55,39 +55,58 @@ def fetch_agent_metadata(
     ``HandshakeError`` for a refusal, undecodable metadata or the wrong engine.
     """
     replies = client.fetch_payloads(host, port, ranks)
+    decoded, features, lease = decode_peer_payloads(
+        {key: reply.payload for key, reply in replies.replies.items()},
+        where=f"{host}:{port}",
+        local_hash=local_hash,
+        expected_engine_id=expected_engine_id,
+        version=version,
+        local_factors=local_factors,
+    )
+    return PeerHandshake(
+        decoded, replies.clock_offset, replies.best_rtt, replies.attempts, features, lease
+    )
+
+
+def decode_peer_payloads(
+    payloads: Mapping[tuple[int, int], bytes],
+    *,
+    where: str,
+    local_hash: str | None,
+    expected_engine_id: str | None = None,
+    version: int = 13,
+    local_factors: CompatFactors | None = None,
+) -> tuple[dict[tuple[int, int], AnyAgentMetadata], frozenset[str], float | None]:
+    """Every rank's payload through the two-phase decode and the identity check, the
+    features all of them announce and the shortest lease any states: one definition for
+    payloads fetched over ZMQ and payloads read from a metadata store
+    (:mod:`kvwire.sidechannel.store`)."""
     decoded: dict[tuple[int, int], AnyAgentMetadata] = {}
     features: frozenset[str] | None = None
     leases: list[float] = []
-    for key, reply in replies.replies.items():
+    for key, payload in payloads.items():
         try:
             md = decode_handshake(
-                reply.payload,
+                payload,
                 local_hash=local_hash,
                 version=version,
                 local_factors=local_factors,
             )
         except WireDecodeError as exc:
             raise HandshakeError(
-                f"{host}:{port} rank (pp={key[0]}, tp={key[1]}) sent undecodable metadata: {exc}"
+                f"{where} rank (pp={key[0]}, tp={key[1]}) sent undecodable metadata: {exc}"
             ) from exc
         if expected_engine_id is not None and md.engine_id != expected_engine_id:
             raise HandshakeError(
-                f"{host}:{port} is engine {md.engine_id!r}, expected {expected_engine_id!r}"
+                f"{where} is engine {md.engine_id!r}, expected {expected_engine_id!r}"
             )
         decoded[key] = md
         # The envelope decoded again (the metadata inside stays opaque bytes): a handshake
         # happens once per engine, and only a kvwire peer's hello names features.
-        envelope = decode_handshake_payload(reply.payload)
+        envelope = decode_handshake_payload(payload)
         announced = peer_features(envelope)
         features = announced if features is None else features & announced
         lease = peer_lease(envelope)
         if lease is not None:
             leases.append(lease)
-    return PeerHandshake(
-        decoded,
-        replies.clock_offset,
-        replies.best_rtt,
-        replies.attempts,
-        features or frozenset(),
-        min(leases, default=None),
-    )
+    return decoded, features or frozenset(), min(leases, default=None)

@@ -124,6 +124,10 @@ TABLE: list[tuple[str, dict[str, str], str]] = [
     ("sim --seed -1", {}, "--seed must be >= 0"),
     ("sim --faults nope", {}, "nope"),
     # bench
+    ("bench fleet --fleet 3", {}, "--fleet '3': expected PxDxTP"),
+    ("bench fleet --fleet 1x1x3", {}, "TP 1/2/4/8"),
+    ("bench fleet --store redis://h:1", {}, "--store 'redis://h:1': expected etcd://host:port"),
+    ("bench wire --store etcd://h:1", {}, "--fleet and --store are options of the fleet suite"),
     ("bench nope", {}, "unknown bench suite 'nope'"),
     ("bench transport --transport nope", {}, "no transport named 'nope'"),
     ("bench transport --transport os:path", {}, "not a transport factory"),
@@ -166,6 +170,12 @@ TABLE: list[tuple[str, dict[str, str], str]] = [
     ("conformance json:dumps", {}, "not a transport"),
     ("conformance shm -o novalue", {}, "-o wants KEY=VALUE"),
     ("conformance shm -o bogus=1", {}, "unknown option(s) bogus"),
+    # fleet
+    ("fleet", {}, "no metadata store: pass --store etcd://host:port"),
+    ("fleet --store http://h:1", {}, "--store 'http://h:1': expected etcd://host:port"),
+    ("fleet --store etcd://127.0.0.1:1", {}, "etcd at etcd://127.0.0.1:1 unreachable"),
+    ("fleet --store etcd://127.0.0.1:1 --updates 2", {}, "--updates takes a count >= 1"),
+    ("fleet", {"KVWIRE_METADATA_STORE": "etcd://h:x"}, "KVWIRE_METADATA_STORE='etcd://h:x'"),
     # the global options and the configuration file
     ("--log-level loud sim", {}, "argument --log-level: invalid choice: 'LOUD'"),
     ("--config {missing} sim", {}, "cannot read config file"),

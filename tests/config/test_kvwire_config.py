@@ -46,6 +46,8 @@ SAMPLES: dict[str, tuple[str, Any]] = {
     "KVWIRE_RELEASE_RETRY_S": ("2", 2.0),
     "KVWIRE_METRICS_PORT": ("9400", 9400),
     "KVWIRE_LOG_LEVEL": ("debug", "DEBUG"),
+    "KVWIRE_METADATA_STORE": ("etcd://etcd.example:2379/", "etcd://etcd.example:2379"),
+    "KVWIRE_METADATA_STORE_TTL_S": ("30", 30.0),
 }
 
 BAD: dict[str, str] = {
@@ -69,6 +71,8 @@ BAD: dict[str, str] = {
     "KVWIRE_RELEASE_RETRY_S": "never",
     "KVWIRE_METRICS_PORT": "0",
     "KVWIRE_LOG_LEVEL": "loud",
+    "KVWIRE_METADATA_STORE": "redis://cache:6379",
+    "KVWIRE_METADATA_STORE_TTL_S": "1",
 }
 
 
@@ -271,6 +275,8 @@ def test_every_vllm_key_changes_something(tmp_path: Path) -> None:
         "coalesce": False,
         "handshake_timeout": 2,
         "metrics_port": 9400,
+        "metadata_store": "etcd://10.0.0.5:2379",
+        "metadata_store_ttl": 20,
     }
     assert set(samples) == set(VLLM_EXTRA_CONFIG_KEYS)
     for key, value in samples.items():
@@ -317,12 +323,30 @@ def test_unknown_vllm_keys_are_warned_about_with_a_suggestion(
         ("backends", ["UCX", "GDS"]),
         ("backends", []),
         ("num_threads", -1),
+        ("metadata_store", "etcd://host:port"),
     ],
 )
 def test_bad_vllm_values_name_the_key(key: str, value: Any) -> None:
     with pytest.raises(ConfigError) as info:
         cfg(kv_transfer_config={"kv_connector_extra_config": {key: value}})
     assert str(info.value).startswith(f"kv_connector_extra_config[{key!r}]={value!r}: ")
+
+
+@pytest.mark.parametrize(
+    "raw",
+    ["etcd:/h:1", "http://h:2379", "etcd://:2379", "etcd://h:0", "etcd://h:99999", "etcd://u@h:1"],
+)
+def test_a_bad_metadata_store_address_is_one_line(raw: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        cfg(metadata_store=raw)
+    assert str(info.value).startswith(f"metadata_store={raw!r}: expected")
+    assert "\n" not in str(info.value)
+
+
+def test_a_metadata_store_address_is_normalized() -> None:
+    assert cfg(metadata_store="etcd://10.0.0.5").metadata_store == "etcd://10.0.0.5:2379"
+    assert cfg(metadata_store="ETCD://[::1]:2380").metadata_store == "etcd://[::1]:2380"
+    assert cfg(metadata_store="").metadata_store is None
 
 
 def test_as_env_reproduces_the_configuration() -> None:
