@@ -74,9 +74,10 @@ class KVWireMetadata(KVConnectorMetadata):  # type: ignore[misc]
 
     to_send: dict[str, tuple[BlockIds, int]] = field(default_factory=dict)
     """P: requests whose blocks to hold for consumers, with their token counts."""
-    to_recv: dict[str, tuple[dict[str, Any], BlockIds]] = field(default_factory=dict)
-    """D: requests to fetch, with P's params and the local blocks to fill (may be empty:
-    a full local prefix hit still tells P it may free)."""
+    to_recv: dict[str, tuple[dict[str, Any], BlockIds, int | None]] = field(default_factory=dict)
+    """D: requests to fetch, with P's params, the local blocks to fill (may be empty: a full
+    local prefix hit still tells P it may free) and the prompt's length (which places the
+    lists when P's blocks are larger than ours and P's params do not carry it)."""
     to_abort: list[str] = field(default_factory=list)
     started: list[str] = field(default_factory=list)
     """P: requests scheduled for prefill; their producer knows them from here (an abort
@@ -202,7 +203,8 @@ class _SchedulerSide:
         if num_external_tokens > 0:
             local = [list(g) for g in blocks.get_unhashed_block_ids_all_groups()]
             self.loading.add(request.request_id)
-        self.meta.to_recv[request.request_id] = (dict(params), local)
+        prompt = int(request.num_prompt_tokens) or None
+        self.meta.to_recv[request.request_id] = (dict(params), local, prompt)
         params["do_remote_prefill"] = False  # one transfer per request
 
     def request_finished(
@@ -222,7 +224,7 @@ class _SchedulerSide:
             return False, None
         if params.get("do_remote_prefill"):
             # D: never allocated (aborted while queued): P must still free its blocks.
-            self.meta.to_recv[rid] = (dict(params), [])
+            self.meta.to_recv[rid] = (dict(params), [], None)
             params["do_remote_prefill"] = False
             return False, None
         if not params.get("do_remote_decode"):
@@ -322,8 +324,8 @@ class _WorkerSide:
             for rid in meta.to_abort:
                 self.producer.abort(rid)
         if self.consumer is not None:
-            for rid, (params, local) in meta.to_recv.items():
-                self.consumer.add_request(rid, params, local)
+            for rid, (params, local, prompt) in meta.to_recv.items():
+                self.consumer.add_request(rid, params, local, num_tokens=prompt)
                 if local:
                     self.recving.add(rid)
             for rid in meta.to_abort:
