@@ -28,6 +28,7 @@ import numpy as np
 from kvwire_shm import ShmTransport
 from kvwire_shm import transport as shm
 from kvwire_shm._cma import IOV_MAX
+from kvwire_shm._executor import Split
 from kvwire_shm._memcopy import GATHER_BELOW
 from kvwire_shm._tables import CMA, MAPPED
 
@@ -450,6 +451,24 @@ class _OnlyFirstBatch(ShmTransport):
         return ShmTransport._plan(request, write)[:1]
 
 
+class _ReadDoneBeforeLastChunk(ShmTransport):
+    """Ends a READ (DONE, notification sent) when all but its last chunk are copied, and
+    copies that one afterwards: the finish callback and the last chunk swapped."""
+
+    def _start(self, xfer: Any, *args: Any) -> Any:
+        split = super()._start(xfer, *args)
+        if split is None or xfer.write or len(split.chunks) < 2:
+            return split
+        *first, last = split.chunks
+        finish = split.finish
+
+        def finish_then_copy_last(error: BaseException | None) -> None:
+            finish(error)
+            last()
+
+        return Split(first, finish_then_copy_last, shared=split.shared)
+
+
 class _DeadMappedPeerStillDone(ShmTransport):
     """Only watches peers it reaches by syscall: mapped memory 'still works'."""
 
@@ -637,6 +656,13 @@ _LIBRARY: list[tuple[str, str, str, str, type[Any]]] = [
         "turns FAILED into DONE",
         "test_transfers_to_a_dead_peer_fail",
         _FailureReportedAsDone,
+    ),
+    (
+        "read_done_before_last_chunk",
+        _DONE,
+        "shm: a READ is DONE, its notification sent, before its last chunk is copied",
+        "test_a_read_is_done_only_after_its_last_byte",
+        _ReadDoneBeforeLastChunk,
     ),
     (
         "dead_mapped_peer_still_done",

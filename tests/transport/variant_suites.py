@@ -23,6 +23,8 @@ NEED_FULL_REGIONS = {
     "test_write_notification_arrives_after_its_data",
     "test_read_notification_arrives_after_its_data",
     "test_release_of_a_running_transfer",
+    "test_a_read_is_done_only_after_its_last_byte",
+    "test_a_read_notification_follows_its_last_byte",
 }
 """Catching tests whose transfers need the suite's full 32 MiB regions."""
 

@@ -1,0 +1,163 @@
+"""Completion and notification after the data, checked by construction, not by luck.
+
+A READ lands in memory the suite holds back (:mod:`kvwire_conformance.gate`): the first
+write into each page of its destination waits in the kernel until the test lets it go,
+and the test lets go only of writes it saw *before* a poll that answered PENDING. So
+while the test holds a write, the bytes behind it have not landed, and a transfer that
+polls DONE then (or whose notification has reached the peer then) is caught on every run,
+however fast the adapter copies. The bytes are checked the moment DONE is first seen.
+
+What this cannot see: a completion early by less than the page its last writer is inside,
+and a notification that is still on its way when the test releases a page (the peer is
+asked at every held page; an adapter that sends the notification together with an early
+DONE is caught by the DONE). Where the host cannot hold writes (no ``userfaultfd``), the
+tests report the check as not made, which fails the run unless unchecked claims are
+accepted (:mod:`kvwire_conformance.report`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+
+from kvwire.errors import TransportError
+from kvwire.transport import XferState, region_of_array
+from kvwire_conformance import memory
+from kvwire_conformance.base import SuiteBase
+from kvwire_conformance.capabilities import capability
+from kvwire_conformance.extras import failure_reason
+from kvwire_conformance.gate import Gate, GateUnavailable, open_gate
+from kvwire_conformance.link import Link, assert_bytes, seed
+from kvwire_conformance.memory import I64, U8
+from kvwire_conformance.report import UNCHECKED
+
+GATED_BYTES = 8 << 20
+"""The held destination: large enough that an adapter splits a READ into several chunks."""
+SPANS = 12
+SPAN_BYTES = 512 << 10
+"""One gated READ: 6 MiB in spans the adapter may copy in any order or at once."""
+ROUNDS = 3
+"""Gated READs per test, each over other spans: each is a deterministic check; several
+vary which chunk, thread and descriptor comes last."""
+
+
+@dataclass
+class Seen:
+    """What the test saw at the one moment it checks: the state, the pages still held,
+    and the destination's bytes, copied then."""
+
+    what: str
+    held: int
+    data: U8
+
+
+class OrderingTests(SuiteBase):
+    """DONE, and a READ's notification, come only after the last byte landed."""
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def gate(cls, link: Link) -> Iterator[Gate | str]:
+        """The held destination, registered with this agent; a string saying why not."""
+        try:
+            gate = open_gate(GATED_BYTES)
+        except GateUnavailable as exc:
+            yield f"{UNCHECKED} ordering by construction: {exc}"
+            return
+        handle: object = None
+        try:
+            handle = link.local.register([region_of_array(gate.array)])
+            yield gate
+        finally:
+            gate.open()
+            if handle is not None:
+                with contextlib.suppress(TransportError):
+                    link.local.deregister(handle)
+            gate.close()
+
+    @capability("read", "dram")
+    def test_a_read_is_done_only_after_its_last_byte(self, link: Link, gate: Gate | str) -> None:
+        for round_ in range(ROUNDS):
+            self._gated_read(link, _usable(gate), None, f"done{round_}")
+
+    @capability("notifications", "read", "dram")
+    def test_a_read_notification_follows_its_last_byte(self, link: Link, gate: Gate | str) -> None:
+        for round_ in range(ROUNDS):
+            note = f"conformance:gated:{uuid.uuid4().hex}".encode()
+            self._gated_read(link, _usable(gate), note, f"note{round_}")
+
+    def _gated_read(self, link: Link, gate: Gate, note: bytes | None, tag: str) -> None:
+        pr = link.peer_regions["numpy"]
+        rng = np.random.default_rng(seed("gated", tag))
+        lengths = np.full(SPANS, SPAN_BYTES, dtype=np.int64)
+        loff = memory.place(rng, gate.nbytes, lengths)
+        roff = memory.place(rng, pr.nbytes, lengths)
+        src = seed("gated-src", tag)
+        link.peer.fill(pr.addr, pr.nbytes, src)
+        link.peer.drain()
+        expected = memory.gather(memory.cached_pattern(src, pr.nbytes), roff, lengths)
+        gate.open()
+        gate.array[:] = 0
+        gate.protect(loff, lengths)
+        handle = link.local.read(
+            link.peer_name,
+            memory.descs(gate.addr, loff, lengths),
+            memory.descs(pr.addr, roff, lengths),
+            note,
+        )
+        try:
+            done, noticed = self._watch(link, gate, handle, note, loff, lengths)
+        finally:
+            gate.open()
+        if gate.stalled():
+            pytest.skip(
+                f"{UNCHECKED} ordering by construction: a writer held the test's thread "
+                "(the GIL?) while it waited on the held memory"
+            )
+        where = np.cumsum(lengths) - lengths
+        for seen in (noticed, done):
+            if seen is None:
+                continue
+            assert not seen.held, (
+                f"{seen.what} while {seen.held} page(s) of the READ's destination were still "
+                "held back by the suite: the data had not landed"
+            )
+            assert_bytes(seen.data, expected, where, lengths, f"READ data when {seen.what}")
+        if note is not None and noticed is None:
+            got = link.peer.drain(at_least=1, timeout=self.timeout)
+            assert note in [m for _, m in got], "the READ's notification never reached the peer"
+        link.local.release(handle)
+
+    def _watch(
+        self, link: Link, gate: Gate, handle: object, note: bytes | None, loff: I64, lengths: I64
+    ) -> tuple[Seen, Seen | None]:
+        """Poll until the READ ends, releasing held writes only after a PENDING poll; the
+        first time the notification is at the peer, and when DONE shows, look at once."""
+        noticed: Seen | None = None
+        while True:
+            mark = gate.recorded()
+            state = link.local.poll(handle)
+            if state is not XferState.PENDING:
+                held = gate.held()
+                data = memory.gather(gate.array, loff, lengths)
+                assert state is XferState.DONE, (
+                    f"a gated READ ended {state.name}{failure_reason(link.local, handle)}"
+                )
+                return Seen("the READ polled DONE", held, data), noticed
+            asked = note is not None and noticed is None and gate.held()
+            if asked and note in [m for _, m in link.peer.drain()]:
+                held = gate.held()
+                data = memory.gather(gate.array, loff, lengths)
+                noticed = Seen("its notification reached the peer", held, data)
+            gate.release(mark)
+            gate.wait_fault(0.002)
+
+
+def _usable(gate: Gate | str) -> Gate:
+    if isinstance(gate, str):
+        pytest.skip(gate)
+    return gate
