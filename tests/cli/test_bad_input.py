@@ -160,6 +160,7 @@ TABLE: list[tuple[str, dict[str, str], str]] = [
     ("conformance json:dumps", {}, "not a transport"),
     ("conformance shm -o novalue", {}, "-o wants KEY=VALUE"),
     ("conformance shm -o bogus=1", {}, "unknown option(s) bogus"),
+    ("conformance shm --accept-unchecked=yes", {}, "--accept-unchecked: ignored explicit argument"),
     # the global options and the configuration file
     ("--log-level loud sim", {}, "argument --log-level: invalid choice: 'LOUD'"),
     ("--config {missing} sim", {}, "cannot read config file"),

@@ -139,15 +139,22 @@ def test_a_hanging_close_fails_within_the_timeout_naming_the_test() -> None:
     assert took < 4 * HANG_TIMEOUT_S + 30, f"the run took {took:.0f} s"
 
 
-def test_a_vram_claim_is_checked_or_reported_unchecked() -> None:
+def test_an_unchecked_vram_claim_fails_unless_accepted() -> None:
     torch = pytest.importorskip("torch")
     code, report, _ = _conformance("kvwire_broken_shm:claims_vram", "-k", "vram")
     (entry,) = report["tests"]
     if torch.cuda.is_available():
         assert entry["outcome"] == "failed" and code == 1
-    else:
-        assert entry["outcome"] == "unchecked", entry
-        assert entry["detail"].startswith("could not check")
+        return
+    assert entry["outcome"] == "unchecked", entry
+    assert entry["detail"].startswith("could not check")
+    assert code == 1 and not report["passed"], "an unchecked claim passed without the option"
+    assert [c["claim"] for c in report["unchecked"]] == ["vram"]
+    code, report, _ = _conformance(
+        "kvwire_broken_shm:claims_vram", "-k", "vram", "--accept-unchecked"
+    )
+    assert code == 0 and report["passed"] and report["accepted_unchecked"], report
+    assert [c["claim"] for c in report["unchecked"]] == ["vram"], "accepted but not named"
 
 
 def test_injected_duplicate_notifications_fail_the_suite() -> None:
