@@ -63,11 +63,13 @@ class _Agent:
             return {"name": t.name, "pid": os.getpid(), "ordered": caps.ordered_notifications}
         if isinstance(req, p.Alloc):
             array = memory.allocate(req.allocator, req.nbytes)
-            handle = t.register([region_of_array(array)])
+            registered = array[: req.register] if req.register else array
+            handle = t.register([region_of_array(registered)])
             rid = self._id()
             self.arrays[rid] = array
             self.handles[rid] = handle
-            return {"region": rid, "addr": int(array.ctypes.data), "nbytes": int(array.nbytes)}
+            nbytes = int(registered.nbytes)
+            return {"region": rid, "addr": int(array.ctypes.data), "nbytes": nbytes}
         if isinstance(req, p.Deregister):
             t.deregister(self.handles.pop(req.region))
             return None

@@ -16,8 +16,13 @@ class Hello(msgspec.Struct, tag=True):
 
 
 class Alloc(msgspec.Struct, tag=True):
+    """Allocate ``nbytes`` and register them, or only the first ``register`` bytes when it
+    is set: the rest stays mapped, so a descriptor past the region's end reaches memory
+    (an adapter that skips its bound check then moves bytes instead of faulting)."""
+
     nbytes: int
     allocator: str = "numpy"
+    register: int = 0
 
 
 class Deregister(msgspec.Struct, tag=True):

@@ -30,7 +30,7 @@ from kvwire_shm import transport as shm
 from kvwire_shm._cma import IOV_MAX
 from kvwire_shm._executor import Split
 from kvwire_shm._memcopy import GATHER_BELOW
-from kvwire_shm._tables import CMA, MAPPED
+from kvwire_shm._tables import CMA, MAPPED, Row, Table
 
 from kvwire.errors import PeerMetadataError, RegistrationError
 from kvwire.testing.faulty_transport import DelegatingTransport
@@ -480,6 +480,38 @@ class _DeadMappedPeerStillDone(ShmTransport):
         return name
 
 
+class _StartOnlyTable(Table):
+    """The one-region fast path of the lookup compares a descriptor's start only."""
+
+    def find(self, addr: int, length: int) -> int:
+        if self._one is not None:
+            return 0 if addr >= self._one[0] else -1
+        return super().find(addr, length)
+
+    def locate(self, descs: Descs, side: str) -> Any:
+        if self._one is not None and descs.shape[0] and int(descs[:, 0].min()) >= self._one[0]:
+            return np.zeros(descs.shape[0], dtype=np.int64)
+        return super().locate(descs, side)
+
+
+class _OneRegionEndUnchecked(ShmTransport):
+    """Looks up a peer's descriptors in a :class:`_StartOnlyTable`."""
+
+    def add_peer(self, blob: bytes) -> str:
+        name = super().add_peer(blob)
+        peer = self._peers[name]
+        table = peer.table
+        rows = [
+            Row(int(a), int(e - a), int(d), int(k), int(r), int(delta))
+            for a, e, d, k, r, delta in zip(
+                table.starts, table.ends, table.devs, table.kinds, table.routes, table.deltas,
+                strict=True,
+            )
+        ]  # fmt: skip
+        peer.table = _StartOnlyTable(rows)
+        return name
+
+
 class _ReleaseKeepsRecords(ShmTransport):
     def release(self, handle: object) -> None:
         self._check_open()
@@ -803,6 +835,13 @@ _LIBRARY: list[tuple[str, str, str, str, type[Any]]] = [
         "shm: an unknown peer name raises KeyError",
         "test_bad_descriptors_are_a_transport_error",
         _UnknownPeerKeyError,
+    ),
+    (
+        "one_region_end_unchecked",
+        _ERR,
+        "shm: a peer's only region is bounded at its start, not its end",
+        "test_bad_descriptors_are_a_transport_error",
+        _OneRegionEndUnchecked,
     ),
     (
         "wait_sleeps_whole_seconds",
