@@ -19,6 +19,7 @@ import itertools
 import math
 import os
 import struct
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -51,6 +52,8 @@ class Variant:
     """``kvwire conformance --timeout`` for its run (short for a variant that hangs)."""
     inners: tuple[str, ...] = ("shm",)
     """The adapters it runs over (a wrapper: every one its catching test can reach)."""
+    module: str = "kvwire_broken_shm"
+    """The module its factory is loaded from (``module:name``)."""
 
 
 # -- wrappers: bugs independent of the adapter -------------------------------------------
@@ -586,11 +589,28 @@ def _wrapper(cls: type[DelegatingTransport]) -> Callable[..., Transport]:
     return make
 
 
-def _subclass(cls: type[ShmTransport]) -> Callable[..., Transport]:
+def _subclass(cls: type[Any]) -> Callable[..., Transport]:
     def make(name: str, **options: Any) -> Transport:
-        return cls(name, **options)
+        agent: Transport = cls(name, **options)
+        return agent
 
     return make
+
+
+def adapter_variants(
+    entries: Sequence[tuple[str, str, str, str, type[Any]]], inner: str, module: str
+) -> dict[str, Variant]:
+    """The variants of one adapter's library (subclasses of ``inner``'s agent class), each
+    factory also set as ``module.NAME`` so ``module:NAME`` loads it."""
+    out: dict[str, Variant] = {}
+    namespace = sys.modules[module].__dict__
+    for name, section, breaks, test, cls in entries:
+        make = _subclass(cls)
+        out[name] = Variant(
+            name, section, breaks, test, make, False, inners=(inner,), module=module
+        )
+        namespace[name] = make
+    return out
 
 
 _MOVE = "Moving bytes"
