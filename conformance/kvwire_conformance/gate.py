@@ -53,7 +53,7 @@ RING = 1 << 16
 """Faults the shared page records; the keeper lets any beyond it through at once."""
 HEADER = 5
 """u64 words before the ring: recorded, stalled, heartbeat, test thread id, released."""
-STALL_S = 5.0
+STALL_S = 20.0
 """How long the keeper waits for a test whose heartbeat stopped while it holds faults
 before letting every writer through (a writer holding the GIL blocks the test's thread);
 the test then reports the check as not made, never as passed."""

@@ -6,6 +6,13 @@ JSON when it parses). The suite runs in a pytest subprocess, with the transport'
 agents in separate processes; the exit status is nonzero when any test failed, or when a
 claim could not be checked on this host (VRAM without a GPU, ordering without
 ``userfaultfd``) unless ``--accept-unchecked`` lets it pass; the report names each one.
+
+Does the suite catch bugs in your adapter? Write broken variants of it: a module
+``kvwire_broken_<transport>.py`` of subclasses of your agent class, one plausible bug
+each, listed as ``(name, section, what it breaks, catching test, class)`` and turned into
+``VARIANTS`` by ``adapter_variants``; run one with ``kvwire conformance
+kvwire_broken_<transport>:NAME -k TEST`` (it must FAIL), all of them many times with
+``scripts/teeth_repeat.py``. docs/writing-a-transport.md section 8 walks through it.
 """
 
 from __future__ import annotations
