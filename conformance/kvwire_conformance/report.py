@@ -15,8 +15,7 @@ from typing import Any
 
 import pytest
 
-from kvwire_conformance.capabilities import declared
-from kvwire_conformance.plugin import UNCHECKED
+from kvwire_conformance.capabilities import UNCHECKED, declared
 
 __all__ = ["UNCHECKED", "UNFINISHED", "Recorder"]
 UNFINISHED = "unfinished"

@@ -458,9 +458,11 @@ class _ReadDoneBeforeLastChunk(ShmTransport):
     """Ends a READ (DONE, notification sent) when all but its last chunk are copied, and
     copies that one afterwards: the finish callback and the last chunk swapped."""
 
+    WRITE = False
+
     def _start(self, xfer: Any, *args: Any) -> Any:
         split = super()._start(xfer, *args)
-        if split is None or xfer.write or len(split.chunks) < 2:
+        if split is None or xfer.write != self.WRITE or len(split.chunks) < 2:
             return split
         *first, last = split.chunks
         finish = split.finish
@@ -495,6 +497,12 @@ class _StartOnlyTable(Table):
         if self._one is not None and descs.shape[0] and int(descs[:, 0].min()) >= self._one[0]:
             return np.zeros(descs.shape[0], dtype=np.int64)
         return super().locate(descs, side)
+
+
+class _WriteDoneBeforeLastChunk(_ReadDoneBeforeLastChunk):
+    """The same swap, in a WRITE."""
+
+    WRITE = True
 
 
 class _OneRegionEndUnchecked(ShmTransport):
@@ -715,6 +723,13 @@ _LIBRARY: list[tuple[str, str, str, str, type[Any]]] = [
         "shm: a READ is DONE, its notification sent, before its last chunk is copied",
         "test_a_read_is_done_only_after_its_last_byte",
         _ReadDoneBeforeLastChunk,
+    ),
+    (
+        "write_done_before_last_chunk",
+        _DONE,
+        "shm: a WRITE is DONE, its notification sent, before its last chunk is copied",
+        "test_a_write_is_done_only_after_its_last_byte",
+        _WriteDoneBeforeLastChunk,
     ),
     (
         "dead_mapped_peer_still_done",

@@ -1,5 +1,5 @@
 """The suite's write gate holds writes back until the test lets them through, and never
-holds the test's own thread (kvwire_conformance.gate)."""
+holds the test's own thread (kvwire.peer.gate)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
-from kvwire_conformance.gate import PAGE, Gate, GateUnavailable, open_gate
+
+from kvwire.peer.gate import PAGE, Gate, GateUnavailable, open_gate
 
 
 @pytest.fixture

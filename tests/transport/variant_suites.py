@@ -25,6 +25,8 @@ NEED_FULL_REGIONS = {
     "test_release_of_a_running_transfer",
     "test_a_read_is_done_only_after_its_last_byte",
     "test_a_read_notification_follows_its_last_byte",
+    "test_a_write_is_done_only_after_its_last_byte",
+    "test_a_write_notification_follows_its_last_byte",
 }
 """Catching tests whose transfers need the suite's full 32 MiB regions."""
 

@@ -1,8 +1,9 @@
-"""The keeper process of a :class:`~kvwire_conformance.gate.Gate` (stdlib only).
+"""The keeper process of a :class:`~kvwire.peer.gate.Gate`.
 
-``python -m kvwire_conformance._gatekeeper UFFD SHARED WAKE STOP``: reads the write faults
+``python -m kvwire.peer._gatekeeper UFFD SHARED WAKE STOP``: reads the write faults
 of the gated memory from the userfaultfd ``UFFD``; lets one by the test's own thread
-through at once; records every other one in the shared page (``SHARED``) and writes a
+through at once (and one of the thread named in word 5, for a gate in a peer process);
+records every other one in the shared page (``SHARED``) and writes a
 byte to ``WAKE``, leaving the release to the test. If the test's heartbeat stops for
 ``STALL_S`` while faults are held, it lets every writer through and says so in the shared
 page. Exits when ``STOP`` reaches end of file (the gate closed, or the test died).
@@ -21,7 +22,7 @@ import struct
 import sys
 import time
 
-from kvwire_conformance.gate import HEADER, PAGE, RING, STALL_S, ioctl_wp
+from kvwire.peer.gate import HEADER, PAGE, RING, STALL_S, ioctl_wp
 
 UFFD_EVENT_PAGEFAULT = 0x12
 MSG_BYTES = 32
@@ -59,7 +60,7 @@ def _read_faults(uffd: int, words: memoryview, test_tid: int, wake: int) -> None
             _flags, address, tid = struct.unpack_from("QQI", msg, at + 8)
             page = address - address % PAGE
             count = int(words[0])
-            if tid == test_tid or count >= RING or words[1]:
+            if tid in (test_tid, words[5]) or count >= RING or words[1]:
                 ioctl_wp(uffd, page, PAGE, protect=False)
                 continue
             words[HEADER + count] = page

@@ -9,7 +9,11 @@ one, stops in the kernel until the test releases that page. The test releases on
 faults it had seen *before* a poll that answered PENDING, so while it holds one, the bytes
 behind it cannot have landed and a transfer that polls DONE then has lied, on every run.
 
-The faults are read by a keeper *process* (:mod:`kvwire_conformance._gatekeeper`), never a
+The conformance suite gates a READ's destination in its own process, and a WRITE's in the
+peer agent process (:mod:`kvwire.peer.process`, the ``Gate*`` commands), where the gate's
+owner thread is the peer's command loop.
+
+The faults are read by a keeper *process* (:mod:`kvwire.peer._gatekeeper`), never a
 thread of this one: a writer that stops in a fault while holding the GIL must not stop the
 code that would release it. The keeper lets a fault by the test's own thread through at
 once (a transport that copies inside ``read`` or ``poll`` must not wait on itself) and
@@ -34,7 +38,7 @@ import threading
 
 import numpy as np
 
-from kvwire_conformance.memory import I64, U8
+from kvwire.peer.memory import I64, U8
 
 PAGE = mmap.PAGESIZE
 SYS_USERFAULTFD = {"x86_64": 323, "aarch64": 282}
@@ -51,8 +55,9 @@ MADV_NOHUGEPAGE = 15
 
 RING = 1 << 16
 """Faults the shared page records; the keeper lets any beyond it through at once."""
-HEADER = 5
-"""u64 words before the ring: recorded, stalled, heartbeat, test thread id, released."""
+HEADER = 6
+"""u64 words before the ring: recorded, stalled, heartbeat, owner thread id, released,
+and one more thread id let through (the commander's, for a gate in a peer process)."""
 STALL_S = 20.0
 """How long the keeper waits for a test whose heartbeat stopped while it holds faults
 before letting every writer through (a writer holding the GIL blocks the test's thread);
@@ -117,7 +122,7 @@ class Gate:
             stop_r, self._stop_w = os.pipe2(os.O_CLOEXEC)
             fds = (self._fd, shared_fd, wake_w, stop_r)
             self._keeper = subprocess.Popen(
-                [sys.executable, "-m", "kvwire_conformance._gatekeeper", *map(str, fds)],
+                [sys.executable, "-m", "kvwire.peer._gatekeeper", *map(str, fds)],
                 pass_fds=fds,
             )
             for fd in (shared_fd, wake_w, stop_r):
@@ -144,6 +149,12 @@ class Gate:
         self._beat += 1
         self._words[2] = self._beat  # the heartbeat the keeper watches
         return int(self._words[0])
+
+    def let_through(self, tid: int) -> None:
+        """Never hold thread ``tid`` either (any process's): a gate in a peer process must
+        not hold the commanding test's own thread, which may write into it from inside
+        ``write`` or ``poll`` (cross-memory attach) and would then never poll again."""
+        self._words[5] = tid
 
     def held(self) -> int:
         """Writers waiting on this gate now (recorded and not yet released)."""
