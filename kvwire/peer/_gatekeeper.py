@@ -22,7 +22,7 @@ import struct
 import sys
 import time
 
-from kvwire.peer.gate import HEADER, PAGE, RING, STALL_S, ioctl_wp
+from kvwire.peer.gate import HEADER, PAGE, PASSED, RING, STALL_S, ioctl_wp
 
 UFFD_EVENT_PAGEFAULT = 0x12
 MSG_BYTES = 32
@@ -42,10 +42,21 @@ def main(argv: list[str]) -> int:
             _read_faults(uffd, words, test_tid, wake)
         if words[2] != beat:
             beat, beat_at = words[2], time.monotonic()
-        elif words[0] > words[4] and time.monotonic() - beat_at > STALL_S and not words[1]:
-            words[1] = 1  # the test's thread is stuck: let every writer go
-            for i in range(min(int(words[0]), RING)):
-                ioctl_wp(uffd, int(words[HEADER + i]), PAGE, protect=False)
+        elif time.monotonic() - beat_at > STALL_S and not words[1] and _holding(words):
+            _give_up(uffd, words)  # the test's thread is stuck: let every writer go
+
+
+def _holding(words: memoryview) -> bool:
+    """Whether a recorded fault waits for the test (not released, not let through)."""
+    count = min(int(words[0]), RING)
+    return any(not words[HEADER + i] & PASSED for i in range(int(words[4]), count))
+
+
+def _give_up(uffd: int, words: memoryview) -> None:
+    """Let every recorded writer through and say so: the test reports no check made."""
+    words[1] = 1
+    for i in range(min(int(words[0]), RING)):
+        ioctl_wp(uffd, int(words[HEADER + i]) & ~PASSED, PAGE, protect=False)
 
 
 def _read_faults(uffd: int, words: memoryview, test_tid: int, wake: int) -> None:
@@ -60,11 +71,18 @@ def _read_faults(uffd: int, words: memoryview, test_tid: int, wake: int) -> None
             _flags, address, tid = struct.unpack_from("QQI", msg, at + 8)
             page = address - address % PAGE
             count = int(words[0])
-            if tid in (test_tid, words[5]) or count >= RING or words[1]:
+            if count >= RING:
+                _give_up(uffd, words)
+            if words[1]:
                 ioctl_wp(uffd, page, PAGE, protect=False)
                 continue
-            words[HEADER + count] = page
+            passed = tid in (test_tid, words[5])
+            # Recorded before the writer can go on: once it does, its thread (the test's)
+            # may see the transfer DONE and count the page, which must be known let through.
+            words[HEADER + count] = page | (PASSED if passed else 0)
             words[0] = count + 1
+            if passed:
+                ioctl_wp(uffd, page, PAGE, protect=False)
             with contextlib.suppress(BlockingIOError):
                 os.write(wake, b"!")
 

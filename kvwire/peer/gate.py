@@ -54,7 +54,10 @@ UFFD_FEATURE_THREAD_ID = 1 << 8
 MADV_NOHUGEPAGE = 15
 
 RING = 1 << 16
-"""Faults the shared page records; the keeper lets any beyond it through at once."""
+"""Faults the shared page records; beyond it the keeper lets every writer through and
+reports a stall (the check is then not made)."""
+PASSED = 1
+"""Set in a recorded page address the keeper let through itself (an owner's fault)."""
 HEADER = 6
 """u64 words before the ring: recorded, stalled, heartbeat, owner thread id, released,
 and one more thread id let through (the commander's, for a gate in a peer process)."""
@@ -131,7 +134,10 @@ class Gate:
             self.close()
             raise
         self._released = 0
+        self._seen = 0
         self._beat = 0
+        self._protected: set[int] = set()
+        """Pages whose first write has not been let through (what :meth:`held` counts)."""
 
     # -- what the test does ------------------------------------------------------------
 
@@ -143,6 +149,7 @@ class Gate:
             first.tolist(), last.tolist(), strict=True)]))  # fmt: skip
         for start, stop in _runs(pages):
             ioctl_wp(self._fd, self.addr + start, stop - start, protect=True)
+        self._protected.update((self.addr + pages).tolist())
 
     def recorded(self) -> int:
         """Faults the keeper has recorded (and holds, until released) so far."""
@@ -157,8 +164,18 @@ class Gate:
         self._words[5] = tid
 
     def held(self) -> int:
-        """Writers waiting on this gate now (recorded and not yet released)."""
-        return max(0, int(self._words[0]) - self._released)
+        """Protected pages whose first write has not been let through: writers waiting on
+        the gate, or writes that have not even started. A transfer that is DONE, or
+        notified, while one of its pages is held has not landed all its bytes. (Counting
+        pages, not fault messages, leaves out a second writer's message for a page
+        already released.)"""
+        count = min(int(self._words[0]), RING)
+        for i in range(self._seen, count):
+            entry = int(self._words[HEADER + i])
+            if entry & PASSED:  # the keeper let it through itself
+                self._protected.discard(entry - PASSED)
+        self._seen = max(self._seen, count)
+        return len(self._protected)
 
     def stalled(self) -> bool:
         """Whether the keeper had to let writers through itself (see :data:`STALL_S`)."""
@@ -169,7 +186,9 @@ class Gate:
         upto = min(upto, RING)
         for i in range(self._released, upto):
             page = int(self._words[HEADER + i])
-            ioctl_wp(self._fd, page, PAGE, protect=False)
+            if not page & PASSED and page in self._protected:
+                ioctl_wp(self._fd, page, PAGE, protect=False)
+                self._protected.discard(page)
         self._released = max(self._released, upto)
         self._words[4] = self._released
 
@@ -185,7 +204,8 @@ class Gate:
     def open(self) -> None:
         """Protect nothing any more: every waiting writer goes on, and no new one waits."""
         ioctl_wp(self._fd, self.addr, self.nbytes, protect=False)
-        self._released = int(self._words[0])
+        self._protected.clear()
+        self._released = self._seen = min(int(self._words[0]), RING)
         self._words[4] = self._released
 
     def close(self) -> None:

@@ -42,13 +42,14 @@ def test_a_write_by_another_thread_waits_until_released(gate: Gate) -> None:
         if mark > released:
             # Held: the page the writer is in has not been written, nor any after it.
             assert not landed.is_set()
-            assert gate.held() == mark - released
+            assert gate.held() == 3 - released  # pages not yet let through
             assert (gate.array[5 * PAGE + 5 :] == 0).all()
             gate.release(mark)
             released = mark
         gate.wait_fault(0.01)
     writer.join()
     assert released == 3, "each protected page held its first write once"
+    assert gate.held() == 0
     assert (gate.array[3 * PAGE + 5 : 5 * PAGE + 5] == 9).all()
     assert not gate.stalled()
 
@@ -57,7 +58,8 @@ def test_the_test_thread_is_never_held(gate: Gate) -> None:
     gate.protect(np.array([0]), np.array([4 * PAGE]))
     gate.array[: 4 * PAGE] = 7  # would deadlock if held
     assert (gate.array[: 4 * PAGE] == 7).all()
-    assert gate.recorded() == 0
+    assert gate.recorded() == 4, "each page's first write was seen"
+    assert gate.held() == 0, "and let through at once"
 
 
 def test_open_lets_every_waiting_writer_through(gate: Gate) -> None:
