@@ -24,6 +24,7 @@ _EXPORTS = {
     "SuiteBase": "kvwire_conformance.base",
     "TransferTests": "kvwire_conformance.transfers",
     "NotificationTests": "kvwire_conformance.notifications",
+    "OrderingTests": "kvwire_conformance.ordering",
     "LifecycleTests": "kvwire_conformance.lifecycle",
     "RegistrationTests": "kvwire_conformance.registration",
     "FailureTests": "kvwire_conformance.failures",

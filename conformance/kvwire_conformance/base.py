@@ -32,7 +32,15 @@ import pytest
 from kvwire.errors import TransportError
 from kvwire.peer import protocol as p
 from kvwire.peer.agent import PeerAgent
-from kvwire.transport import MemKind, XferState, create, load, region_of_array
+from kvwire.transport import (
+    MemKind,
+    Transport,
+    XferState,
+    create,
+    load,
+    region_of_array,
+    wait_for,
+)
 from kvwire_conformance import memory
 from kvwire_conformance.capabilities import declared, missing
 from kvwire_conformance.extras import declared_allocators
@@ -138,18 +146,22 @@ class SuiteBase:
 
     # -- helpers ----------------------------------------------------------------------
 
-    def expect_rejected(self, link: Link, post: Callable[[], object], what: str) -> None:
-        """A bad post must raise TransportError or end FAILED: never DONE, crash or hang."""
+    def expect_rejected(
+        self, link: Link, post: Callable[[], object], what: str, agent: Transport | None = None
+    ) -> None:
+        """A bad post must raise TransportError or end FAILED: never DONE, crash or hang.
+        ``agent``: the one that posted, when not the link's."""
         try:
             handle = post()
         except TransportError:
             return
         except Exception as exc:
             pytest.fail(f"{what}: raised {type(exc).__name__} ({exc}), not a TransportError")
-        state = link.wait(handle)
+        poster = link.local if agent is None else agent
+        state = link.wait(handle) if agent is None else wait_for(poster, handle, link.timeout)
         assert state is XferState.FAILED, f"{what}: the transfer ended {state.name}, not FAILED"
         with contextlib.suppress(TransportError):
-            link.local.release(handle)
+            poster.release(handle)
 
     def roundtrip(self, link: Link, alloc: str = "numpy", tag: str = "sanity") -> None:
         """A small READ that must succeed: the agent still works after what came before."""

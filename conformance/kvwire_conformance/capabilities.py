@@ -24,6 +24,9 @@ MARKER = "kvwire_capability"
 capability = pytest.mark.kvwire_capability
 """``@capability(*needs, group=None)``: what the test needs of the transport."""
 
+UNCHECKED = "could not check"
+"""How a test's skip reason starts when this host cannot verify a claim (the plugin fails
+such a test unless the run accepts unchecked claims; the report files it as unchecked)."""
 CORE = "core"
 """The group of a test that needs nothing optional."""
 MEMORY_KINDS = ("dram", "vram")

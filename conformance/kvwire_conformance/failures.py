@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import uuid
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -17,50 +18,82 @@ from kvwire_conformance import memory
 from kvwire_conformance.base import SuiteBase
 from kvwire_conformance.capabilities import capability
 from kvwire_conformance.link import Link, seed
+from kvwire_conformance.pairs import REGION_COUNTS, Pair, new_pair
 from kvwire_conformance.paths import new_solo
+
+DEFECTS = [
+    "remote-past-region",
+    "remote-straddles-end",
+    "local-past-region",
+    "local-straddles-end",
+    "local-unregistered",
+    "unknown-peer",
+    "length-mismatch",
+    "count-mismatch",
+    "wrong-shape",
+]
+"""What is wrong with each bad post."""
 
 
 class FailureTests(SuiteBase):
     """A bad post or a dead peer ends in a TransportError or FAILED: never DONE, a crash
     or a hang, and the agent keeps working for everyone else."""
 
+    @pytest.fixture(scope="class")
+    @classmethod
+    def pairs(cls, link: Link) -> Iterator[dict[str, Pair]]:
+        """A fresh pair per region count (one, several), both sides alike."""
+        out: dict[str, Pair] = {}
+        try:
+            if link.local_regions:
+                for label, count in REGION_COUNTS.items():
+                    out[label] = new_pair(link, count, cls.timeout)
+            yield out
+        finally:
+            for pair in out.values():
+                pair.close()
+
     @capability("{op}", "dram")
-    @pytest.mark.parametrize(
-        "defect",
-        [
-            "remote-past-region",
-            "remote-straddles-end",
-            "local-unregistered",
-            "unknown-peer",
-            "length-mismatch",
-            "count-mismatch",
-            "wrong-shape",
-        ],
-    )
+    @pytest.mark.parametrize("defect", DEFECTS)
+    @pytest.mark.parametrize("regions", list(REGION_COUNTS))
     @pytest.mark.parametrize("op", ["read", "write"])
-    def test_bad_descriptors_are_a_transport_error(self, link: Link, defect: str, op: str) -> None:
-        lr, pr = link.local_regions["numpy"], link.peer_regions["numpy"]
+    def test_bad_descriptors_are_a_transport_error(
+        self, link: Link, pairs: dict[str, Pair], regions: str, defect: str, op: str
+    ) -> None:
+        """Contract: a descriptor outside the registered memory of its side (past a
+        region's end, straddling it, or never registered), an unknown peer and malformed
+        arrays raise TransportError or end FAILED, whether that side registered one
+        region or several; memory past each region's end is mapped, so a missed bound
+        check shows as DONE."""
+        pair = pairs[regions]
+        (laddr, lbytes), (raddr, rbytes) = pair.local[-1], pair.remote[-1]
         stray = np.zeros(1 << 16, dtype=np.uint8)
-        peer = link.peer_name
-        local = memory.descs(lr.addr, np.array([64]), np.array([256]))
-        remote = memory.descs(pr.addr, np.array([64]), np.array([256]))
+        peer = pair.peer_name
+        local = memory.descs(laddr, np.array([64]), np.array([256]))
+        remote = memory.descs(raddr, np.array([64]), np.array([256]))
         if defect == "remote-past-region":
-            remote = memory.descs(pr.addr + pr.nbytes + 4096, np.array([0]), np.array([256]))
+            remote = memory.descs(raddr + rbytes + 4096, np.array([0]), np.array([256]))
         elif defect == "remote-straddles-end":
-            remote = memory.descs(pr.addr, np.array([pr.nbytes - 100]), np.array([256]))
+            remote = memory.descs(raddr, np.array([rbytes - 100]), np.array([256]))
+        elif defect == "local-past-region":
+            local = memory.descs(laddr + lbytes + 4096, np.array([0]), np.array([256]))
+        elif defect == "local-straddles-end":
+            local = memory.descs(laddr, np.array([lbytes - 100]), np.array([256]))
         elif defect == "local-unregistered":
             local = memory.descs(int(stray.ctypes.data), np.array([0]), np.array([256]))
         elif defect == "unknown-peer":
             peer = f"no-such-agent-{uuid.uuid4().hex[:6]}"
         elif defect == "length-mismatch":
-            remote = memory.descs(pr.addr, np.array([64]), np.array([512]))
+            remote = memory.descs(raddr, np.array([64]), np.array([512]))
         elif defect == "count-mismatch":
-            remote = memory.descs(pr.addr, np.array([64, 4096]), np.array([128, 128]))
+            remote = memory.descs(raddr, np.array([64, 4096]), np.array([128, 128]))
         else:
             local = local[:, :2].copy()
-        post = link.local.read if op == "read" else link.local.write
-        self.expect_rejected(link, lambda: post(peer, local, remote), f"{op} with {defect}")
-        self.roundtrip(link, tag=f"after-{defect}")
+        post = getattr(pair.agent, op)
+        self.expect_rejected(
+            link, lambda: post(peer, local, remote), f"{op} with {defect} ({regions})", pair.agent
+        )
+        pair.roundtrip(self.timeout, f"after-{defect}-{regions}")
 
     def _doomed_peer(self, link: Link) -> tuple[PeerAgent, str, dict[str, int]]:
         doomed = PeerAgent(

@@ -12,6 +12,10 @@ options. Everything else acts only when asked:
   (``--kvwire-timeout``, setup and teardown included), so an adapter that hangs in
   ``close()`` or never delivers a notification fails the test it hangs in, by name,
   instead of freezing the run.
+* A suite test that could not check a claim on this host (it skipped with a reason that
+  starts ``could not check``) fails, naming the claim, unless
+  ``--kvwire-accept-unchecked`` is given: then it stays a skip the report files as
+  ``unchecked``. A claim nobody verified is never a silent pass.
 * Collecting the generic module (``kvwire conformance``'s) checks up front that the
   transport named by ``--kvwire-transport`` starts, within the timeout.
 """
@@ -44,6 +48,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
     group.addoption("--kvwire-report", metavar="PATH", help="write per-test outcomes as JSON")
     group.addoption(
+        "--kvwire-accept-unchecked",
+        action="store_true",
+        default=False,
+        help="let claims this host cannot check pass as unchecked (default: they fail)",
+    )
+    group.addoption(
         "--kvwire-timeout",
         type=float,
         default=DEFAULT_TIMEOUT_S,
@@ -75,7 +85,8 @@ def pytest_configure(config: pytest.Config) -> None:
     if path:
         from kvwire_conformance.report import Recorder
 
-        config.pluginmanager.register(Recorder(str(path)), RECORDER)
+        accept = bool(config.getoption("--kvwire-accept-unchecked"))
+        config.pluginmanager.register(Recorder(str(path), accept), RECORDER)
 
 
 def pytest_collection_modifyitems(
@@ -92,6 +103,37 @@ def pytest_collection_modifyitems(
         in_suite = cls is not None and issubclass(cls, base)
         if in_suite and item.get_closest_marker("timeout") is None:
             item.add_marker(pytest.mark.timeout(timeout, method="signal", func_only=False))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+    """An unchecked claim of a suite test fails it, unless the run accepts unchecked
+    claims; either way the report keeps ``kvwire_unchecked`` (the reason) for the recorder."""
+    report = yield
+    base = _suite_base()
+    cls = getattr(item, "cls", None)
+    if base is None or cls is None or not issubclass(cls, base) or not report.skipped:
+        return report
+    from kvwire_conformance.capabilities import UNCHECKED  # loaded by the suite already
+
+    reason = _skip_reason(report)
+    if not reason.startswith(UNCHECKED):
+        return report
+    report.kvwire_unchecked = reason
+    if not item.config.getoption("--kvwire-accept-unchecked"):
+        report.outcome = "failed"
+        report.longrepr = (
+            f"unchecked claim: {reason} (fails the run; --kvwire-accept-unchecked, or "
+            "`kvwire conformance --accept-unchecked`, accepts it)"
+        )
+    return report
+
+
+def _skip_reason(report: pytest.TestReport) -> str:
+    longrepr = report.longrepr
+    if isinstance(longrepr, tuple) and len(longrepr) == 3:
+        return str(longrepr[2]).removeprefix("Skipped: ")
+    return ""
 
 
 def _suite_base() -> type | None:

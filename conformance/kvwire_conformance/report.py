@@ -2,8 +2,10 @@
 ``--kvwire-report PATH`` is given, so a run that did not ask records nothing.
 
 One JSON row per test: its node id, the capability group its ``@capability`` files it
-under, its outcome (passed, failed, error, skipped, or unchecked: skipped because this
-host cannot verify a claim) and the first line that explains it.
+under, its outcome (passed, failed, error, skipped, or unchecked: this host cannot verify
+a claim) and the first line that explains it. ``unchecked`` lists each unchecked claim
+(the group and why), and ``accepted_unchecked`` says whether the run let them pass
+(``--kvwire-accept-unchecked``) or failed them (the default: :mod:`kvwire_conformance.plugin`).
 """
 
 from __future__ import annotations
@@ -13,10 +15,9 @@ from typing import Any
 
 import pytest
 
-from kvwire_conformance.capabilities import declared
+from kvwire_conformance.capabilities import UNCHECKED, declared
 
-UNCHECKED = "could not check"
-"""How a test's skip reason starts when the host cannot verify a claimed capability."""
+__all__ = ["UNCHECKED", "UNFINISHED", "Recorder"]
 UNFINISHED = "unfinished"
 """A test whose call never reported: the run stopped (or died) inside it."""
 
@@ -24,8 +25,9 @@ UNFINISHED = "unfinished"
 class Recorder:
     """pytest hooks that collect outcomes and write them at the end of the session."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, accept_unchecked: bool = False) -> None:
         self.path = path
+        self.accept_unchecked = accept_unchecked
         self.capabilities: dict[str, str] = {}
         self.outcomes: dict[str, dict[str, Any]] = {}
 
@@ -35,7 +37,10 @@ class Recorder:
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         entry = self.outcomes.setdefault(report.nodeid, {"outcome": UNFINISHED, "detail": ""})
-        if report.passed and report.when == "call" and entry["outcome"] == UNFINISHED:
+        unchecked = getattr(report, "kvwire_unchecked", None)
+        if unchecked is not None:
+            entry["outcome"], entry["detail"] = "unchecked", str(unchecked)
+        elif report.passed and report.when == "call" and entry["outcome"] == UNFINISHED:
             entry["outcome"] = "passed"
         elif report.skipped:
             entry["outcome"] = "skipped"
@@ -65,5 +70,16 @@ class Recorder:
             {"test": nodeid, "capability": self.capabilities.get(nodeid, "core"), **entry}
             for nodeid, entry in self.outcomes.items()
         ]
+        unchecked = [
+            {"test": row["test"], "claim": row["capability"], "detail": row["detail"]}
+            for row in rows
+            if row["outcome"] == "unchecked"
+        ]
+        doc = {
+            "exitstatus": int(exitstatus),
+            "tests": rows,
+            "unchecked": unchecked,
+            "accepted_unchecked": self.accept_unchecked,
+        }
         with open(self.path, "w") as out:
-            json.dump({"exitstatus": int(exitstatus), "tests": rows}, out, indent=1)
+            json.dump(doc, out, indent=1)

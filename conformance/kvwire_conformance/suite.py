@@ -29,6 +29,7 @@ from kvwire_conformance.failures import FailureTests
 from kvwire_conformance.lifecycle import LifecycleTests
 from kvwire_conformance.link import Link
 from kvwire_conformance.notifications import NotificationTests
+from kvwire_conformance.ordering import OrderingTests
 from kvwire_conformance.paths import PathTests
 from kvwire_conformance.registration import RegistrationTests
 from kvwire_conformance.transfers import CASES, TransferTests
@@ -39,6 +40,7 @@ __all__ = [
     "LifecycleTests",
     "Link",
     "NotificationTests",
+    "OrderingTests",
     "PathTests",
     "RegistrationTests",
     "SuiteBase",
@@ -51,6 +53,7 @@ __all__ = [
 class TransportSuite(
     TransferTests,
     NotificationTests,
+    OrderingTests,
     LifecycleTests,
     RegistrationTests,
     FailureTests,

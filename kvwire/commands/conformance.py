@@ -3,7 +3,16 @@
 ``kvwire conformance NAME`` (an installed ``kvwire.transports`` entry point) or
 ``kvwire conformance module:factory``; ``-o KEY=VALUE`` passes factory options (VALUE is
 JSON when it parses). The suite runs in a pytest subprocess, with the transport's two
-agents in separate processes; the exit status is nonzero when any test failed.
+agents in separate processes; the exit status is nonzero when any test failed, or when a
+claim could not be checked on this host (VRAM without a GPU, ordering without
+``userfaultfd``) unless ``--accept-unchecked`` lets it pass; the report names each one.
+
+Does the suite catch bugs in your adapter? Write broken variants of it: a module
+``kvwire_broken_<transport>.py`` of subclasses of your agent class, one plausible bug
+each, listed as ``(name, section, what it breaks, catching test, class)`` and turned into
+``VARIANTS`` by ``adapter_variants``; run one with ``kvwire conformance
+kvwire_broken_<transport>:NAME -k TEST`` (it must FAIL), all of them many times with
+``scripts/teeth_repeat.py``. docs/writing-a-transport.md section 8 walks through it.
 """
 
 from __future__ import annotations
@@ -46,6 +55,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the outcomes as JSON")
     parser.add_argument("-v", "--verbose", action="store_true", help="pytest's verbose output")
     parser.add_argument(
+        "--accept-unchecked",
+        action="store_true",
+        help="pass a run whose only gaps are claims this host cannot check (they are still "
+        "named in the report); without it such a run fails",
+    )
+    parser.add_argument(
         "--timeout",
         type=float,
         default=None,
@@ -80,6 +95,8 @@ def _pytest_command(args: argparse.Namespace, report: str, ini: str, root: str) 
         cmd += ["--kvwire-option", option]
     if args.keyword:
         cmd += ["-k", args.keyword]
+    if args.accept_unchecked:
+        cmd.append("--kvwire-accept-unchecked")
     if args.exitfirst:
         cmd.append("-x")
     if args.timeout is not None:
@@ -122,6 +139,15 @@ def _table(tests: list[dict[str, Any]]) -> str:
             name = test["test"].split("::")[-1]
             lines.append(f"{test['outcome'].upper():8} {name}: {test['detail']}")
     return "\n".join(lines)
+
+
+def _claim(test: dict[str, Any]) -> dict[str, str]:
+    """An unchecked test as the claim it leaves open: its capability group and why."""
+    return {
+        "claim": test["capability"],
+        "test": test["test"].split("::")[-1],
+        "detail": test["detail"],
+    }
 
 
 def _check_agent(transport: str, options: list[str], close_timeout: float) -> None:
@@ -193,21 +219,35 @@ def run(args: argparse.Namespace) -> int:
             outcome = json.load(inp)
     tests: list[dict[str, Any]] = outcome["tests"]
     failed = [t for t in tests if t["outcome"] in ("failed", "error")]
-    ok = code == 0 and not failed and bool(tests)
+    unchecked = [t for t in tests if t["outcome"] == "unchecked"]
+    refused = bool(unchecked) and not args.accept_unchecked
+    ok = code == 0 and not failed and not refused and bool(tests)
     if args.json:
-        doc = {"transport": args.transport, "passed": ok, "tests": tests}
+        doc = {
+            "transport": args.transport,
+            "passed": ok,
+            "tests": tests,
+            "unchecked": [_claim(t) for t in unchecked],
+            "accepted_unchecked": bool(args.accept_unchecked),
+        }
         sys.stdout.write(json.dumps(doc, indent=1) + "\n")
     else:
         sys.stdout.write(f"\nkvwire conformance: {args.transport}\n{_table(tests)}\n")
         total = len(tests)
         passed = sum(t["outcome"] == "passed" for t in tests)
         skipped = sum(t["outcome"] == "skipped" for t in tests)
-        unchecked = sum(t["outcome"] == "unchecked" for t in tests)
         verdict = "PASS" if ok else "FAIL"
         sys.stdout.write(
             f"{verdict}: {passed} passed, {len(failed)} failed, {skipped} skipped, "
-            f"{unchecked} could not be checked on this host, of {total}\n"
+            f"{len(unchecked)} could not be checked on this host, of {total}\n"
         )
+        for test in unchecked:
+            claim = _claim(test)
+            sys.stdout.write(f"unchecked claim {claim['claim']!r}: {claim['detail']}\n")
+        if refused:
+            sys.stdout.write(
+                "unchecked claims fail the run; --accept-unchecked accepts them (still named)\n"
+            )
     if code == PYTEST_NO_TESTS:
         sys.stderr.write("kvwire conformance: no test matched\n")
     return 0 if ok else 1

@@ -110,8 +110,9 @@ class PeerAgent:
 
     # -- conveniences -----------------------------------------------------------------
 
-    def alloc(self, nbytes: int, allocator: str = "numpy") -> dict[str, int]:
-        out: dict[str, int] = self.call(p.Alloc(nbytes, allocator))
+    def alloc(self, nbytes: int, allocator: str = "numpy", register: int = 0) -> dict[str, int]:
+        """Allocate and register memory in the peer; ``register``: only its first bytes."""
+        out: dict[str, int] = self.call(p.Alloc(nbytes, allocator, register))
         return out
 
     def metadata(self) -> bytes:

@@ -37,6 +37,7 @@ class _Agent:
         self.xfers: dict[int, object] = {}
         self.inbox: list[tuple[str, bytes]] = []
         self.next_id = 1
+        self.gated: _Gated | None = None
 
     def _id(self) -> int:
         self.next_id += 1
@@ -63,11 +64,13 @@ class _Agent:
             return {"name": t.name, "pid": os.getpid(), "ordered": caps.ordered_notifications}
         if isinstance(req, p.Alloc):
             array = memory.allocate(req.allocator, req.nbytes)
-            handle = t.register([region_of_array(array)])
+            registered = array[: req.register] if req.register else array
+            handle = t.register([region_of_array(registered)])
             rid = self._id()
             self.arrays[rid] = array
             self.handles[rid] = handle
-            return {"region": rid, "addr": int(array.ctypes.data), "nbytes": int(array.nbytes)}
+            nbytes = int(registered.nbytes)
+            return {"region": rid, "addr": int(array.ctypes.data), "nbytes": nbytes}
         if isinstance(req, p.Deregister):
             t.deregister(self.handles.pop(req.region))
             return None
@@ -119,12 +122,83 @@ class _Agent:
             found = self._await_message(req.message, req.timeout)
             memory.view(req.addr, req.nbytes)[:] = fresh
             return found
+        if isinstance(req, p.GateOpen | p.GateArm | p.GateStep | p.GateLook | p.GateShut):
+            return self._gate(req)
         if isinstance(req, p.Close):
+            if self.gated is not None:
+                self.gated.gate.close()
             t.close()
             return None
         if isinstance(req, p.Die):
             os.kill(os.getpid(), signal.SIGKILL)
         raise ValueError(f"unknown command {req!r}")
+
+    def _gate(self, req: Any) -> Any:
+        """The gate commands: a WRITE's destination held back here (kvwire.peer.gate)."""
+        if isinstance(req, p.GateOpen):
+            from kvwire.peer.gate import GateUnavailable, open_gate
+
+            try:
+                gate = open_gate(req.nbytes)
+            except GateUnavailable as exc:
+                return {"unavailable": str(exc)}
+            self.t.register([region_of_array(gate.array)])
+            self.gated = _Gated(gate)
+            return {"addr": gate.addr, "nbytes": gate.nbytes}
+        gated = self.gated
+        if gated is None:
+            raise ValueError("no gate: send GateOpen first")
+        if isinstance(req, p.GateArm):
+            gated.gate.let_through(req.through)
+            gated.arm(_ints(req.offsets), _ints(req.lengths), req.note)
+            return None
+        if isinstance(req, p.GateStep):
+            if req.release >= 0:
+                gated.gate.release(req.release)
+            gated.gate.wait_fault(req.wait)
+            mark = gated.gate.recorded()
+            self._collect()
+            gated.look_for_note(self.inbox)
+            return {"mark": mark, "noticed": gated.noticed}
+        if isinstance(req, p.GateLook):
+            seen = gated.seen()
+            self._collect()
+            gated.look_for_note(self.inbox)
+            return {**seen, "noticed": gated.noticed, "stalled": gated.gate.stalled()}
+        gated.gate.open()
+        return None
+
+
+class _Gated:
+    """A gate, the spans armed in it, and what was there when the armed note arrived."""
+
+    def __init__(self, gate: Any) -> None:
+        self.gate = gate
+        self.offsets = np.zeros(0, dtype=np.int64)
+        self.lengths = np.zeros(0, dtype=np.int64)
+        self.note: bytes | None = None
+        self.noticed: dict[str, Any] | None = None
+
+    def arm(self, offsets: memory.I64, lengths: memory.I64, note: bytes | None) -> None:
+        self.gate.open()
+        self.gate.array[:] = 0
+        self.offsets, self.lengths, self.note, self.noticed = offsets, lengths, note, None
+        self.gate.protect(offsets, lengths)
+
+    def seen(self) -> dict[str, Any]:
+        """Held faults and the armed spans' bytes, taken together now."""
+        held = self.gate.held()
+        data = memory.gather(self.gate.array, self.offsets, self.lengths).tobytes()
+        return {"held": held, "data": data}
+
+    def look_for_note(self, inbox: list[tuple[str, bytes]]) -> None:
+        waiting = self.note is not None and self.noticed is None
+        if waiting and any(msg == self.note for _, msg in inbox):
+            self.noticed = self.seen()
+
+
+def _ints(raw: bytes) -> memory.I64:
+    return np.frombuffer(raw, dtype=np.int64).copy()
 
 
 def _descs(raw: bytes) -> memory.I64:

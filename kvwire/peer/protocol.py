@@ -16,8 +16,13 @@ class Hello(msgspec.Struct, tag=True):
 
 
 class Alloc(msgspec.Struct, tag=True):
+    """Allocate ``nbytes`` and register them, or only the first ``register`` bytes when it
+    is set: the rest stays mapped, so a descriptor past the region's end reaches memory
+    (an adapter that skips its bound check then moves bytes instead of faulting)."""
+
     nbytes: int
     allocator: str = "numpy"
+    register: int = 0
 
 
 class Deregister(msgspec.Struct, tag=True):
@@ -95,6 +100,42 @@ class AwaitThenFill(msgspec.Struct, tag=True):
     timeout: float
 
 
+class GateOpen(msgspec.Struct, tag=True):
+    """Make a :class:`~kvwire.peer.gate.Gate` of ``nbytes`` and register it: answers its
+    ``addr`` and ``nbytes``, or ``unavailable`` (why this host has none)."""
+
+    nbytes: int
+
+
+class GateArm(msgspec.Struct, tag=True):
+    """Zero the gate and hold the first write into every page of these spans (int64
+    arrays); ``note``: the notification whose arrival is checked against them."""
+
+    offsets: bytes
+    lengths: bytes
+    note: bytes | None = None
+    through: int = 0
+    """A thread id never held (the commander's test thread, which may write into the gate
+    from inside its own calls)."""
+
+
+class GateStep(msgspec.Struct, tag=True):
+    """Release the faults recorded before mark ``release`` (-1: none), wait up to ``wait``
+    seconds for a fault, look for the armed note; answers the new ``mark`` and, from the
+    moment the note was first seen, ``noticed`` (held faults and the spans' bytes then)."""
+
+    release: int
+    wait: float
+
+
+class GateLook(msgspec.Struct, tag=True):
+    """The held faults and the armed spans' bytes now, without releasing anything."""
+
+
+class GateShut(msgspec.Struct, tag=True):
+    """Hold nothing any more: every waiting writer goes on."""
+
+
 class Close(msgspec.Struct, tag=True):
     pass
 
@@ -118,6 +159,11 @@ Request = (
     | Drain
     | AwaitThenRead
     | AwaitThenFill
+    | GateOpen
+    | GateArm
+    | GateStep
+    | GateLook
+    | GateShut
     | Close
     | Die
 )

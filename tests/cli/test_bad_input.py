@@ -170,6 +170,7 @@ TABLE: list[tuple[str, dict[str, str], str]] = [
     ("conformance json:dumps", {}, "not a transport"),
     ("conformance shm -o novalue", {}, "-o wants KEY=VALUE"),
     ("conformance shm -o bogus=1", {}, "unknown option(s) bogus"),
+    ("conformance shm --accept-unchecked=yes", {}, "--accept-unchecked: ignored explicit argument"),
     # fleet
     ("fleet", {}, "no metadata store: pass --store etcd://host:port"),
     ("fleet --store http://h:1", {}, "--store 'http://h:1': expected etcd://host:port"),

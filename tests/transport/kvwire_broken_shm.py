@@ -19,6 +19,7 @@ import itertools
 import math
 import os
 import struct
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -28,8 +29,9 @@ import numpy as np
 from kvwire_shm import ShmTransport
 from kvwire_shm import transport as shm
 from kvwire_shm._cma import IOV_MAX
+from kvwire_shm._executor import Split
 from kvwire_shm._memcopy import GATHER_BELOW
-from kvwire_shm._tables import CMA, MAPPED
+from kvwire_shm._tables import CMA, MAPPED, Row, Table
 
 from kvwire.errors import PeerMetadataError, RegistrationError
 from kvwire.testing.faulty_transport import DelegatingTransport
@@ -50,6 +52,8 @@ class Variant:
     """``kvwire conformance --timeout`` for its run (short for a variant that hangs)."""
     inners: tuple[str, ...] = ("shm",)
     """The adapters it runs over (a wrapper: every one its catching test can reach)."""
+    module: str = "kvwire_broken_shm"
+    """The module its factory is loaded from (``module:name``)."""
 
 
 # -- wrappers: bugs independent of the adapter -------------------------------------------
@@ -450,6 +454,26 @@ class _OnlyFirstBatch(ShmTransport):
         return ShmTransport._plan(request, write)[:1]
 
 
+class _ReadDoneBeforeLastChunk(ShmTransport):
+    """Ends a READ (DONE, notification sent) when all but its last chunk are copied, and
+    copies that one afterwards: the finish callback and the last chunk swapped."""
+
+    WRITE = False
+
+    def _start(self, xfer: Any, *args: Any) -> Any:
+        split = super()._start(xfer, *args)
+        if split is None or xfer.write != self.WRITE or len(split.chunks) < 2:
+            return split
+        *first, last = split.chunks
+        finish = split.finish
+
+        def finish_then_copy_last(error: BaseException | None) -> None:
+            finish(error)
+            last()
+
+        return Split(first, finish_then_copy_last, shared=split.shared)
+
+
 class _DeadMappedPeerStillDone(ShmTransport):
     """Only watches peers it reaches by syscall: mapped memory 'still works'."""
 
@@ -458,6 +482,44 @@ class _DeadMappedPeerStillDone(ShmTransport):
         peer = self._peers[name]
         if peer.table.route == MAPPED:
             peer.gone = lambda: False  # type: ignore[method-assign]
+        return name
+
+
+class _StartOnlyTable(Table):
+    """The one-region fast path of the lookup compares a descriptor's start only."""
+
+    def find(self, addr: int, length: int) -> int:
+        if self._one is not None:
+            return 0 if addr >= self._one[0] else -1
+        return super().find(addr, length)
+
+    def locate(self, descs: Descs, side: str) -> Any:
+        if self._one is not None and descs.shape[0] and int(descs[:, 0].min()) >= self._one[0]:
+            return np.zeros(descs.shape[0], dtype=np.int64)
+        return super().locate(descs, side)
+
+
+class _WriteDoneBeforeLastChunk(_ReadDoneBeforeLastChunk):
+    """The same swap, in a WRITE."""
+
+    WRITE = True
+
+
+class _OneRegionEndUnchecked(ShmTransport):
+    """Looks up a peer's descriptors in a :class:`_StartOnlyTable`."""
+
+    def add_peer(self, blob: bytes) -> str:
+        name = super().add_peer(blob)
+        peer = self._peers[name]
+        table = peer.table
+        rows = [
+            Row(int(a), int(e - a), int(d), int(k), int(r), int(delta))
+            for a, e, d, k, r, delta in zip(
+                table.starts, table.ends, table.devs, table.kinds, table.routes, table.deltas,
+                strict=True,
+            )
+        ]  # fmt: skip
+        peer.table = _StartOnlyTable(rows)
         return name
 
 
@@ -535,11 +597,28 @@ def _wrapper(cls: type[DelegatingTransport]) -> Callable[..., Transport]:
     return make
 
 
-def _subclass(cls: type[ShmTransport]) -> Callable[..., Transport]:
+def _subclass(cls: type[Any]) -> Callable[..., Transport]:
     def make(name: str, **options: Any) -> Transport:
-        return cls(name, **options)
+        agent: Transport = cls(name, **options)
+        return agent
 
     return make
+
+
+def adapter_variants(
+    entries: Sequence[tuple[str, str, str, str, type[Any]]], inner: str, module: str
+) -> dict[str, Variant]:
+    """The variants of one adapter's library (subclasses of ``inner``'s agent class), each
+    factory also set as ``module.NAME`` so ``module:NAME`` loads it."""
+    out: dict[str, Variant] = {}
+    namespace = sys.modules[module].__dict__
+    for name, section, breaks, test, cls in entries:
+        make = _subclass(cls)
+        out[name] = Variant(
+            name, section, breaks, test, make, False, inners=(inner,), module=module
+        )
+        namespace[name] = make
+    return out
 
 
 _MOVE = "Moving bytes"
@@ -637,6 +716,20 @@ _LIBRARY: list[tuple[str, str, str, str, type[Any]]] = [
         "turns FAILED into DONE",
         "test_transfers_to_a_dead_peer_fail",
         _FailureReportedAsDone,
+    ),
+    (
+        "read_done_before_last_chunk",
+        _DONE,
+        "shm: a READ is DONE, its notification sent, before its last chunk is copied",
+        "test_a_read_is_done_only_after_its_last_byte",
+        _ReadDoneBeforeLastChunk,
+    ),
+    (
+        "write_done_before_last_chunk",
+        _DONE,
+        "shm: a WRITE is DONE, its notification sent, before its last chunk is copied",
+        "test_a_write_is_done_only_after_its_last_byte",
+        _WriteDoneBeforeLastChunk,
     ),
     (
         "dead_mapped_peer_still_done",
@@ -777,6 +870,13 @@ _LIBRARY: list[tuple[str, str, str, str, type[Any]]] = [
         "shm: an unknown peer name raises KeyError",
         "test_bad_descriptors_are_a_transport_error",
         _UnknownPeerKeyError,
+    ),
+    (
+        "one_region_end_unchecked",
+        _ERR,
+        "shm: a peer's only region is bounded at its start, not its end",
+        "test_bad_descriptors_are_a_transport_error",
+        _OneRegionEndUnchecked,
     ),
     (
         "wait_sleeps_whole_seconds",

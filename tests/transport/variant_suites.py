@@ -12,8 +12,8 @@ import os
 from typing import Any
 
 import pytest
-from kvwire_broken_shm import VARIANTS
 from kvwire_conformance import TransportSuite
+from variant_library import VARIANTS
 
 INNER = os.environ.get("KVWIRE_TEETH_INNER", "shm")
 WAIT_S = 8.0
@@ -23,6 +23,10 @@ NEED_FULL_REGIONS = {
     "test_write_notification_arrives_after_its_data",
     "test_read_notification_arrives_after_its_data",
     "test_release_of_a_running_transfer",
+    "test_a_read_is_done_only_after_its_last_byte",
+    "test_a_read_notification_follows_its_last_byte",
+    "test_a_write_is_done_only_after_its_last_byte",
+    "test_a_write_notification_follows_its_last_byte",
 }
 """Catching tests whose transfers need the suite's full 32 MiB regions."""
 
@@ -35,7 +39,7 @@ def _suite(name: str) -> type[TransportSuite]:
     variant = VARIANTS[name]
     options: dict[str, Any] = {"inner": INNER} if variant.independent else {}
     attrs = {
-        "transport": f"kvwire_broken_shm:{name}",
+        "transport": f"{variant.module}:{name}",
         "options": options,
         # shm's two kinds of memory: what its own variants break; any adapter's heap memory
         # for the wrappers, whose bugs do not depend on it.
