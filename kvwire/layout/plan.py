@@ -450,15 +450,20 @@ class PeerLayout:
         states: list[_Entry] = []
         for pair in self.pairs:
             pv, cv = self._sides(pair)
+            shared = SHARED_GROUP_ID in (pv.group_id, cv.group_id)
             fixed = max(pv.group_id, cv.group_id)
             groups = [fixed] if fixed != SHARED_GROUP_ID else list(range(num_groups))
             for g in groups:
+                # A shared region moves group g on both sides; any other keeps each side's
+                # own group id, as advertised.
+                p_group, c_group = (g, g) if shared else (pv.group_id, cv.group_id)
                 if pair.kind is RegionKind.SSM:
-                    states.append(_Entry(pair, pv.group_id, cv.group_id, True, self._pattern(pair)))
+                    states.append(_Entry(pair, p_group, c_group, True, self._pattern(pair)))
                 elif self.local.group_kind(g, pair.local.index) is RegionKind.SSM:
-                    states.append(_Entry(pair, g, g, True, self._slab_state_pattern(), True))
+                    slab_state = self._slab_state_pattern()
+                    states.append(_Entry(pair, p_group, c_group, True, slab_state, True))
                 else:
-                    attention.append(_Entry(pair, g, g, False, self._pattern(pair)))
+                    attention.append(_Entry(pair, p_group, c_group, False, self._pattern(pair)))
         return attention + states
 
     def _slab_state_pattern(self) -> _Pattern:

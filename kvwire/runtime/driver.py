@@ -20,6 +20,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import ctypes
+import logging
 import os
 import threading
 import time
@@ -444,19 +445,17 @@ class Driver:
                 self._forget_engine(action.engine_id, evicted=False)
             return
         now = self._clock()
+        nbytes, ndescs = plan.num_bytes, plan.num_descs  # num_bytes sums every row: once
         self._xfers[xid] = _Xfer(
-            xid, action.request_id, action.engine_id, handle, rank.agent,
-            plan.num_bytes, plan.num_descs, now,
+            xid, action.request_id, action.engine_id, handle, rank.agent, nbytes, ndescs, now
         )  # fmt: skip
-        self.metrics.transfer_posted(
-            action.request_id, now, plan.num_bytes, plan.num_descs, now - t0
-        )
-        self.log.info(
-            "%s posted to %s rank %s: %d descriptors, %d bytes",
-            "READ" if isinstance(action, PostRead) else "WRITE", action.engine_id,
-            action.remote_rank, plan.num_descs, plan.num_bytes,
-            extra={"request_id": action.request_id},
-        )  # fmt: skip
+        self.metrics.transfer_posted(action.request_id, now, nbytes, ndescs, now - t0)
+        if self.log.isEnabledFor(logging.INFO):
+            self.log.info(
+                "%s posted to %s rank %s: %d descriptors, %d bytes",
+                "READ" if isinstance(action, PostRead) else "WRITE", action.engine_id,
+                action.remote_rank, ndescs, nbytes, extra={"request_id": action.request_id},
+            )  # fmt: skip
         self._events.append(TransferPosted(xid))
 
     def _send(self, action: SendNotification) -> None:
