@@ -9,9 +9,11 @@ clock offset) and the producer quarantines expired blocks for a grace before reu
 Each cycle: P holds two 4 MiB requests, D posts their READs over a slowed link, the link is
 cut, P's lease runs out and P at once refills the very same blocks with two other prompts
 (what an engine does with freed blocks), then the link comes back and the stalled TCP
-connection resumes. D must report both cut requests failed with the blocks it allocated,
-never done; the refilled prompts must then arrive intact. UCX keeps its default TCP
-timeouts (no ``UCX_TCP_USER_TIMEOUT``), so nothing but kvwire's deadline ends the READs.
+connection resumes. D must report each cut request failed with the blocks it allocated,
+or (where the scheduler let a READ end before the cut) done with exactly P's bytes, never
+done with the refilled prompts' bytes; the refilled prompts must then arrive intact. UCX
+keeps its default TCP timeouts (no ``UCX_TCP_USER_TIMEOUT``), so nothing but kvwire's
+deadline ends the READs.
 """
 
 from __future__ import annotations
@@ -227,6 +229,8 @@ def test_no_stale_kv_reported_done_over_cut_links_with_default_ucx_timeouts(
     freed_after: list[float] = []
     intact = 0
     expired_later = 0  # prompts after the cuts whose lease ran out while the link recovered
+    expired_cut = 0  # cut requests whose lease ran out (the usual case)
+    beat_cut = 0  # cut requests whose READ ended before the cut
     try:
         assert prefill.message(timeout=90)["port"] > 0
         decode = netns_pair.b.start(decode_host, transport, options, env=netns_pair.b.ucx_env())
@@ -253,13 +257,20 @@ def test_no_stale_kv_reported_done_over_cut_links_with_default_ucx_timeouts(
             finally:
                 netns_pair.restore()
                 _shape_link(netns_pair.a, None)
-            assert reused["freed"] == {r: "expired" for r, *_ in cut}, reused
+            # Which side of the cut a READ lands on is the scheduler's choice (on a loaded
+            # machine the cut can come after a READ ended); kvwire's guarantee is that
+            # each cut request ends intact or failed with its blocks, never done stale.
+            assert set(reused["freed"].values()) <= {"sent", "expired"}, reused
+            expired_cut += sum(why == "expired" for why in reused["freed"].values())
             freed_after.append(reused["waited_s"])
             outcome = decode.message(timeout=60)
-            wrong_done += sum(w for w, _ in outcome["done"].values())
-            assert not outcome["done"], f"cycle {cycle}: a cut READ reported done: {outcome}"
             assert not outcome["pending"], outcome
             for rid, _, _, d_blocks in cut:
+                if rid in outcome["done"]:
+                    wrong_done += outcome["done"][rid][0]
+                    assert outcome["done"][rid] == [0, REQUEST_BYTES], (rid, outcome)
+                    beat_cut += 1
+                    continue
                 failure = outcome["failed"][rid]
                 assert failure["invalid"] == [d_blocks], (rid, failure)
                 reasons[failure["reason"]] = reasons.get(failure["reason"], 0) + 1
@@ -307,13 +318,15 @@ def test_no_stale_kv_reported_done_over_cut_links_with_default_ucx_timeouts(
     assert wrong_done == 0
     assert p_end["errors"] == [] and d_end["errors"] == [], (p_end, d_end)
     assert d_end["live"] == 0 and d_end["in_flight"] == 0, d_end  # D's pool is whole
-    # Every cut READ's lease was quarantined, and so was any later prompt's that expired
-    # (on a loaded machine the recovering connection can outlast a reused prompt's lease).
+    # Every lease that ran out was quarantined before its blocks were reused: the cut
+    # requests' and any later prompt's (on a loaded machine the recovering connection can
+    # outlast a reused prompt's lease).
     quarantined = p_end["stats"]["leases_quarantined"]
-    assert quarantined == CYCLES * PER_CYCLE + expired_later, p_end["stats"]
+    assert quarantined == expired_cut + expired_later, p_end["stats"]
     print(
-        f"{transport}: {CYCLES} cycles, {CYCLES * PER_CYCLE} cut READs failed "
-        f"({reasons}) {min(fail_after):.2f}-{max(fail_after):.2f} s after their post; "
+        f"{transport}: {CYCLES} cycles, {len(fail_after)} cut READs failed "
+        f"({reasons}) {min(fail_after, default=0):.2f}-{max(fail_after, default=0):.2f} s "
+        f"after their post, {beat_cut} ended intact before the cut; "
         f"P freed them {min(freed_after):.2f}-{max(freed_after):.2f} s after the cut; "
         f"{intact} of {CYCLES * PER_CYCLE} reused prompts served intact after the restore; "
         f"0 wrong bytes done; D stats reads_late={d_end['stats']['reads_late']} "
