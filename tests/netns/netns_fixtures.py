@@ -93,7 +93,10 @@ class Child:
     def _read(self, stream: Any) -> None:
         for line in stream:
             if line.startswith(MARK):
-                self._messages.put(json.loads(line[len(MARK) :]))
+                try:
+                    self._messages.put(json.loads(line[len(MARK) :]))
+                except ValueError:  # fail the waiting test with the line, not a timeout
+                    self._messages.put({"error": f"an unreadable message: {line!r}"})
             else:
                 self.output.append(line.rstrip("\n"))
         if stream is self.proc.stdout:
@@ -147,9 +150,17 @@ class Child:
         return "\n".join(self.output[-lines:])
 
 
+def _say(payload: dict[str, Any]) -> None:
+    """One marked line to the parent in one ``write(2)``: with ``PYTHONUNBUFFERED``,
+    ``print`` writes the text and its newline separately, and a native library writing to
+    the same stream between the two (seen once: UCX's log) corrupted the message."""
+    sys.stdout.flush()
+    os.write(sys.stdout.fileno(), (MARK + json.dumps(payload) + "\n").encode())
+
+
 def emit(value: Any) -> None:
     """From inside a child: send ``value`` (JSON) to the parent's :meth:`Child.message`."""
-    print(MARK + json.dumps({"emit": value}), flush=True)
+    _say({"emit": value})
 
 
 def receive() -> Any:
@@ -294,7 +305,8 @@ class Namespace:
         Without it UCX reaches the other namespace through shared memory or CMA (one
         kernel), and cutting the link would not cut the transfer.
         """
-        env = {"UCX_TLS": "tcp,self", "UCX_NET_DEVICES": self.device}
+        # UCX logs to stdout by default; the children's messages to the parent go there.
+        env = {"UCX_TLS": "tcp,self", "UCX_NET_DEVICES": self.device, "UCX_LOG_FILE": "stderr"}
         if log_level is not None:
             env["UCX_LOG_LEVEL"] = log_level
         return env
@@ -403,11 +415,11 @@ def _child_main(source: str, qualname: str, args_json: str) -> int:
         for part in qualname.split("."):
             func = getattr(func, part)
         result = func(*json.loads(args_json))
-        print(MARK + json.dumps({"result": result}), flush=True)
+        _say({"result": result})
         return 0
     except BaseException as exc:  # reported to the parent, which raises it
         detail = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
-        print(MARK + json.dumps({"error": detail}), flush=True)
+        _say({"error": detail})
         return 1
 
 
