@@ -320,12 +320,16 @@ class SchedulerEngine:
         scheduler: dict[str, int] | None = None,
         layout: str = "LBHNC",
         tp: int = 1,
+        hma: bool | None = None,
+        window: int = 0,
     ) -> None:
         """``engine_id`` and ``port``: a restarted engine keeps its predecessor's;
         ``scheduler``: ``batch_tokens`` (tokens per step) and ``chunk_tokens`` (per request
         per step), to make chunked prefills compete for blocks; ``layout``: vLLM's KV cache
         layout (the engine checks bytes only in LBHNC); ``tp``: workers in the engine, each
-        with its share of the heads, finished by vLLM's output aggregator."""
+        with its share of the heads, finished by vLLM's output aggregator; ``hma``: vLLM's
+        hybrid KV cache manager on or off (``None``: as vLLM resolves it); ``window``:
+        every odd layer sliding-window attention over that many tokens."""
         self.role = role
         extra_config = dict(extra_config or {})
         if connector == "KVWireConnector":
@@ -345,7 +349,7 @@ class SchedulerEngine:
             "part": "engine", "role": role, "connector": connector,
             "engine_id": self.engine_id, "tp_size": tp, "model": self.geo.model,
             "layers": self.geo.layers, "num_blocks": self.geo.num_blocks,
-            "block_size": self.geo.block_size, "lease": lease, "hma": False,
+            "block_size": self.geo.block_size, "lease": lease, "hma": hma, "window": window,
             "mode": mode, "extra_config": extra_config, "layout": layout, **(scheduler or {}),
         }  # fmt: skip
         self.peer = Peer(start, zygote, env)
@@ -432,3 +436,31 @@ __all__ = [
     "vllm_compatible_extra",
     "wait_until",
 ]
+
+
+def transfer(
+    p: SchedulerEngine, d: SchedulerEngine, rid: str, index: int, tokens: int
+) -> dict[str, Any]:
+    """P prefills; its params go to D (as a proxy forwards them); both engines step until D
+    has the KV and P has its blocks back."""
+    p.add(rid, index, tokens)
+    wait_until(lambda: rid in p.state.get("outputs", {}), p.step, 30, f"P to finish {rid}")
+    params = p.state["outputs"][rid]
+    assert params["do_remote_prefill"] and params["remote_request_id"] == rid
+    d.add(rid, index, tokens, params)
+
+    def both() -> None:
+        d.step()
+        p.step()
+
+    try:
+        wait_until(
+            lambda: rid in d.state.get("outputs", {}) and rid in p.state.get("sent", []),
+            both, 30, f"D to finish {rid} and P to free it",
+        )  # fmt: skip
+    except TimeoutError as exc:
+        raise TimeoutError(
+            f"{exc}; D: {d.peer.call({'op': 'stats'})}, {d.peer.log[-3:]}; "
+            f"P: {p.peer.call({'op': 'stats'})}, {p.peer.log[-3:]}"
+        ) from None
+    return d.state

@@ -17,7 +17,7 @@ D's blocks the moment D would first read them, and samples one token per request
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import SimpleNamespace
 from typing import Any
 
@@ -25,7 +25,7 @@ import numpy as np
 import torch
 import vllm_peer
 
-from kvwire.demo.content import count_wrong_bytes, fill, scribble
+from kvwire.demo.content import blocks_view, count_wrong_bytes, expected, fill, scribble
 
 
 def build_vllm_config(start: dict[str, Any]) -> Any:
@@ -60,7 +60,8 @@ def build_vllm_config(start: dict[str, Any]) -> Any:
             enable_chunked_prefill=True,
             max_model_len=max_len,
             is_encoder_decoder=False,
-            disable_hybrid_kv_cache_manager=True,
+            # None: vLLM resolves it (on, for a connector that supports the hybrid manager).
+            disable_hybrid_kv_cache_manager=None if start.get("hma") is None else not start["hma"],
         ),
         cache_config=CacheConfig(block_size=spec.block_tokens, enable_prefix_caching=True),
         kv_transfer_config=kv,
@@ -92,16 +93,55 @@ def build_vllm_config(start: dict[str, Any]) -> Any:
     return vllm_config
 
 
+def layer_specs(start: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's spec of each layer: full attention, or with ``window`` (tokens) every odd
+    layer a sliding-window one (Gemma's and gpt-oss's interleaving)."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    spec = vllm_peer.cache_spec(start)
+    window = int(start.get("window") or 0)
+    common = {
+        "block_size": spec.block_tokens,
+        "num_kv_heads": spec.heads_here,
+        "head_size": spec.model.head_dim,
+        "dtype": torch.bfloat16,
+    }
+    return {
+        name: SlidingWindowSpec(**common, sliding_window=window)
+        if window and i % 2
+        else FullAttentionSpec(**common)
+        for i, name in enumerate(vllm_peer.layer_names(start))
+    }
+
+
+def window_tails(kv_cache_config: Any) -> list[int]:
+    """Per KV-cache group, how many of a prompt's last blocks hold what attention still
+    reads (0: all), the harness's own reading of vLLM's sliding window."""
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+    tails = []
+    for group in kv_cache_config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        window = spec.sliding_window if isinstance(spec, SlidingWindowSpec) else 0
+        tails.append(-(-window // spec.block_size) + 1 if window else 0)
+    return tails
+
+
 def allocate(vllm_config: Any, start: dict[str, Any]) -> tuple[Any, dict[str, torch.Tensor]]:
-    """vLLM's KV cache plan and allocation for this engine's one group of layers (the group
-    spec is the harness's), as its model runner makes them: (kv_cache_config, views)."""
-    from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups
+    """vLLM's KV cache plan and allocation for this engine's layers, as its model runner
+    makes them: (kv_cache_config, views). One group of the harness's spec; with a
+    ``window``, the groups vLLM's own grouping makes of :func:`layer_specs` (on the hybrid
+    manager: a group per kind, every group's layer ``j`` in one slab)."""
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups, get_kv_cache_groups
     from vllm.v1.worker.utils import allocate_kv_cache
 
-    groups = vllm_peer.build_configs(start)[1].kv_cache_groups
-    page = groups[0].kv_cache_spec.page_size_bytes
     spec = vllm_peer.cache_spec(start)
-    memory = spec.num_blocks * page * len(groups[0].layer_names)
+    if start.get("window"):
+        groups = get_kv_cache_groups(vllm_config, layer_specs(start))
+    else:
+        groups = vllm_peer.build_configs(start)[1].kv_cache_groups
+    page = groups[0].kv_cache_spec.page_size_bytes
+    memory = spec.num_blocks * page * spec.layers
     kv_cache_config = get_kv_cache_config_from_groups(vllm_config, groups, memory)
     layout = vllm_config.cache_config.get_resolved_kv_cache_layout()
     return kv_cache_config, allocate_kv_cache(kv_cache_config, torch.device("cpu"), layout)
@@ -159,9 +199,58 @@ class Rank:
     spec: Any
     buffer: np.ndarray[Any, Any]
     caches: dict[str, torch.Tensor]
-    kv: Any
-    """The KV as ``kvwire.demo.content`` reads it (:func:`kv_view`)."""
+    groups: list[tuple[Any, Any]]
+    """Per KV-cache group: its layers' content spec and their KV as ``kvwire.demo.content``
+    reads it (:func:`kv_view`)."""
     worker: Any
+
+
+def group_views(
+    spec: Any, kv_cache_config: Any, caches: dict[str, torch.Tensor], buffer: Any
+) -> list[tuple[Any, Any]]:
+    out = []
+    for group in kv_cache_config.kv_cache_groups:
+        names = list(group.layer_names)
+        view = kv_view({n: caches[n] for n in names}, buffer)
+        out.append((replace(spec, layers=len(names)), view))
+    return out
+
+
+def group_seed(index: int, group: int) -> int:
+    """The content index of one group's KV: a group's bytes landing in another's blocks
+    (the slab is shared) then fail the check."""
+    return index + 4099 * group
+
+
+def fill_group(spec: Any, kv: Any, seed: int, blocks: list[int]) -> None:
+    """P's KV into a group's blocks; vLLM's null block (id 0, a sliding window's dropped
+    blocks) is skipped."""
+    positions = [i for i, b in enumerate(blocks) if b != 0]
+    if len(positions) == len(blocks):
+        fill(spec, kv, seed, blocks)
+    elif positions:
+        want = expected(spec, seed, len(blocks))
+        kv[:, [blocks[i] for i in positions]] = want[:, positions]
+
+
+def check_group(
+    spec: Any, kv: Any, seed: int, blocks: list[int], prompt: int, tail: int
+) -> tuple[int, int]:
+    """(wrong, checked) bytes of the prompt's whole blocks that D must hold: all of them,
+    or of a window's ``tail`` last blocks (those the window no longer reaches may be
+    vLLM's null block by now)."""
+    n = prompt // spec.block_tokens
+    first = max(0, -(-prompt // spec.block_tokens) - tail) if tail else 0
+    first = min(first, n)
+    positions = [i for i in range(first, n) if blocks[i] != 0]
+    if not positions:
+        return 0, 0
+    if positions == list(range(n)):
+        return count_wrong_bytes(spec, kv, seed, blocks[:n])
+    want = expected(spec, seed, n)[:, positions]
+    got = blocks_view(spec, kv)[:, [blocks[i] for i in positions]]
+    wrong = got.view(np.uint8) != want.view(np.uint8)
+    return int(np.count_nonzero(wrong)), int(want.nbytes)
 
 
 def _as_rank(start: dict[str, Any], rank: int, tp_size: int) -> None:
@@ -200,13 +289,15 @@ class EnginePart:
                 self.vllm_config, KVConnectorRole.WORKER, kv_cache_config
             )
             buffer = backing_bytes(caches)
-            rank = Rank(
-                vllm_peer.cache_spec(at_rank), buffer, caches, kv_view(caches, buffer), worker
-            )
-            scribble(rank.spec, rank.kv, list(range(rank.spec.num_blocks)))
+            rank_spec = vllm_peer.cache_spec(at_rank)
+            groups = group_views(rank_spec, kv_cache_config, caches, buffer)
+            rank = Rank(rank_spec, buffer, caches, groups, worker)
+            for group_spec, kv in groups:
+                scribble(group_spec, kv, list(range(rank_spec.num_blocks)))
             worker.register_kv_caches(caches)
             self.ranks.append(rank)
         self.kv_cache_config = kv_cache_config
+        self.tails = window_tails(kv_cache_config)
         self.worker = self.ranks[0].worker
         self.caches = self.ranks[0].caches
         self.buffer = self.ranks[0].buffer
@@ -320,15 +411,18 @@ class EnginePart:
     def _compute(self, rank: Rank, rid: str) -> None:
         """The model's forward for this request on one rank: P writes its KV; D checks the
         KV it was given (prefix hits included) the first time it reads it."""
-        blocks = list(self.scheduler.kv_cache_manager.get_block_ids(rid)[0])
+        all_blocks = self.scheduler.kv_cache_manager.get_block_ids(rid)
         index = self.index[rid]
-        if self.start_role == "P":
-            fill(rank.spec, rank.kv, index, blocks)
-        elif rid not in self.checked:
-            n = self.scheduler.requests[rid].num_prompt_tokens // rank.spec.block_tokens
-            wrong, checked = count_wrong_bytes(rank.spec, rank.kv, index, blocks[:n])
-            before = self.pending_checks.get(rid, (0, 0))
-            self.pending_checks[rid] = (before[0] + wrong, before[1] + checked)
+        for g, (spec, kv) in enumerate(rank.groups):
+            blocks = list(all_blocks[g])
+            if self.start_role == "P":
+                fill_group(spec, kv, group_seed(index, g), blocks)
+            elif rid not in self.checked:
+                prompt = self.scheduler.requests[rid].num_prompt_tokens
+                seed = group_seed(index, g)
+                wrong, checked = check_group(spec, kv, seed, blocks, prompt, self.tails[g])
+                before = self.pending_checks.get(rid, (0, 0))
+                self.pending_checks[rid] = (before[0] + wrong, before[1] + checked)
 
     def handle(self, cmd: dict[str, Any]) -> dict[str, Any]:
         from vllm import SamplingParams
@@ -374,7 +468,11 @@ class EnginePart:
         if op == "resolve_layout":
             return self.resolve_layout()
         if op == "regions":
-            return {"regions": self.regions(), "layout": self.layout}
+            return {
+                "regions": self.regions(),
+                "groups": self.region_groups(),
+                "layout": self.layout,
+            }
         if op == "fragment":
             # A long-running engine's pool: free blocks come back in no particular order.
             # Reorders vLLM's free-block queue (the order it allocates in) with a seed.
@@ -429,6 +527,14 @@ class EnginePart:
         geometry = connector._worker.endpoint._driver.geometry
         return [[r.base_addr - base, r.block_len, r.block_stride] for r in geometry.regions]
 
+    def region_groups(self) -> list[int]:
+        """The KV-cache group each registered region advertises (-1: every group's)."""
+        w = getattr(self.worker, "connector_worker", None)
+        if w is not None:
+            return list(w.region_group_ids)
+        geometry = self.worker._worker.endpoint._driver.geometry
+        return [r.group_id for r in geometry.regions]
+
     def state(self) -> dict[str, Any]:
         return {
             "outputs": self.outputs,
@@ -442,6 +548,7 @@ class EnginePart:
             "running": len(self.scheduler.running),
             "free_blocks": self.scheduler.kv_cache_manager.block_pool.get_num_free_blocks(),
             "connector": self.connector_class,
+            "hma": not self.vllm_config.scheduler_config.disable_hybrid_kv_cache_manager,
         }
 
     def close(self) -> None:

@@ -10,7 +10,16 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from harness import BLOCK, Geometry, PeerError, SchedulerEngine, Zygote, free_port, wait_until
+from harness import (
+    BLOCK,
+    Geometry,
+    PeerError,
+    SchedulerEngine,
+    Zygote,
+    free_port,
+    transfer,
+    wait_until,
+)
 
 TOKENS = 100  # 3 full blocks + a partial one (32-token blocks)
 
@@ -54,38 +63,13 @@ def shm_pull(zygote: Zygote) -> Iterator[tuple[SchedulerEngine, SchedulerEngine]
     yield from _pair(zygote, "KVWireConnector", "KVWireConnector", shm, d_extra=d_extra)
 
 
-def transfer(
-    p: SchedulerEngine, d: SchedulerEngine, rid: str, index: int, tokens: int
-) -> dict[str, Any]:
-    """P prefills; its params go to D (as a proxy forwards them); both engines step until D
-    has the KV and P has its blocks back."""
-    p.add(rid, index, tokens)
-    wait_until(lambda: rid in p.state.get("outputs", {}), p.step, 30, f"P to finish {rid}")
-    params = p.state["outputs"][rid]
-    assert params["do_remote_prefill"] and params["remote_request_id"] == rid
-    d.add(rid, index, tokens, params)
-
-    def both() -> None:
-        d.step()
-        p.step()
-
-    try:
-        wait_until(
-            lambda: rid in d.state.get("outputs", {}) and rid in p.state.get("sent", []),
-            both, 30, f"D to finish {rid} and P to free it",
-        )  # fmt: skip
-    except TimeoutError as exc:
-        raise TimeoutError(
-            f"{exc}; D: {d.peer.call({'op': 'stats'})}, {d.peer.log[-3:]}; "
-            f"P: {p.peer.call({'op': 'stats'})}, {p.peer.log[-3:]}"
-        ) from None
-    return d.state
-
-
 def test_factory_loads_the_connector_by_module_path(shm_pull: Any) -> None:
+    """... and vLLM keeps its hybrid KV cache manager on (its default) for it, as for its
+    own NixlConnector: a KVWireConnector supports the hybrid manager."""
     p, d = shm_pull
-    assert p.peer.call({"op": "state"})["connector"] == "KVWireConnector"
-    assert d.peer.call({"op": "state"})["connector"] == "KVWireConnector"
+    for engine in (p, d):
+        state = engine.peer.call({"op": "state"})
+        assert state["connector"] == "KVWireConnector" and state["hma"] is True
 
 
 def test_pull_shm_bytes_checked(shm_pull: Any) -> None:
@@ -246,12 +230,9 @@ PUSH = {
 def test_push(zygote: Zygote, pair: str) -> None:
     """Push: D registers its blocks with P, P's worker WRITEs them."""
     p_conn, d_conn, transport = PUSH[pair]
-    extra: dict[str, Any] = {"transport": transport}
-    if transport == "nixl":
-        # vLLM's agents keep UCX's peer error handling; in push both sides open an
-        # endpoint to the other, which a kvwire agent in its default mode (none) cannot.
-        extra["transport_options"] = {"backend_options": {"ucx_error_handling_mode": "peer"}}
-    for p, d in _pair(zygote, p_conn, d_conn, extra, "push"):
+    # No UCX setting: in push over NIXL the connector runs UCX's peer error handling, as
+    # vLLM's agents do (without it UCX cannot open endpoints both ways with them).
+    for p, d in _pair(zygote, p_conn, d_conn, {"transport": transport}, "push"):
         state = transfer(p, d, "req-w", 11, TOKENS)
         assert "req-w" in state["checked"], (state["invalid"], d.peer.log[-3:], p.peer.log[-3:])
         wrong, checked = state["checked"]["req-w"]

@@ -8,13 +8,20 @@ calls :func:`layer_geometry`.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from kvwire.config import KVWireConfig
 from kvwire.errors import ConfigError
-from kvwire.layout.geometry import BlockRegion, KVGeometry, parse_layout
+from kvwire.layout.geometry import (
+    SHARED_GROUP_ID,
+    BlockRegion,
+    KVGeometry,
+    RegionKind,
+    parse_layout,
+)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -66,7 +73,10 @@ def _spans(view: torch.Tensor, num_blocks: int) -> list[tuple[int, int, int]]:
 
 
 def layer_regions(
-    kv_caches: dict[str, torch.Tensor], num_blocks: int, layout: str
+    kv_caches: dict[str, torch.Tensor],
+    num_blocks: int,
+    layout: str,
+    group_of: Mapping[str, int] | None = None,
 ) -> list[BlockRegion]:
     """The worker's regions, read from each layer's own view.
 
@@ -75,9 +85,15 @@ def layer_regions(
     which names where each layer's page sits in a row: a kvwire peer then pairs layer by
     layer and can slice pages by heads and tokens, and a peer that knows only the rows is
     held to equal shards (:mod:`kvwire.layout.alignment`).
+
+    ``group_of`` names each layer's KV-cache group (vLLM's transfer groups). Under the
+    hybrid manager layer ``j`` of every group lives in the same slab, so views of
+    different groups start at one address: that region is every group's (group -1), as
+    stock advertises it, and a block id there belongs to whichever group holds it.
     """
     spans: dict[int, tuple[str, int, int, torch.Tensor]] = {}
     rows: dict[int, dict[str, tuple[int, int]]] = {}
+    groups: dict[int, int] = {}
     for name, view in kv_caches.items():
         if view.dim() < 2 or view.shape[0] != num_blocks:
             raise ConfigError(
@@ -90,8 +106,11 @@ def layer_regions(
         except ConfigError as exc:
             raise ConfigError(f"layer {name}: in KV cache layout {layout}, {exc}") from None
         page = int(view[0].nbytes)
+        group = group_of.get(name, 0) if group_of is not None else 0
         for base, block_len, stride in found:
             spans.setdefault(base, (name, block_len, stride, view))
+            if groups.setdefault(base, group) != group:
+                groups[base] = SHARED_GROUP_ID
             if block_len > page:
                 rows.setdefault(base, {})[name] = (int(view.data_ptr()) - base, page)
     regions = []
@@ -104,6 +123,7 @@ def layer_regions(
                 block_len=block_len,
                 block_stride=stride,
                 num_blocks=num_blocks,
+                group_id=groups[base],
                 mem_kind="VRAM" if on_device else "DRAM",
                 device_id=max(view.get_device(), 0) if on_device else None,
                 name=name,
@@ -114,16 +134,71 @@ def layer_regions(
     return regions
 
 
+def transfer_groups(kv_cache_config: Any) -> tuple[Any, ...]:
+    """The KV-cache groups whose blocks cross between engines, in the order the block
+    lists of ``kv_transfer_params`` carry them (vLLM leaves some groups out)."""
+    return tuple(getattr(kv_cache_config, "transfer_groups", kv_cache_config.kv_cache_groups))
+
+
+def group_kinds(kv_cache_config: Any) -> tuple[RegionKind, ...]:
+    """What each transfer group stores. Attention of every flavour (full, sliding window,
+    MLA) is pages by token; state-space groups are refused until their state moves."""
+    from vllm.v1.kv_cache_interface import AttentionSpec
+
+    kinds = []
+    for index, group in enumerate(transfer_groups(kv_cache_config)):
+        spec = group.kv_cache_spec
+        if not isinstance(spec, AttentionSpec):
+            raise ConfigError(
+                f"KV-cache group {index} is {type(spec).__name__}: KVWireConnector moves "
+                "attention groups (full, sliding window, MLA) only so far"
+            )
+        kinds.append(RegionKind.ATTENTION)
+    return tuple(kinds)
+
+
+def exchanged_tails(kv_cache_config: Any) -> tuple[int, ...]:
+    """Per transfer group, how many of a request's last blocks cross between engines; 0 is
+    all of them.
+
+    A sliding-window group's attention reaches back ``W`` tokens from the prompt's end, so
+    only its last ``cdiv(W, block_size) + 1`` blocks matter (the extra one for a window
+    that starts inside a block); vLLM's manager has already swapped older ones for its null
+    block. A stock peer exchanges exactly that tail, so kvwire does too.
+    """
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+    tails = []
+    for group in transfer_groups(kv_cache_config):
+        spec = group.kv_cache_spec
+        if isinstance(spec, SlidingWindowSpec):
+            tails.append(-(-int(spec.sliding_window) // int(spec.block_size)) + 1)
+        else:
+            tails.append(0)
+    return tuple(tails)
+
+
 def layer_geometry(
-    kv_caches: dict[str, torch.Tensor], num_blocks: int, config: KVWireConfig, vllm_config: Any
+    kv_caches: dict[str, torch.Tensor],
+    kv_cache_config: Any,
+    config: KVWireConfig,
+    vllm_config: Any,
 ) -> KVGeometry:
     """The worker's geometry: its layer regions and the facts a peer checks them by."""
     model = vllm_config.model_config
     layout = vllm_config.cache_config.get_resolved_kv_cache_layout()
     layout_name = str(getattr(layout, "name", layout))
     parse_layout(layout_name)  # kvwire's rule refuses a layout it cannot move, by name
+    num_blocks = int(kv_cache_config.num_blocks)
+    group_of = {
+        name: index
+        for index, group in enumerate(transfer_groups(kv_cache_config))
+        for name in group.layer_names
+    }
+    moved = {name: view for name, view in kv_caches.items() if name in group_of}
     return KVGeometry(
-        regions=layer_regions(kv_caches, num_blocks, layout_name),
+        regions=layer_regions(moved, num_blocks, layout_name, group_of),
+        group_kinds=group_kinds(kv_cache_config),
         kv_cache_layout=layout_name,
         block_size=int(vllm_config.cache_config.block_size),
         total_kv_heads=1 if model.use_mla else model.get_total_num_kv_heads(),

@@ -1,0 +1,97 @@
+"""One engine's :class:`~kvwire.config.KVWireConfig`, read from vLLM's configuration: the
+rank facts, the side channel vLLM's variables name, and the factors a stock NixlConnector
+engine hashes (so the two kinds of engine accept each other)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from kvwire.config import KVWireConfig
+from kvwire.errors import ConfigError
+from kvwire.integrations.vllm.geometry import attn_backend_name
+from kvwire.wire.compat import CompatFactors
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+
+def kvwire_config(vllm_config: VllmConfig, *, tp_rank: int = 0) -> KVWireConfig:
+    """The one KVWireConfig of this engine: vLLM's kv_transfer_config layer, the rank facts
+    and the listener vLLM's side-channel variables name, and the factors vLLM hashes."""
+    import vllm.envs as envs
+
+    transfer = vllm_config.kv_transfer_config
+    parallel = vllm_config.parallel_config
+    as_dict = {
+        "kv_connector": transfer.kv_connector,
+        "engine_id": transfer.engine_id,
+        "kv_connector_extra_config": dict(transfer.kv_connector_extra_config or {}),
+    }
+    base = KVWireConfig(kv_transfer_config=as_dict)
+    return KVWireConfig(
+        kv_transfer_config=as_dict,
+        transport_options=stock_transport_options(base),
+        tp_rank=tp_rank,
+        tp_size=parallel.tensor_parallel_size,
+        side_channel_host=envs.VLLM_NIXL_SIDE_CHANNEL_HOST,
+        side_channel_port=envs.VLLM_NIXL_SIDE_CHANNEL_PORT
+        + getattr(parallel, "data_parallel_index", 0),
+        compat=compat_factors(vllm_config, str(base.mode)),
+    )
+
+
+def stock_transport_options(base: KVWireConfig) -> dict[str, Any]:
+    """The transport's options, with what a stock peer needs filled in where the operator
+    left it unset: in push mode over NIXL, UCX's peer error handling, which vLLM's agents
+    run with (UCX cannot open endpoints both ways between an agent without it and one with
+    it, and push needs both ways). Pull keeps kvwire's own default (none), which a stock
+    peer accepts and which spares an initiator waiting on an idle target."""
+    options = dict(base.transport_options)
+    if str(base.transport) == "nixl" and base.mode == "push":
+        backend = dict(options.get("backend_options") or {})
+        backend.setdefault("ucx_error_handling_mode", "peer")
+        options["backend_options"] = backend
+    return options
+
+
+def compat_factors(vllm_config: VllmConfig, mode: str) -> CompatFactors:
+    """The factors a stock NixlConnector engine of this model hashes, so the two kinds of
+    engine accept each other (whether the hybrid manager is on is one: vLLM resolves it
+    per engine, and both kinds of connector support it)."""
+    import vllm
+
+    model = vllm_config.model_config
+    return CompatFactors.build(
+        vllm_version=vllm.__version__,
+        model=model.model,
+        dtype=str(model.dtype).removeprefix("torch."),
+        num_kv_heads=model.get_total_num_kv_heads(),
+        head_size=model.get_head_size(),
+        num_hidden_layers=model.get_total_num_hidden_layers(),
+        attn_backend_name=attn_backend_name(vllm_config),
+        cache_dtype=str(vllm_config.cache_config.cache_dtype),
+        is_hma_enabled=not vllm_config.scheduler_config.disable_hybrid_kv_cache_manager,
+        transfer_mode=mode,
+    )
+
+
+def is_producer(vllm_config: VllmConfig) -> bool:
+    """kvwire runs one side per engine; ``kv_both`` would need two agents behind one
+    handshake, which vLLM's peers cannot address."""
+    transfer = vllm_config.kv_transfer_config
+    if transfer.kv_role not in ("kv_producer", "kv_consumer"):
+        raise ConfigError(
+            f"KVWireConnector needs kv_role kv_producer or kv_consumer, got {transfer.kv_role!r}"
+        )
+    return bool(transfer.kv_role == "kv_producer")
+
+
+def tp_rank(vllm_config: VllmConfig) -> int:
+    """The worker's TP rank; 0 in a process without vLLM's parallel groups (TP 1)."""
+    from vllm.distributed import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        return int(parallel_state.get_tensor_model_parallel_rank())
+    if vllm_config.parallel_config.tensor_parallel_size != 1:
+        raise ConfigError("TP > 1 needs vLLM's parallel groups initialised")
+    return 0

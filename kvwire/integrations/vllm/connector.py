@@ -1,0 +1,151 @@
+"""``KVWireConnector``, the class vLLM instantiates: one object per role, delegating to
+:class:`~kvwire.integrations.vllm.scheduler.SchedulerSide` (role SCHEDULER) or
+:class:`~kvwire.integrations.vllm.worker.WorkerSide` (role WORKER)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    SupportsHMA,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+
+from kvwire.integrations.vllm.config import kvwire_config, tp_rank
+from kvwire.integrations.vllm.geometry import group_kinds
+from kvwire.integrations.vllm.messages import KVWireMetadata
+from kvwire.integrations.vllm.scheduler import SchedulerSide
+from kvwire.integrations.vllm.worker import WorkerSide
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+
+class KVWireConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
+    """kvwire's vLLM v1 connector (both roles); see the module docstring."""
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig,
+    ) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        group_kinds(kv_cache_config)  # a group kvwire cannot move fails the engine's startup
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = SchedulerSide(
+                vllm_config, kvwire_config(vllm_config), kv_cache_config
+            )
+        else:
+            config = kvwire_config(vllm_config, tp_rank=tp_rank(vllm_config))
+            self._worker = WorkerSide(vllm_config, config, kv_cache_config)
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        """The layout a stock NixlConnector engine asks for, so that both kinds resolve the
+        same one (vLLM otherwise picks each backend's first preference, and a mixed pair
+        would differ in layout). Head-major pages also move in fewer, longer spans when TP
+        sizes differ. MLA has one head: any layout is the same bytes."""
+        model = vllm_config.model_config
+        if model is None or model.use_mla:
+            return None
+        return "LBHNC"
+
+    # -- scheduler side ------------------------------------------------------------
+
+    def _sched(self) -> SchedulerSide:
+        assert self._scheduler is not None, "a scheduler-side call on a worker connector"
+        return self._scheduler
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        return self._sched().get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        self._sched().update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        return self._sched().build_meta()
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        self._sched().update_output(connector_output)
+
+    def request_finished(
+        self, request: Request, block_ids: Any
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self._sched().request_finished(request, block_ids)
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """Under vLLM's hybrid manager: the request's block list of every group."""
+        return self._sched().request_finished(request, block_ids)
+
+    def set_xfer_handshake_metadata(
+        self, metadata: dict[int, KVConnectorHandshakeMetadata]
+    ) -> None:
+        self._sched().set_handshakes(metadata)
+
+    @property
+    def side_channel_port(self) -> int:
+        return self._sched().port
+
+    # -- worker side ---------------------------------------------------------------
+
+    def _work(self) -> WorkerSide:
+        assert self._worker is not None, "a worker-side call on the scheduler's connector"
+        return self._worker
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._work().register(kv_caches)
+
+    def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
+        return self._work().handshake()
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KVWireMetadata)
+        self._work().start(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Loads are asynchronous (between steps): nothing to wait for per layer."""
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        """P's blocks are read (or written out) from the KV cache itself after the request
+        finishes: nothing to copy per layer."""
+
+    def wait_for_save(self) -> None:
+        """See :meth:`save_kv_layer`."""
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return self._work().finished()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._work().take_invalid()
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        return self._work().stats() if self._worker is not None else None
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
+        if self._scheduler is not None:
+            self._scheduler.close()

@@ -1,0 +1,165 @@
+"""The engine-core half of ``KVWireConnector``: which requests hold or load KV, the step's
+metadata for the workers, and the engine's one handshake listener."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+from kvwire.config import KVWireConfig
+from kvwire.errors import ConfigError
+from kvwire.integrations.vllm.geometry import exchanged_tails
+from kvwire.integrations.vllm.messages import BlockIds, KVWireHandshake, KVWireMetadata
+from kvwire.sidechannel import HandshakeListener
+from kvwire.sidechannel.advertise import advertised_host
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorHandshakeMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+
+class SchedulerSide:
+    """Engine-core half: decisions per request, the step's metadata, the listener."""
+
+    def __init__(
+        self, vllm_config: VllmConfig, config: KVWireConfig, kv_cache_config: KVCacheConfig
+    ) -> None:
+        self.config = config
+        self.vllm_config = vllm_config
+        self.kv_cache_config = kv_cache_config
+        self.tails = exchanged_tails(kv_cache_config)
+        """Per transfer group, the trailing blocks a request exchanges (0: all)."""
+        self.listener = HandshakeListener(
+            {}, host=config.side_channel_host, port=config.side_channel_port, secret=config.secret
+        ).start()
+        self.host = advertised_host(config.side_channel_host, config.advertise_host)
+        """The address P's params name (a wildcard bind resolved once, here)."""
+        self.meta = KVWireMetadata()
+        self.sending: set[str] = set()
+        self.started: set[str] = set()
+        self.loading: set[str] = set()
+        """D: requests whose KV is being fetched (vLLM holds their blocks until the
+        worker reports them received, aborted ones included)."""
+
+    @property
+    def port(self) -> int:
+        return self.listener.port
+
+    def set_handshakes(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
+        payloads = {}
+        for rank, meta in metadata.items():
+            if not isinstance(meta, KVWireHandshake):
+                raise ConfigError(f"worker {rank} sent {type(meta).__name__}, not kvwire's")
+            payloads[(0, int(rank))] = meta.payload
+        self.listener.set_payloads(payloads)
+
+    def get_num_new_matched_tokens(self, request: Request, computed: int) -> tuple[int, bool]:
+        params = request.kv_transfer_params
+        if params and params.get("do_remote_prefill"):
+            count = len(request.prompt_token_ids or []) - computed
+            if count > 0:
+                return count, True
+        return 0, False
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        params = request.kv_transfer_params
+        if params and params.get("do_remote_decode"):
+            if request.request_id not in self.started:  # once, not per prefill chunk
+                self.started.add(request.request_id)
+                self.meta.started.append(request.request_id)
+            return
+        if not params or not params.get("do_remote_prefill"):
+            return
+        local: BlockIds = []
+        if num_external_tokens > 0:
+            local = self.exchanged(blocks.get_unhashed_block_ids_all_groups())
+            self.loading.add(request.request_id)
+        prompt = int(request.num_prompt_tokens) or None
+        self.meta.to_recv[request.request_id] = (dict(params), local, prompt)
+        params["do_remote_prefill"] = False  # one transfer per request
+
+    def request_finished(
+        self, request: Request, block_ids: Any
+    ) -> tuple[bool, dict[str, Any] | None]:
+        from vllm.v1.request import RequestStatus
+
+        params = request.kv_transfer_params
+        if not params:
+            return False, None
+        rid = request.request_id
+        self.started.discard(rid)
+        if rid in self.loading:
+            # D: aborted while its KV is in flight; the worker ends the fetch and reports
+            # the request received, which is when vLLM frees its blocks.
+            self.meta.to_abort.append(rid)
+            return False, None
+        if params.get("do_remote_prefill"):
+            # D: never allocated (aborted while queued): P must still free its blocks.
+            self.meta.to_recv[rid] = (dict(params), [], None)
+            params["do_remote_prefill"] = False
+            return False, None
+        if not params.get("do_remote_decode"):
+            return False, None
+        if request.status not in (
+            RequestStatus.FINISHED_LENGTH_CAPPED,
+            RequestStatus.FINISHED_STOPPED,
+        ):
+            self.meta.to_abort.append(rid)
+            return False, None
+        groups = self.exchanged(block_ids)
+        if not any(groups):
+            return False, None
+        self.meta.to_send[rid] = (groups, int(request.num_computed_tokens))
+        self.sending.add(rid)
+        cfg = self.config
+        parallel = self.vllm_config.parallel_config
+        return True, {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_block_ids": groups,
+            "remote_engine_id": cfg.engine_id,
+            "remote_request_id": rid,
+            "remote_host": self.host,
+            "remote_port": self.port,
+            "tp_size": cfg.tp_size,
+            "dcp_size": parallel.decode_context_parallel_size,
+            "pp_size": parallel.pipeline_parallel_size,
+            "remote_num_tokens": int(request.num_computed_tokens),
+            "remote_blocks_expiry_time": (
+                time.perf_counter() + cfg.lease_s if cfg.mode == "pull" else None
+            ),
+        }
+
+    def exchanged(self, block_ids: Any) -> BlockIds:
+        """A request's block lists as engines exchange them: one per transfer group,
+        a sliding-window group's cut to its tail (see :func:`exchanged_tails`)."""
+        groups = _groups(block_ids)
+        if len(groups) == len(self.kv_cache_config.kv_cache_groups):
+            groups = [list(g) for g in self.kv_cache_config.select_transfer_block_ids(groups)]
+        return [g[-tail:] if tail else g for g, tail in zip(groups, self.tails, strict=True)]
+
+    def build_meta(self) -> KVWireMetadata:
+        meta, self.meta = self.meta, KVWireMetadata()
+        return meta
+
+    def update_output(self, output: KVConnectorOutput) -> None:
+        self.sending -= set(output.finished_sending or ())
+        self.loading -= set(output.finished_recving or ())
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+def _groups(block_ids: Any) -> BlockIds:
+    """vLLM hands a connector without hybrid-manager support one group's flat id list;
+    the params (vLLM's own format) carry a list per group."""
+    ids = list(block_ids)
+    if ids and not isinstance(ids[0], int):
+        return [[int(b) for b in group] for group in ids]
+    return [[int(b) for b in ids]]
