@@ -424,20 +424,6 @@ def wait_until(
         time.sleep(0.005)
 
 
-__all__ = [
-    "BLOCK",
-    "DecodeEngine",
-    "Geometry",
-    "PrefillEngine",
-    "VllmEngine",
-    "Zygote",
-    "factors",
-    "kvwire_options",
-    "vllm_compatible_extra",
-    "wait_until",
-]
-
-
 def transfer(
     p: SchedulerEngine, d: SchedulerEngine, rid: str, index: int, tokens: int
 ) -> dict[str, Any]:
@@ -464,3 +450,42 @@ def transfer(
             f"P: {p.peer.call({'op': 'stats'})}, {p.peer.log[-3:]}"
         ) from None
     return d.state
+
+
+def transfer_many(
+    p: SchedulerEngine, d: SchedulerEngine, index: int, prompts: dict[str, int]
+) -> dict[str, Any]:
+    """P prefills every prompt (one content: a later one may hit an earlier one's cached
+    blocks) and holds them all at once; then D fetches them all, as a proxy forwards P's
+    params, and both step until D has every request and P has freed them."""
+    for rid, tokens in prompts.items():
+        p.add(rid, index, tokens)
+        wait_until(lambda r=rid: r in p.state.get("outputs", {}), p.step, 30, f"P: {rid}")
+    for rid, tokens in prompts.items():
+        d.add(rid, index, tokens, p.state["outputs"][rid])
+
+    def both() -> None:
+        d.step()
+        p.step()
+
+    def done() -> bool:
+        return set(prompts) <= set(d.state.get("outputs", {})) & set(p.state.get("sent", []))
+
+    wait_until(done, both, 60, f"D to receive {sorted(prompts)} and P to free them")
+    return d.state
+
+
+__all__ = [
+    "BLOCK",
+    "DecodeEngine",
+    "Geometry",
+    "PrefillEngine",
+    "VllmEngine",
+    "Zygote",
+    "factors",
+    "kvwire_options",
+    "transfer",
+    "transfer_many",
+    "vllm_compatible_extra",
+    "wait_until",
+]

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 import vllm_peer
 
-from kvwire.demo.content import blocks_view, count_wrong_bytes, expected, fill, scribble
+from kvwire.demo.content import blocks_view, expected, fill, scribble
 
 
 def build_vllm_config(start: dict[str, Any]) -> Any:
@@ -114,17 +114,16 @@ def layer_specs(start: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def window_tails(kv_cache_config: Any) -> list[int]:
-    """Per KV-cache group, how many of a prompt's last blocks hold what attention still
-    reads (0: all), the harness's own reading of vLLM's sliding window."""
+def windows(kv_cache_config: Any) -> list[int]:
+    """Per KV-cache group, its sliding window in tokens (0: full attention): which of a
+    prompt's tokens D must hold is the harness's own reading of the window, not the
+    connector's."""
     from vllm.v1.kv_cache_interface import SlidingWindowSpec
 
-    tails = []
-    for group in kv_cache_config.kv_cache_groups:
-        spec = group.kv_cache_spec
-        window = spec.sliding_window if isinstance(spec, SlidingWindowSpec) else 0
-        tails.append(-(-window // spec.block_size) + 1 if window else 0)
-    return tails
+    return [
+        int(g.kv_cache_spec.sliding_window) if isinstance(g.kv_cache_spec, SlidingWindowSpec) else 0
+        for g in kv_cache_config.kv_cache_groups
+    ]
 
 
 def allocate(vllm_config: Any, start: dict[str, Any]) -> tuple[Any, dict[str, torch.Tensor]]:
@@ -208,6 +207,8 @@ class Rank:
 def group_views(
     spec: Any, kv_cache_config: Any, caches: dict[str, torch.Tensor], buffer: Any
 ) -> list[tuple[Any, Any]]:
+    """One content view per KV-cache group: a group's layers are filled and checked at its
+    own block ids (a block id names one group's page at a time in a shared slab)."""
     out = []
     for group in kv_cache_config.kv_cache_groups:
         names = list(group.layer_names)
@@ -234,23 +235,25 @@ def fill_group(spec: Any, kv: Any, seed: int, blocks: list[int]) -> None:
 
 
 def check_group(
-    spec: Any, kv: Any, seed: int, blocks: list[int], prompt: int, tail: int
+    spec: Any, kv: Any, seed: int, blocks: list[int], prompt: int, window: int
 ) -> tuple[int, int]:
-    """(wrong, checked) bytes of the prompt's whole blocks that D must hold: all of them,
-    or of a window's ``tail`` last blocks (those the window no longer reaches may be
-    vLLM's null block by now)."""
-    n = prompt // spec.block_tokens
-    first = max(0, -(-prompt // spec.block_tokens) - tail) if tail else 0
-    first = min(first, n)
-    positions = [i for i in range(first, n) if blocks[i] != 0]
-    if not positions:
-        return 0, 0
-    if positions == list(range(n)):
-        return count_wrong_bytes(spec, kv, seed, blocks[:n])
-    want = expected(spec, seed, n)[:, positions]
-    got = blocks_view(spec, kv)[:, [blocks[i] for i in positions]]
-    wrong = got.view(np.uint8) != want.view(np.uint8)
-    return int(np.count_nonzero(wrong)), int(want.nbytes)
+    """(wrong, checked) bytes of the prompt's KV that D's next token attends to: every
+    prompt token, or with a ``window`` the tokens from ``prompt - window + 1`` on, in
+    whole blocks (a block the window reaches into holds P's whole block), the last
+    block's prompt tokens included. A null block where KV must be fails the check."""
+    tokens = spec.block_tokens
+    first = max(0, prompt - window + 1) // tokens if window else 0
+    whole, rest = divmod(prompt, tokens)
+    want = expected(spec, seed, whole + (1 if rest else 0))
+    view = blocks_view(spec, kv)
+    pairs = [(view[:, blocks[first:whole]], want[:, first:whole])]
+    if rest:
+        pairs.append((view[:, blocks[whole], :, :rest], want[:, whole, :, :rest]))
+    wrong = checked = 0
+    for got, ought in pairs:
+        wrong += int(np.count_nonzero(got.view(np.uint8) != ought.view(np.uint8)))
+        checked += int(ought.nbytes)
+    return wrong, checked
 
 
 def _as_rank(start: dict[str, Any], rank: int, tp_size: int) -> None:
@@ -297,7 +300,7 @@ class EnginePart:
             worker.register_kv_caches(caches)
             self.ranks.append(rank)
         self.kv_cache_config = kv_cache_config
-        self.tails = window_tails(kv_cache_config)
+        self.windows = windows(kv_cache_config)
         self.worker = self.ranks[0].worker
         self.caches = self.ranks[0].caches
         self.buffer = self.ranks[0].buffer
@@ -420,7 +423,7 @@ class EnginePart:
             elif rid not in self.checked:
                 prompt = self.scheduler.requests[rid].num_prompt_tokens
                 seed = group_seed(index, g)
-                wrong, checked = check_group(spec, kv, seed, blocks, prompt, self.tails[g])
+                wrong, checked = check_group(spec, kv, seed, blocks, prompt, self.windows[g])
                 before = self.pending_checks.get(rid, (0, 0))
                 self.pending_checks[rid] = (before[0] + wrong, before[1] + checked)
 
@@ -528,7 +531,8 @@ class EnginePart:
         return [[r.base_addr - base, r.block_len, r.block_stride] for r in geometry.regions]
 
     def region_groups(self) -> list[int]:
-        """The KV-cache group each registered region advertises (-1: every group's)."""
+        """The KV-cache group each registered region advertises (-1: every group's), to
+        compare a kvwire worker's registration with a stock one's."""
         w = getattr(self.worker, "connector_worker", None)
         if w is not None:
             return list(w.region_group_ids)

@@ -11,13 +11,13 @@ from typing import Any
 
 import pytest
 from harness import (
-    BLOCK,
     Geometry,
     PeerError,
     SchedulerEngine,
     Zygote,
     free_port,
     transfer,
+    transfer_many,
     wait_until,
 )
 
@@ -112,6 +112,21 @@ def test_prefix_hit_on_d(shm_pull: Any) -> None:
     wrong, checked = state["checked"]["req-b2"]
     assert checked > 0 and wrong == 0
     assert state["hits"]["req-b2"] == 64  # two full blocks were D's own
+
+
+def test_prefix_hit_on_p_while_the_first_is_held(shm_pull: Any) -> None:
+    """The second of two prompts sharing a prefix hits the first's cached blocks on P
+    while the first is still held for D: P holds those blocks for both (an engine counts
+    references); D then fetches both, every byte checked, and P frees both."""
+    p, d = shm_pull
+    free_p = p.peer.call({"op": "state"})["free_blocks"]
+    prompts = {"req-p1": 64, "req-p2": TOKENS}
+    transfer_many(p, d, 6, prompts)
+    assert p.state["hits"]["req-p2"] == 64  # the first prompt's two full blocks
+    for rid in prompts:
+        wrong, checked = d.state["checked"][rid]
+        assert checked > 0 and wrong == 0, rid
+    assert p.peer.call({"op": "state"})["free_blocks"] == free_p
 
 
 def test_abort_on_d_while_loading(shm_pull: Any) -> None:
@@ -290,9 +305,9 @@ TP_PAIRS = {
     "stock-P-kvwire-D": ("NixlConnector", "KVWireConnector", "nixl"),
     "kvwire-P-stock-D": ("KVWireConnector", "NixlConnector", "nixl"),
 }
-ALL_HEADS = 3 * Geometry().layers * BLOCK * 8 * 2 * 128 * 2
-"""Bytes of the request's 3 full blocks in every layer, all 8 heads (K and V of 128 bf16
-values each), whichever ranks hold them."""
+ALL_HEADS = TOKENS * Geometry().layers * 8 * 2 * 128 * 2
+"""Bytes of every prompt token (3 full blocks and 4 tokens of the last) in every layer, all
+8 heads (K and V of 128 bf16 values each), whichever ranks hold them."""
 
 
 @pytest.mark.parametrize("sizes", sorted(TP_SIZES))

@@ -1,22 +1,26 @@
 """KVWireConnector on vLLM's hybrid KV cache manager (on by default): a sliding-window
 group beside a full-attention one, grouped, planned and allocated by vLLM's own code (every
-group's layer ``j`` in one slab, so the regions are shared, group -1). D checks every
-full-attention block and the window's tail, with each group's own content, the moment its
-model would first read them."""
+group's layer ``j`` in one slab, so the regions are shared, group -1). D checks, the moment
+its model would first read them, every prompt token of the full-attention layers and every
+token the window layers' next token attends to, each group with its own content, and the
+test asserts how many bytes that is: a window left unmoved fails it."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import pytest
-from harness import Geometry, SchedulerEngine, Zygote, transfer
+from harness import Geometry, SchedulerEngine, Zygote, transfer_many
 
 from kvwire.demo.models import CacheSpec, preset
 
 WINDOW = 64
-"""Tokens: the window reaches the prompt's last 3 blocks of 32 (cdiv(64, 32) + 1)."""
-TOKENS = 300
-"""9 whole blocks and a partial one: the window's tail is a part of the prompt."""
+"""Tokens: engines exchange a window group's last cdiv(64, 32) + 1 = 3 blocks of 32."""
+REQUESTS = {"req-even": 288, "req-odd": 300}
+"""Prompt lengths, one content: 288 tokens end on a block boundary, so the exchanged tail
+begins with vLLM's null block (the window has left block 6); 300 share those 9 blocks on
+P (a prefix-cache hit: both requests hold them at once) and end in a partial block."""
+INDEX = 5
 GEO = Geometry(layers=4)
 
 PAIRS = {
@@ -37,14 +41,22 @@ def _engine(
     )  # fmt: skip
 
 
-def checked_bytes() -> int:
-    """What D must check: the full-attention layers' whole prompt blocks and the window
-    layers' whole blocks among the last ``cdiv(W, block) + 1`` (vLLM's exchanged tail)."""
+def checked_bytes(prompt: int) -> int:
+    """What D must check of one prompt: every token in the full-attention layers, the
+    window layers' tokens from ``prompt - W + 1`` on in whole blocks, the last block's
+    prompt tokens included."""
     spec = CacheSpec(preset(GEO.model), GEO.layers, GEO.num_blocks, 0, 1, GEO.block_size)
-    whole = TOKENS // GEO.block_size
-    tail_first = -(-TOKENS // GEO.block_size) - (-(-WINDOW // GEO.block_size) + 1)
+    per_token = spec.block_len // GEO.block_size
+    window_first = (prompt - WINDOW + 1) // GEO.block_size * GEO.block_size
     per_kind = GEO.layers // 2
-    return spec.block_len * per_kind * (whole + (whole - tail_first))
+    return per_token * per_kind * (prompt + (prompt - window_first))
+
+
+def exchanged_lengths(prompt: int) -> list[int]:
+    """How many ids each group's list in P's params has: all of the prompt's blocks, and
+    the window's last cdiv(W, 32) + 1, as a stock P sends them."""
+    blocks = -(-prompt // GEO.block_size)
+    return sorted([blocks, min(blocks, -(-WINDOW // GEO.block_size) + 1)])
 
 
 def test_regions_and_groups_are_what_stock_registers(zygote: Zygote) -> None:
@@ -71,39 +83,65 @@ def test_sliding_window(zygote: Zygote, pair: str, mode: str, tp: str) -> None:
     try:
         d = _engine("D", d_conn, zygote, transport, mode, d_tp)
         try:
-            state = transfer(p, d, "req-sw", 5, TOKENS)
-            assert "req-sw" in state["checked"], (state["invalid"], d.peer.log[-3:])
-            wrong, checked = state["checked"]["req-sw"]
-            assert wrong == 0 and checked == checked_bytes()
+            state = transfer_many(p, d, INDEX, REQUESTS)
+            for rid, tokens in REQUESTS.items():
+                params = p.state["outputs"][rid]
+                assert sorted(map(len, params["remote_block_ids"])) == exchanged_lengths(tokens)
+                assert rid in state["checked"], (rid, state["invalid"], d.peer.log[-3:])
+                assert state["checked"][rid] == [0, checked_bytes(tokens)], rid
         finally:
             d.close()
     finally:
         p.close()
 
 
-def test_a_state_space_group_is_refused_by_name() -> None:
-    """kvwire does not move Mamba state yet: an engine with such a group must fail when
-    vLLM builds its connector (either role runs this check first), naming the group, never
-    report a request done without its state."""
+def _spec(kind: str) -> Any:
     import torch
     from vllm.v1.kv_cache_interface import (
+        ChunkedLocalAttentionSpec,
         FullAttentionSpec,
-        KVCacheConfig,
-        KVCacheGroupSpec,
         MambaSpec,
+        SlidingWindowSpec,
     )
+
+    page = {"num_kv_heads": 8, "head_size": 128, "dtype": torch.bfloat16}
+    specs = {
+        "full": lambda: FullAttentionSpec(block_size=32, **page),
+        "window": lambda: SlidingWindowSpec(block_size=32, sliding_window=64, **page),
+        "full-64": lambda: FullAttentionSpec(block_size=64, **page),
+        "chunked": lambda: ChunkedLocalAttentionSpec(
+            block_size=32, attention_chunk_size=128, **page
+        ),
+        "mamba": lambda: MambaSpec(
+            block_size=32, shapes=((4, 64), (8, 16)), dtypes=(torch.bfloat16,) * 2
+        ),
+    }
+    return specs[kind]()
+
+
+REFUSED = {
+    "mamba": (["full", "mamba"], "KV-cache group 1 is MambaSpec"),
+    "chunked-local": (["full", "chunked"], "KV-cache group 1 is ChunkedLocalAttentionSpec"),
+    "unequal-pages": (["full", "full-64"], "KV-cache group 1's pages"),
+    "windows-only": (["window"], "every KV-cache group has a sliding window"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REFUSED))
+def test_groups_kvwire_cannot_move_are_refused_by_name(case: str) -> None:
+    """What kvwire does not move yet fails the engine's startup (either role runs this
+    check when vLLM builds the connector), naming the group and why, so no request is ever
+    reported done without a group's KV."""
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
 
     from kvwire.errors import ConfigError
     from kvwire.integrations.vllm.geometry import group_kinds
 
-    attention = FullAttentionSpec(
-        block_size=32, num_kv_heads=8, head_size=128, dtype=torch.bfloat16
-    )
-    mamba = MambaSpec(block_size=32, shapes=((4, 64), (8, 16)), dtypes=(torch.bfloat16,) * 2)
-    config = KVCacheConfig(
-        num_blocks=8,
-        kv_cache_tensors=[],
-        kv_cache_groups=[KVCacheGroupSpec(["a"], attention), KVCacheGroupSpec(["m"], mamba)],
-    )
-    with pytest.raises(ConfigError, match="KV-cache group 1 is MambaSpec"):
-        group_kinds(config)
+    kinds, message = REFUSED[case]
+    groups = [KVCacheGroupSpec([f"layer{i}"], _spec(kind)) for i, kind in enumerate(kinds)]
+    config = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=groups)
+    with pytest.raises(ConfigError, match=message):
+        group_kinds(config, 32)
+    accepted = [KVCacheGroupSpec(["a"], _spec("full")), KVCacheGroupSpec(["b"], _spec("window"))]
+    ok = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=accepted)
+    assert len(group_kinds(ok, 32)) == 2

@@ -137,7 +137,6 @@ class ProducerMachine(MachineCore):
         self._pending_by_base: dict[str, dict[str, None]] = {}
         self._served: dict[str, object] = {}
         """Registration ids already matched: a duplicate is ignored (idempotent)."""
-        self._held: dict[int, set[int]] = {}
         self._held_count = 0
         self._handlers.update(
             {
@@ -190,19 +189,11 @@ class ProducerMachine(MachineCore):
             self._free(req, FreeReason.NOTHING_TO_SEND, out)
             return
         if self._check:
-            fresh = [set(group) for group in blocks]
-            for gi, (group, ids) in enumerate(zip(blocks, fresh, strict=True)):
-                held = self._held.get(gi)
-                if len(ids) != len(group) or (held is not None and not held.isdisjoint(ids)):
-                    raise LocalProtocolError(
-                        f"request {req.rid!r} brings blocks that are already held"
-                    )
-            for gi, ids in enumerate(fresh):
-                held = self._held.get(gi)
-                if held is None:
-                    self._held[gi] = ids
-                else:
-                    held |= ids
+            # Only within a request: two requests may hold the same block, as an engine
+            # with prefix caching shares a cached prefix (vLLM counts references).
+            for group in blocks:
+                if len(set(group)) != len(group):
+                    raise LocalProtocolError(f"request {req.rid!r} lists a block twice")
         self._held_count += sum(len(g) for g in blocks)
         req.blocks = blocks
         if event.lease_deadline is not None:
@@ -525,11 +516,6 @@ class ProducerMachine(MachineCore):
                 raise InvariantViolation(f"request {rid!r} freed with transfers still running")
             if rid in self._ended:
                 raise InvariantViolation(f"request {rid!r} freed twice")
-            for gi, group in enumerate(req.blocks):
-                held = self._held.get(gi, set())
-                if not held.issuperset(group):
-                    raise InvariantViolation(f"request {rid!r} frees blocks it does not hold")
-                held.difference_update(group)
             self._ended.add(rid)
             self._ended_now.add(rid)
         self._held_count -= sum(len(g) for g in req.blocks)

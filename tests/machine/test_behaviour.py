@@ -254,3 +254,23 @@ def test_unset_durations_are_derived_from_the_lease_in_one_place() -> None:
     assert (short.transfer_timeout, short.lease_grace) == (30.0, 1.5)
     long = KVWireConfig(environ={}, engine_id="x", lease_s=120.0, expiry_margin_s=2.0)
     assert (long.expiry_margin, long.completion_margin, long.transfer_timeout) == (2.0, 1.0, 120.0)
+
+
+def test_requests_sharing_prefix_blocks_are_held_and_freed_each_once() -> None:
+    """An engine with prefix caching hands two requests the same cached blocks (and vLLM's
+    hybrid manager its null block in every window list): both are held at once, each is
+    freed once with its own list, and nothing stays held. Only a list naming a block twice
+    is refused."""
+    p = producer(lease_s=30.0, lease_grace_s=0.0)
+    _held(p, "a", ((1, 2, 3), (0, 7)))
+    _held(p, "b", ((1, 2, 3, 4), (0, 8)))
+    assert p.held_blocks() == 11  # references, as the engine counts them
+    freed = of(p.handle(Timer(), 31.0), FreeBlocks)
+    assert sorted((f.request_id, f.block_ids) for f in freed) == [
+        ("a", ((1, 2, 3), (0, 7))),
+        ("b", ((1, 2, 3, 4), (0, 8))),
+    ]
+    assert p.held_blocks() == 0
+    p.handle(RequestAdded("c"), 40.0)
+    with pytest.raises(LocalProtocolError, match="lists a block twice"):
+        p.handle(PrefillFinished("c", ((5, 5),)), 40.0)

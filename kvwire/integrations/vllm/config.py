@@ -47,7 +47,8 @@ def stock_transport_options(base: KVWireConfig) -> dict[str, Any]:
     it, and push needs both ways). Pull keeps kvwire's own default (none), which a stock
     peer accepts and which spares an initiator waiting on an idle target."""
     options = dict(base.transport_options)
-    if str(base.transport) == "nixl" and base.mode == "push":
+    uses_ucx = options.get("backend", "UCX") == "UCX"
+    if str(base.transport) == "nixl" and base.mode == "push" and uses_ucx:
         backend = dict(options.get("backend_options") or {})
         backend.setdefault("ucx_error_handling_mode", "peer")
         options["backend_options"] = backend

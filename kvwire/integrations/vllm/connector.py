@@ -42,7 +42,8 @@ class KVWireConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
         kv_cache_config: KVCacheConfig,
     ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
-        group_kinds(kv_cache_config)  # a group kvwire cannot move fails the engine's startup
+        # A group kvwire cannot move fails the engine's startup, on either role.
+        group_kinds(kv_cache_config, int(vllm_config.cache_config.block_size))
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
@@ -75,6 +76,12 @@ class KVWireConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     ) -> tuple[int | None, bool]:
         return self._sched().get_num_new_matched_tokens(request, num_computed_tokens)
 
+    def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
+        """Every transfer group (vLLM 0.32 asks; its default, the prefix-cacheable groups,
+        fits a hash-addressed store): a load writes the request's own blocks of each, and
+        vLLM must not zero a group's blocks while the load is writing them."""
+        return tuple(self._kv_cache_config.transfer_group_ids)
+
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
@@ -94,7 +101,8 @@ class KVWireConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     def request_finished_all_groups(
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
-        """Under vLLM's hybrid manager: the request's block list of every group."""
+        """vLLM's hybrid manager calls this instead of :meth:`request_finished`, with a
+        list per KV-cache group; both reach one decision."""
         return self._sched().request_finished(request, block_ids)
 
     def set_xfer_handshake_metadata(

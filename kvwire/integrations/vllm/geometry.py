@@ -140,21 +140,46 @@ def transfer_groups(kv_cache_config: Any) -> tuple[Any, ...]:
     return tuple(getattr(kv_cache_config, "transfer_groups", kv_cache_config.kv_cache_groups))
 
 
-def group_kinds(kv_cache_config: Any) -> tuple[RegionKind, ...]:
-    """What each transfer group stores. Attention of every flavour (full, sliding window,
-    MLA) is pages by token; state-space groups are refused until their state moves."""
-    from vllm.v1.kv_cache_interface import AttentionSpec
+def group_kinds(kv_cache_config: Any, block_size: int) -> tuple[RegionKind, ...]:
+    """What each transfer group stores, refusing by name what kvwire does not move yet.
 
-    kinds = []
-    for index, group in enumerate(transfer_groups(kv_cache_config)):
+    A :class:`KVGeometry` describes one page for every group (one block size, one head
+    count and head size), which is what vLLM's hybrid manager makes of attention layers
+    that differ only in their window. Anything else (state-space groups, rings, chunked
+    local attention, groups whose pages vLLM resized or padded to share a pool) would be
+    planned with the wrong page, so it fails the engine's startup instead. So does a model
+    whose every group has a window: no list then holds the whole prompt, which is where
+    the planner places the others.
+    """
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
+
+    moved = (FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec)
+    groups = transfer_groups(kv_cache_config)
+    ids = getattr(kv_cache_config, "transfer_group_ids", range(len(groups)))
+    first: tuple[Any, ...] | None = None
+    for group_id, group in zip(ids, groups, strict=True):
         spec = group.kv_cache_spec
-        if not isinstance(spec, AttentionSpec):
+        if type(spec) not in moved:
             raise ConfigError(
-                f"KV-cache group {index} is {type(spec).__name__}: KVWireConnector moves "
-                "attention groups (full, sliding window, MLA) only so far"
+                f"KV-cache group {group_id} is {type(spec).__name__}: KVWireConnector moves "
+                "full-attention, MLA and sliding-window groups so far"
             )
-        kinds.append(RegionKind.ATTENTION)
-    return tuple(kinds)
+        page = (spec.block_size, spec.num_kv_heads, spec.head_size, spec.dtype)
+        padded = getattr(spec, "page_size_padded", None)
+        if spec.block_size != block_size or padded is not None or page != (first or page):
+            raise ConfigError(
+                f"KV-cache group {group_id}'s pages (block size {spec.block_size}, "
+                f"{spec.num_kv_heads} heads of {spec.head_size}, padded to {padded}) differ "
+                f"from the engine's (block size {block_size}) or another group's: "
+                "KVWireConnector moves groups of one page shape so far"
+            )
+        first = page
+    if groups and all(type(g.kv_cache_spec) is SlidingWindowSpec for g in groups):
+        raise ConfigError(
+            "every KV-cache group has a sliding window: KVWireConnector needs a group that "
+            "holds the whole prompt so far"
+        )
+    return tuple(RegionKind.ATTENTION for _ in groups)
 
 
 def exchanged_tails(kv_cache_config: Any) -> tuple[int, ...]:
@@ -198,7 +223,7 @@ def layer_geometry(
     moved = {name: view for name, view in kv_caches.items() if name in group_of}
     return KVGeometry(
         regions=layer_regions(moved, num_blocks, layout_name, group_of),
-        group_kinds=group_kinds(kv_cache_config),
+        group_kinds=group_kinds(kv_cache_config, int(vllm_config.cache_config.block_size)),
         kv_cache_layout=layout_name,
         block_size=int(vllm_config.cache_config.block_size),
         total_kv_heads=1 if model.use_mla else model.get_total_num_kv_heads(),

@@ -137,8 +137,9 @@ class SchedulerSide:
         }
 
     def exchanged(self, block_ids: Any) -> BlockIds:
-        """A request's block lists as engines exchange them: one per transfer group,
-        a sliding-window group's cut to its tail (see :func:`exchanged_tails`)."""
+        """A request's block lists as stock engines exchange them (so a stock peer reads
+        what it expects): one per transfer group, a sliding-window group's cut to its
+        tail (see :func:`exchanged_tails`), which may still begin with the null block."""
         groups = _groups(block_ids)
         if len(groups) == len(self.kv_cache_config.kv_cache_groups):
             groups = [list(g) for g in self.kv_cache_config.select_transfer_block_ids(groups)]
