@@ -9,22 +9,24 @@ Results are named ``<transport>.read.<size>.GBps`` and ``<transport>.read.4KiB.u
 plain numpy memory on both sides: what a serving engine registers is its own tensors.
 When the transport offers its own host allocator (``conformance_allocators``, e.g. shm's
 peer-mappable segments) that memory is measured too, as
-``<transport>.read.<size>.segment.GBps``. If the transport's
-distribution names a raw baseline module in the ``kvwire.rawbench`` entry-point group (under
-the transport's name), its ``same_memory_reader(transport, peer, local,
-remote)`` (when it returns a callable) is the raw library's READ of the very same blocks,
-timed in turns with the transport's as ``<transport>_raw.read.*`` with the paired ratio
-``<transport>.read.<size>.vs_raw``; otherwise its ``raw_baseline(quick) -> list[Result]``
-adds the raw library's own figures. If it has ``paired_benchmark(quick, memcpy_sample) ->
-list[Result]`` instead, that replaces this module's measurement of the transport: it times
-the adapter and the raw library against one target and the same memory, in turns (the
-only fair comparison on a shared machine), calling ``memcpy_sample(label, nbytes)`` so the
-memcpy baseline is sampled between its repetitions too.
+``<transport>.read.<size>.segment.GBps``. If the transport has a raw baseline module
+(kvwire's own transports: :data:`RAW_BASELINES`; any other: the module its distribution
+names in the ``kvwire.rawbench`` entry-point group, under the transport's name), its
+``same_memory_reader(transport, peer, local, remote)`` (when it returns a callable) is the
+raw library's READ of the very same blocks, timed in turns with the transport's as
+``<transport>_raw.read.*`` with the paired ratio ``<transport>.read.<size>.vs_raw``;
+otherwise its ``raw_baseline(quick) -> list[Result]`` adds the raw library's own figures.
+If it has ``paired_benchmark(quick, memcpy_sample) -> list[Result]`` instead, that replaces
+this module's measurement of the transport: it times the adapter and the raw library
+against one target and the same memory, in turns (the only fair comparison on a shared
+machine), calling ``memcpy_sample(label, nbytes)`` so the memcpy baseline is sampled
+between its repetitions too.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import importlib.metadata
 import time
 import uuid
@@ -174,12 +176,22 @@ def _measure(name: str, allocator: str, quick: bool, memcpy: _Memcpy) -> dict[st
     return out
 
 
+RAW_BASELINES = {"nixl": "kvwire.bench.nixl_raw", "ucx": "kvwire.bench.ucx_raw"}
+"""kvwire's own transports -> their raw-library baseline module, in this package: bench
+tooling that imports the adapter, which must not import the bench back. Looked up first, so
+an older install's entry points for these names (the modules once in the adapters) are never
+loaded."""
+
 RAWBENCH_GROUP = "kvwire.rawbench"
-"""Entry points naming each transport's raw-library baseline module (by transport name)."""
+"""Entry points naming any other transport's raw-library baseline module (by transport name):
+the extension point for third-party transports."""
 
 
 def _rawbench(name: str) -> Any:
-    """The module the ``kvwire.rawbench`` entry point ``name`` names, or None."""
+    """The raw baseline module of transport ``name`` (:data:`RAW_BASELINES`, else the
+    ``kvwire.rawbench`` entry point ``name``), or None."""
+    if name in RAW_BASELINES:
+        return importlib.import_module(RAW_BASELINES[name])
     found = importlib.metadata.entry_points(group=RAWBENCH_GROUP, name=name)
     return next(iter(found)).load() if found else None
 

@@ -132,7 +132,7 @@ def test_paired_benchmark_names_its_figures_and_samples_the_memcpy_baseline() ->
     bytes checked before timing; the results are named as the issue asks, kvwire's carry
     raw NIXL as their baseline, and the generic bench's memcpy sampler is called for both
     shapes. Values are not judged here: benchmarks are commands, not tests."""
-    from kvwire_nixl.rawbench import paired_benchmark
+    from kvwire.bench.nixl_raw import paired_benchmark
 
     sampled: list[tuple[str, int]] = []
     results = paired_benchmark(quick=True, memcpy=lambda label, n: sampled.append((label, n)))

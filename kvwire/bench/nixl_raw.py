@@ -1,5 +1,8 @@
 """kvwire against raw NIXL, for ``kvwire bench transport --transport nixl``.
 
+Bench tooling, not part of the adapter: it imports :mod:`kvwire_nixl` and NIXL (both only
+when it runs), while the adapter imports nothing above the transport interface.
+
 The question is what kvwire adds to NIXL, so both contenders must see the same conditions;
 two separate runs against two separate peer processes differed by 10 % or more on this
 machine for reasons that had nothing to do with kvwire. Here, in one run:
@@ -75,7 +78,7 @@ def _source_bytes(seed: int, nbytes: int) -> np.ndarray:
 
 
 def _target(sizes: list[int]) -> None:
-    """The idle side (``python -m kvwire_nixl.rawbench --target SIZE...``): one source
+    """The idle side (``python -m kvwire.bench.nixl_raw --target SIZE...``): one source
     region per shape, registered and filled, announced in one frame on stdout; then it
     only waits for stdin to close (it never calls into NIXL while the initiators measure)."""
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
@@ -198,7 +201,7 @@ class _Rig:
 
         os.environ.setdefault("UCX_NET_DEVICES", "lo")
         # A fresh interpreter talking msgpack frames: nothing is pickled.
-        self.target = spawn("kvwire_nixl.rawbench", "--target", *map(str, sizes))
+        self.target = spawn("kvwire.bench.nixl_raw", "--target", *map(str, sizes))
         self.closers: list[Callable[[], None]] = []
         self.raw_regs: list[Any] = []
         self.kvwire: NixlTransport | None = None

@@ -4,8 +4,12 @@ The bench's figure (:func:`same_memory_reader`): the very rows a kvwire READ pos
 adapter's own worker and endpoint, posted and progressed to completion by the C helper's
 loop, with no kvwire code in between, sampled in turns with the adapter over the same 256
 scattered, cold blocks. That is the floor of any adapter over this UCP: ``ucx_perftest``
-(below, still runnable as ``python -m kvwire_ucx.rawbench``) re-reads one buffer that stays
+(below, still runnable as ``python -m kvwire.bench.ucx_raw``) re-reads one buffer that stays
 in cache, which is faster than any copy of scattered cold blocks and so not a fair target.
+
+Bench tooling, not part of the adapter: it imports :mod:`kvwire_ucx` and posts on its
+worker, and only ``kvwire bench transport`` imports it; the adapter itself imports nothing
+above the transport interface.
 
 :func:`raw_baseline` runs ``ucx_perftest`` from the libucx wheel (the same UCX build the
 adapter binds), two processes on loopback, test ``ucp_get``: a server, then a client
@@ -31,12 +35,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from kvwire_ucx._native_load import NATIVE
+from kvwire_ucx.transport import UcxTransport
 
 from kvwire.bench.report import Result
 from kvwire.errors import TransportUnavailableError
 from kvwire.transport import Descs, Transport
-from kvwire_ucx._native_load import NATIVE
-from kvwire_ucx.transport import UcxTransport
 
 _ROW = re.compile(r"^\s*(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+")
 _MIB = 1 << 20
@@ -179,7 +183,7 @@ def same_memory_reader(
 
 
 def main() -> None:
-    """``python -m kvwire_ucx.rawbench``: print the raw figures."""
+    """``python -m kvwire.bench.ucx_raw``: print the raw figures."""
     for result in raw_baseline(quick=True):
         print(f"{result.name}: {result.value:.4g} {result.unit}")
 
