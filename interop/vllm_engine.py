@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 import vllm_peer
+from yardstick import ConnectorClock, FetchClock
 
 from kvwire.demo.content import blocks_view, expected, fill, scribble
 
@@ -171,11 +172,6 @@ def kv_view(caches: dict[str, torch.Tensor], buffer: np.ndarray[Any, Any]) -> An
     strides = (step, *(s * item for s in first.stride()[:3]), 2)
     flat = buffer.view(np.uint16)[offsets[0] // 2 :]
     return np.lib.stride_tricks.as_strided(flat, shape, strides, writeable=True)
-
-
-def _starts_loads(meta: Any) -> bool:
-    """Whether this step's metadata starts a fetch (either connector's)."""
-    return bool(getattr(meta, "to_recv", None) or getattr(meta, "reqs_to_recv", None))
 
 
 class _NoGrammar:
@@ -340,8 +336,12 @@ class EnginePart:
         self.invalid: set[int] = set()
         self.connector_class = type(sched_connector).__name__
         self.requests: dict[str, Any] = {}
-        self.load_calls: list[float] = []
-        """D: seconds each start_load_kv that began fetches took (where posts happen)."""
+        self.fetch = FetchClock()
+        self.cpu = ConnectorClock()
+        self.cpu_at_done: dict[str, dict[str, float]] = {}
+        """D: the connector's CPU from the mark to the step that received each request."""
+        for connector in (sched_connector, *(rank.worker for rank in self.ranks)):
+            self.cpu.wrap(connector)
 
     def _counted(self, lookup: Any) -> Any:
         def counted(request: Any) -> Any:
@@ -373,10 +373,9 @@ class EnginePart:
             w = rank.worker
             if meta is not None:
                 w.bind_connector_metadata(meta)
-            began = time.perf_counter()
+            if meta is not None and self.start_role == "D":
+                self.fetch.step_began(meta, time.perf_counter())
             w.start_load_kv(None)
-            if meta is not None and self.start_role == "D" and _starts_loads(meta):
-                self.load_calls.append(time.perf_counter() - began)
             for rid in req_ids:
                 self._compute(rank, rid)
             for name in self.layers:
@@ -400,6 +399,9 @@ class EnginePart:
             )
         runner = self.aggregator.aggregate(outputs)
         kv = runner.kv_connector_output
+        self.fetch.received(kv.finished_recving, time.perf_counter())
+        for rid in kv.finished_recving or ():
+            self.cpu_at_done.setdefault(rid, self.cpu.read())
         self.sent |= set(kv.finished_sending or ())
         self.received |= set(kv.finished_recving or ())
         self.invalid |= kv.invalid_block_ids
@@ -485,9 +487,18 @@ class EnginePart:
             queue.append_n(blocks)
             return {}
         if op == "stats":
-            stats = self.worker.get_kv_connector_stats()
-            data = dict(stats.data) if stats is not None else {}
-            return {"stats": data, "load_calls": self.load_calls}
+            ranks = [rank.worker.get_kv_connector_stats() for rank in self.ranks]
+            data = [dict(s.data) if s is not None else {} for s in ranks]
+            return {
+                "stats": data[0],
+                "ranks": data,
+                "cpu": self.cpu.read(),
+                "cpu_at_done": self.cpu_at_done,
+                "ttkv_s": self.fetch.seconds(),
+            }
+        if op == "cpu_mark":
+            self.cpu.mark()
+            return {}
         if op == "state":
             return self.state()
         raise ValueError(f"unknown op {op!r}")

@@ -130,6 +130,12 @@ class DescriptorError(TransportError):
     """Descriptors that cannot be transferred: outside registered memory, mismatched lengths."""
 
 
+class UnpreparedTablesError(DescriptorError):
+    """Rows named by index in tables the transport does not hold for that peer: never
+    prepared, or dropped since (the peer was added again or removed, or a local
+    registration changed). Post the rows themselves, or prepare again."""
+
+
 class TransferFailedError(TransportError):
     """A posted transfer failed (peer died, link cut, backend error)."""
 

@@ -38,7 +38,9 @@ Descriptors are ``(N, 3)`` ``int64`` numpy arrays of ``(address, length, device_
 local and remote arrays of one transfer pair up row by row and must have equal lengths.
 
 Optional extras (not part of the Protocol; used when present; each declared as a Protocol
-in ``kvwire_conformance.extras``): a ``failure_reason(handle)``
+in ``kvwire_conformance.extras``, or here when the runtime uses it): ``prepare(peer, local,
+remote)`` (:class:`PreparesTables`), tables of every row transfers with a peer may post,
+taken once per handshake so requests can be made by index; a ``failure_reason(handle)``
 method saying why a transfer FAILED; a ``resource_counts()`` method counting what the agent
 holds; on the factory or the agent's class, a ``conformance_allocators`` tuple of
 ``"module:function"`` host allocators, which the conformance suite and
@@ -179,6 +181,43 @@ class Transport(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class PreparesTables(Protocol):
+    """An optional extra: a transport that prepares descriptor lists ahead of transfers
+    (NIXL's ``prep_xfer_dlist``) and makes a request by row index when every row of it is a
+    table row.
+
+    The runtime calls ``prepare`` after each handshake with a peer rank, passing
+    ``kvwire.layout.PeerLayout.tables`` (this agent's rows, the peer's rows), then posts a
+    request whose rows do not merge well with ``read_rows`` / ``write_rows`` and the plan's
+    index arrays (``PeerLayout.plan(rows=True)``). ``read`` and ``write`` stay right for any
+    rows. The transport drops the tables when the peer is added again or removed, or a local
+    registration changes, so a request is never made from lists that describe memory as it
+    was: the row calls raise instead, and the runtime posts rows until the next handshake.
+    """
+
+    def prepare(self, peer: str, local: Descs, remote: Descs) -> None: ...
+
+    def read_rows(
+        self,
+        peer: str,
+        local_rows: npt.NDArray[np.int64],
+        remote_rows: npt.NDArray[np.int64],
+        notify: bytes | None = None,
+    ) -> object:
+        """``read`` of the tables' rows by index; :class:`kvwire.errors.UnpreparedTablesError`
+        when the transport holds no tables for the peer (never prepared, or dropped)."""
+        ...
+
+    def write_rows(
+        self,
+        peer: str,
+        local_rows: npt.NDArray[np.int64],
+        remote_rows: npt.NDArray[np.int64],
+        notify: bytes | None = None,
+    ) -> object: ...
 
 
 TransportFactory = Callable[..., Transport]

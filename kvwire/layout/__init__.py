@@ -31,7 +31,7 @@ from kvwire.layout.geometry import (
     RemoteGeometry,
     parse_layout,
 )
-from kvwire.layout.plan import PeerLayout, TransferPlan, plan_read, plan_write
+from kvwire.layout.plan import MAX_TABLE_ROWS, PeerLayout, TransferPlan, plan_read, plan_write
 
 __all__ = [
     "BlockIds",
@@ -39,6 +39,7 @@ __all__ = [
     "Descs",
     "KVGeometry",
     "KVLayout",
+    "MAX_TABLE_ROWS",
     "PeerLayout",
     "PeerPolicy",
     "RegionKind",

@@ -26,7 +26,7 @@ this producer rank supplies; it is computed once per region shape. Descriptors a
 broadcast ``base + block * stride + sub * shift + pattern`` over regions x chunks x segments,
 in region-major order (attention regions, then SSM), optionally coalesced.
 
-Why one module of ~640 lines: the pattern, chunk and cluster functions are the steps of
+Why one module of ~830 lines: the pattern, chunk and cluster functions are the steps of
 one vectorised algorithm (:class:`PeerLayout`) and are only meaningful together; the
 descriptor-array operations the adapters share are in :mod:`kvwire.layout.descs`.
 """
@@ -62,7 +62,11 @@ from kvwire.layout.geometry import (
     rank_heads,
 )
 
-__all__ = ["PeerLayout", "TransferPlan", "plan_read", "plan_write"]
+__all__ = ["MAX_TABLE_ROWS", "PeerLayout", "TransferPlan", "plan_read", "plan_write"]
+
+MAX_TABLE_ROWS = 1 << 21
+"""The most rows :meth:`PeerLayout.tables` returns (both sides together: 96 MiB of
+descriptors): a 70B model's 80 layers of a 32k-token pool are 160k rows a side."""
 
 
 @dataclass(frozen=True)
@@ -79,6 +83,10 @@ class TransferPlan:
     remote_descs: Descs
     local_zero: Descs
     remote_zero: Descs
+    local_rows: IntArray | None = None
+    """With ``plan(rows=True)``: each row of the request, uncoalesced, as its index in the
+    layout's local table (None without tables)."""
+    remote_rows: IntArray | None = None
 
     @property
     def num_descs(self) -> int:
@@ -357,10 +365,36 @@ class _Entry:
     id across the region's kernel blocks)."""
 
 
+@dataclass(frozen=True)
+class _Span:
+    """One cluster's rows on one side of the prepared tables: from row ``offset``, ordered
+    region x block x sub-position x segment."""
+
+    offset: int
+    blocks: int
+    subs: int
+    segments: int
+
+    def rows(self, regions: int, blocks: IntArray, sub: IntArray) -> IntArray:
+        """Table indices of the rows ``_emit`` writes for these chunks, in its order."""
+        m = self.segments
+        first = (np.arange(regions, dtype=np.int64)[:, None] * self.blocks + blocks) * self.subs
+        first = (first + sub) * m + self.offset
+        if m == 1:
+            return first.reshape(-1)
+        return (first[:, :, None] + np.arange(m, dtype=np.int64)).reshape(-1)
+
+
 def _join(parts: list[Descs]) -> Descs:
     if len(parts) == 1:
         return parts[0]
     return np.concatenate(parts) if parts else empty_descs()
+
+
+def _join_ints(parts: list[IntArray]) -> IntArray:
+    if len(parts) == 1:
+        return parts[0]
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
 
 class PeerLayout:
@@ -409,6 +443,7 @@ class PeerLayout:
             (remote_side, local_side) if mode == "pull" else (local_side, remote_side)
         )
         self._cluster_cache: dict[int, tuple[list[_Cluster], bool]] = {}
+        self._span_cache: dict[int, list[tuple[_Span, _Span]] | None] = {}
         self._clusters(1)  # a pairing that cannot be planned fails here, at the handshake
 
     # -- handshake-time preparation ----------------------------------------------------
@@ -519,6 +554,62 @@ class PeerLayout:
         """(producer view, consumer view) of a pair."""
         return (pair.remote, pair.local) if self.mode == "pull" else (pair.local, pair.remote)
 
+    # -- prepared descriptor tables ------------------------------------------------------
+
+    def tables(self, num_groups: int = 1) -> tuple[Descs, Descs] | None:
+        """Every descriptor row a request with ``num_groups`` block lists can post, as
+        ``(local, remote)`` tables; ``plan(..., rows=True)`` names a request's rows by their
+        index in these.
+
+        A transport that prepares descriptor lists (NIXL's ``prep_xfer_dlist``) takes them
+        once per peer and then makes each request from index arrays, which the plan computes
+        in numpy as cheaply as the rows themselves. None when the tables would exceed
+        :data:`MAX_TABLE_ROWS` (many small segments per block, as in tokens-first layouts
+        between unequal TP sizes): preparing them would cost more than it saves.
+        """
+        spans = self._table_spans(num_groups)
+        if spans is None:
+            return None
+        clusters, _ = self._clusters(max(num_groups, 1))
+        p_parts: list[Descs] = []
+        c_parts: list[Descs] = []
+        for cluster, (p_span, c_span) in zip(clusters, spans, strict=True):
+            segs = cluster.pattern.segments
+            for (base, stride, dev, shift, col, span), parts in (
+                ((cluster.p_base, cluster.p_stride, cluster.p_dev,
+                  cluster.pattern.producer_shift, 0, p_span), p_parts),
+                ((cluster.c_base, cluster.c_stride, cluster.c_dev,
+                  cluster.pattern.consumer_shift, 1, c_span), c_parts),
+            ):  # fmt: skip
+                blocks = np.repeat(np.arange(span.blocks, dtype=np.int64), span.subs)
+                sub = np.tile(np.arange(span.subs, dtype=np.int64), span.blocks)
+                out = np.empty((base.size * blocks.size * segs.shape[0], 3), dtype=np.int64)
+                if out.size:
+                    _fill(out, base, stride, blocks, sub, shift, segs[:, col], segs[:, 2], dev)
+                parts.append(out)
+        producer, consumer = _join(p_parts), _join(c_parts)
+        return (consumer, producer) if self.mode == "pull" else (producer, consumer)
+
+    def _table_spans(self, num_groups: int) -> list[tuple[_Span, _Span]] | None:
+        """Where each cluster's rows sit in the tables, (producer, consumer) per cluster."""
+        key = max(num_groups, 1)
+        if key not in self._span_cache:
+            clusters, _ = self._clusters(key)
+            unit = min(self._producer.kernel, self._consumer.kernel)
+            spans: list[tuple[_Span, _Span]] = []
+            p_at = c_at = 0
+            for cluster in clusters:
+                m = cluster.pattern.segments.shape[0]
+                p_subs = 1 if cluster.state else self._producer.kernel // unit
+                c_subs = 1 if cluster.state else self._consumer.kernel // unit
+                p_span = _Span(p_at, cluster.p_limit, p_subs, m)
+                c_span = _Span(c_at, cluster.c_limit, c_subs, m)
+                p_at += cluster.p_base.size * cluster.p_limit * p_subs * m
+                c_at += cluster.c_base.size * cluster.c_limit * c_subs * m
+                spans.append((p_span, c_span))
+            self._span_cache[key] = None if p_at + c_at > MAX_TABLE_ROWS else spans
+        return self._span_cache[key]
+
     # -- the hot path ----------------------------------------------------------------------
 
     def plan(
@@ -528,6 +619,7 @@ class PeerLayout:
         *,
         num_tokens: int | None = None,
         coalesce: bool | None = None,
+        rows: bool = False,
     ) -> TransferPlan:
         """Descriptors moving one request between this rank and the remote rank.
 
@@ -538,6 +630,9 @@ class PeerLayout:
         token, whatever the two block sizes. ``num_tokens`` (``remote_num_tokens``) is that
         length; without it the producer's longest list stands in for it, which is exact
         unless the consumer's blocks are smaller (then the plan is refused, by name).
+
+        ``rows``: also name every row, uncoalesced, by its index in :meth:`tables` (for the
+        same number of block lists), when the tables exist.
         """
         merge = self.coalesce if coalesce is None else coalesce
         local_groups = as_groups(local_block_ids)
@@ -554,8 +649,12 @@ class PeerLayout:
         order_parts: list[IntArray] = []
         chunk_cache: dict[tuple[int, int, bool], _Chunks] = {}
         end = _sequence_end(num_tokens, self._producer, self._consumer, p_groups, p_who)
-        clusters, reorder = self._clusters(max(len(p_groups), len(c_groups), 1))
-        for cluster in clusters:
+        num_groups = max(len(p_groups), len(c_groups), 1)
+        clusters, reorder = self._clusters(num_groups)
+        spans = self._table_spans(num_groups) if rows else None
+        p_index: list[IntArray] = []
+        c_index: list[IntArray] = []
+        for k, cluster in enumerate(clusters):
             key = (cluster.p_group, cluster.c_group, cluster.state)
             chunks = chunk_cache.get(key)
             if chunks is None:
@@ -571,24 +670,33 @@ class PeerLayout:
             p_parts.append(p_rows)
             c_parts.append(c_rows)
             z_parts.append(z_rows)
+            if spans is not None:
+                regions = cluster.p_base.size
+                p_span, c_span = spans[k]
+                p_index.append(p_span.rows(regions, chunks.producer_blocks, chunks.producer_sub))
+                c_index.append(c_span.rows(regions, chunks.consumer_blocks, chunks.consumer_sub))
             if reorder:
                 segs = cluster.pattern.segments.shape[0] * chunks.producer_blocks.size
                 order_parts.append(np.repeat(cluster.order, segs))
         producer = _join(p_parts)
         consumer = _join(c_parts)
         zero = _join(z_parts)
+        p_at = _join_ints(p_index) if spans is not None else None
+        c_at = _join_ints(c_index) if spans is not None else None
         if reorder:
             order = np.argsort(np.concatenate(order_parts), kind="stable")
             # ``take`` copies whole rows; ``producer[order]`` made the whole plan about twice
             # as slow in a hand measurement (160 regions alternating two KV-cache groups).
             producer = np.take(producer, order, axis=0)
             consumer = np.take(consumer, order, axis=0)
+            if p_at is not None and c_at is not None:
+                p_at, c_at = p_at[order], c_at[order]
         if merge:
             producer, consumer = descs.coalesce(producer, consumer)  # the flag shadows the name
             zero = coalesce_ranges(zero)
         if self.mode == "pull":
-            return TransferPlan(consumer, producer, zero, empty_descs())
-        return TransferPlan(producer, consumer, empty_descs(), zero)
+            return TransferPlan(consumer, producer, zero, empty_descs(), c_at, p_at)
+        return TransferPlan(producer, consumer, empty_descs(), zero, p_at, c_at)
 
     @staticmethod
     def _check_bounds(cluster: _Cluster, chunks: _Chunks, p_who: str, c_who: str) -> None:

@@ -10,7 +10,7 @@ so the machine sees a clock that never runs backwards.
 Actions are executed in order; their outcomes become events queued behind the current
 one (never re-entering ``handle``), exactly as :mod:`kvwire.machine.actions` prescribes.
 
-Why one module of ~710 lines: it is the one place the sans-IO machine meets threads,
+Why one module of ~920 lines: it is the one place the sans-IO machine meets threads,
 sockets and a transport (the executor of every action and the source of every event), so
 its locking can be read in one file.
 """
@@ -43,9 +43,10 @@ from kvwire.errors import (
     PeerUnreachableError,
     TransportClosedError,
     TransportError,
+    UnpreparedTablesError,
     WireDecodeError,
 )
-from kvwire.layout import PeerLayout, topology
+from kvwire.layout import PeerLayout, TransferPlan, topology
 from kvwire.layout.geometry import KVGeometry, RemoteGeometry
 from kvwire.logs import get_logger
 from kvwire.machine import (
@@ -78,9 +79,18 @@ from kvwire.machine import (
     TransferFailed,
     TransferPosted,
 )
+from kvwire.runtime.arguments import geometry_groups
 from kvwire.runtime.metrics import Metrics
 from kvwire.sidechannel import HandshakeClient, PeerHandshake, fetch_agent_metadata
-from kvwire.transport import Descs, MemKind, Region, Transport, XferState, create
+from kvwire.transport import (
+    Descs,
+    MemKind,
+    PreparesTables,
+    Region,
+    Transport,
+    XferState,
+    create,
+)
 from kvwire.wire.handshake import decode_handshake, encode_handshake_payload
 from kvwire.wire.schemas import AgentMetadataV13, AgentMetadataV14
 
@@ -98,6 +108,8 @@ class _PeerRank:
     blob: bytes = b""
     """The transport metadata the agent was added from: a store record carrying other
     bytes means the peer restarted."""
+    prepared: bool = False
+    """The transport holds this rank's descriptor tables: requests go by row index."""
 
 
 @dataclass
@@ -185,6 +197,10 @@ class Driver:
         else:
             self.transport = transport
             self._owns_transport = False
+        self._tables: PreparesTables | None = (
+            self.transport if isinstance(self.transport, PreparesTables) else None
+        )
+        """The transport, when it takes prepared descriptor tables (requests by row index)."""
         self._lock = threading.RLock()
         self._events: collections.deque[Event] = collections.deque()
         self._feeding = False
@@ -418,6 +434,7 @@ class Driver:
                 action.local_block_ids,
                 action.remote_block_ids,
                 num_tokens=self._num_tokens.get(action.request_id),
+                rows=rank.prepared,
             )
             if plan.local_zero.shape[0]:
                 _zero_host_ranges(plan.local_zero)
@@ -426,14 +443,7 @@ class Driver:
                 self.metrics.count("notifications_sent")
                 self._events.extend((TransferPosted(xid), TransferDone(xid)))
                 return
-            if isinstance(action, PostRead):
-                handle = self.transport.read(
-                    rank.agent, plan.local_descs, plan.remote_descs, action.notification
-                )
-            else:
-                handle = self.transport.write(
-                    rank.agent, plan.local_descs, plan.remote_descs, action.notification
-                )
+            handle, ndescs = self._post_plan(action, rank, plan)
         except KVWireError as exc:
             self._events.append(TransferFailed(xid, f"post failed: {exc}"))
             if isinstance(exc, TransportError) and not isinstance(exc, DescriptorError):
@@ -445,7 +455,7 @@ class Driver:
                 self._forget_engine(action.engine_id, evicted=False)
             return
         now = self._clock()
-        nbytes, ndescs = plan.num_bytes, plan.num_descs  # num_bytes sums every row: once
+        nbytes = plan.num_bytes  # sums every row: once
         self._xfers[xid] = _Xfer(
             xid, action.request_id, action.engine_id, handle, rank.agent, nbytes, ndescs, now
         )  # fmt: skip
@@ -457,6 +467,32 @@ class Driver:
                 action.remote_rank, ndescs, nbytes, extra={"request_id": action.request_id},
             )  # fmt: skip
         self._events.append(TransferPosted(xid))
+
+    def _post_plan(
+        self, action: PostRead | PostWrite, rank: _PeerRank, plan: TransferPlan
+    ) -> tuple[object, int]:
+        """Post by row index into the rank's prepared tables, or the plan's (coalesced)
+        rows themselves where merging shrank them to at most half: a few merged spans cost
+        less to post than the many table rows they cover. Returns the handle and the
+        descriptors handed to the transport."""
+        read = isinstance(action, PostRead)
+        rows, remote_rows, tables = plan.local_rows, plan.remote_rows, self._tables
+        if (
+            rank.prepared
+            and tables is not None
+            and rows is not None
+            and remote_rows is not None
+            and plan.num_descs * 2 > rows.size
+        ):
+            post_rows = tables.read_rows if read else tables.write_rows
+            try:
+                handle = post_rows(rank.agent, rows, remote_rows, action.notification)
+                return handle, int(rows.size)
+            except UnpreparedTablesError:
+                rank.prepared = False  # dropped by the transport: post rows until re-prepared
+        post = self.transport.read if read else self.transport.write
+        handle = post(rank.agent, plan.local_descs, plan.remote_descs, action.notification)
+        return handle, plan.num_descs
 
     def _send(self, action: SendNotification) -> None:
         peer = self._engines.get(action.engine_id)
@@ -577,6 +613,7 @@ class Driver:
                 for key, layout in layouts.items():
                     blob = result.metadata[key].agent_metadata
                     peer.ranks[key] = _PeerRank(self.transport.add_peer(blob), layout, blob)
+                    self._prepare_tables(peer.ranks[key])
                 peer.stale_agents |= old_agents - {r.agent for r in peer.ranks.values()}
                 self._retire_stale(peer)
                 self.metrics.handshake(True, time.perf_counter() - t0)
@@ -594,6 +631,25 @@ class Driver:
         except KVWireError as exc:
             self.metrics.handshake(False, time.perf_counter() - t0, "transport")
             self._feed_quietly(HandshakeFailed(action.engine_id, action.attempt, str(exc)))
+
+    def _prepare_tables(self, rank: _PeerRank) -> None:
+        """Hand a transport that prepares descriptor lists (``PreparesTables``) every row
+        requests with this rank can post, once per handshake; it then makes each request
+        by index. A hint: if it fails, requests post their rows as before."""
+        if rank.layout is None or self._tables is None:
+            return
+        assert self.geometry is not None
+        tables = rank.layout.tables(geometry_groups(self.geometry) or 1)
+        if tables is None:
+            return
+        try:
+            self._tables.prepare(rank.agent, *tables)
+        except KVWireError as exc:
+            self.metrics.count("tables_not_prepared")
+            self.log.info("tables for %s not prepared: %s", rank.agent, exc)
+            return
+        rank.prepared = True
+        self.metrics.count("tables_prepared")
 
     def _check_peer_lease(self, engine_id: str, result: PeerHandshake) -> None:
         """A producer whose lease no READ fits in (every one would start inside our expiry

@@ -96,6 +96,10 @@ class _Totals:
     peer is not published)."""
     store_peers_dropped: int = 0
     """Peer engines whose agents were dropped because the store showed a restart or loss."""
+    tables_prepared: int = 0
+    """Peer ranks whose descriptor tables the transport prepared (requests made by index)."""
+    tables_not_prepared: int = 0
+    """... and those it refused to prepare (their requests post rows as usual)."""
     failures: dict[str, int] = field(default_factory=dict)
     """Failed requests by reason (``RequestFailure.reason``): each request counted once."""
     handshake_failures: dict[str, int] = field(default_factory=dict)
@@ -276,6 +280,10 @@ class Metrics:
             (f"{prefix}_store_peers_dropped", "counter",
              "Peer engines dropped because the metadata store showed a restart or a loss.",
              [("_total", role, snap["store_peers_dropped"])]),
+            (f"{prefix}_prepared_tables", "counter",
+             "Peer ranks' descriptor tables handed to the transport, by outcome.",
+             [("_total", {**role, "outcome": "prepared"}, snap["tables_prepared"]),
+              ("_total", {**role, "outcome": "refused"}, snap["tables_not_prepared"])]),
         ]  # fmt: skip
         return fam
 

@@ -32,6 +32,8 @@ from kvwire.layout.geometry import (
     RemoteGeometry,
 )
 
+from .test_layout_oracle import assert_rows_in_tables
+
 HEADS = 2
 CONTENT = 8  # bytes one head stores for one token (K and V)
 SSM = (24, 40)  # conv state and SSM state bytes per page
@@ -217,11 +219,13 @@ def run(h: Hybrid) -> int:
     sides = {p.base: p, d.base: d}
     if h.mode == "pull":
         layout = PeerLayout(d.geometry, RemoteGeometry.from_local(p.geometry), mode="pull")
+        assert_rows_in_tables(layout, d_groups, p_groups, h.tokens)
         plan = layout.plan(d_groups, p_groups, num_tokens=h.tokens)
         src, dst = plan.remote_descs, plan.local_descs
         zero = plan.local_zero
     else:
         layout = PeerLayout(p.geometry, RemoteGeometry.from_local(d.geometry), mode="push")
+        assert_rows_in_tables(layout, p_groups, d_groups, h.tokens)
         plan = layout.plan(p_groups, d_groups, num_tokens=h.tokens)
         src, dst = plan.local_descs, plan.remote_descs
         zero = plan.remote_zero

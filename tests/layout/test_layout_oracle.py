@@ -11,11 +11,12 @@ oracle checks the whole runtime between processes (``tests/runtime/test_pairs.py
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 import numpy as np
 import pytest
 
-from kvwire.layout import Descs, PeerLayout, TransferPlan, topology
+from kvwire.layout import Descs, PeerLayout, TransferPlan, coalesce, topology
 from kvwire.layout.alignment import Mode
 from kvwire.layout.geometry import RemoteGeometry
 from kvwire.pairs.oracle import (
@@ -58,6 +59,24 @@ def zero_rows(buffers: dict[int, RankBuffer], rows: Descs) -> None:
         rb.buf[offset : offset + length] = 0
 
 
+def assert_rows_in_tables(
+    layout: PeerLayout, local_ids: Any, remote_ids: Any, num_tokens: int | None
+) -> None:
+    """The request's rows named by index in the layout's prepared tables (what a transport
+    prepares once per peer, then makes requests from) are its rows: uncoalesced, equal
+    row for row; coalesced, the same runs."""
+    tables = layout.tables(max(len(local_ids), len(remote_ids)))
+    assert tables is not None
+    for merge in (False, True):
+        plan = layout.plan(local_ids, remote_ids, num_tokens=num_tokens, coalesce=merge, rows=True)
+        assert plan.local_rows is not None and plan.remote_rows is not None
+        local, remote = tables[0][plan.local_rows], tables[1][plan.remote_rows]
+        if merge:
+            local, remote = coalesce(local, remote)
+        np.testing.assert_array_equal(local, plan.local_descs)
+        np.testing.assert_array_equal(remote, plan.remote_descs)
+
+
 # ----------------------------------------------------------------------------------------
 # The check
 # ----------------------------------------------------------------------------------------
@@ -82,9 +101,11 @@ def run_case(case: Case) -> dict[str, int]:
             mode=mode,
             coalesce=case.coalesce,
         )
-        if mode == "pull":
-            return layout.plan(request.d_ids, request.p_ids, num_tokens=num_tokens)
-        return layout.plan(request.p_ids, request.d_ids, num_tokens=num_tokens)
+        local_ids, remote_ids = (
+            (request.d_ids, request.p_ids) if mode == "pull" else (request.p_ids, request.d_ids)
+        )
+        assert_rows_in_tables(layout, local_ids, remote_ids, num_tokens)
+        return layout.plan(local_ids, remote_ids, num_tokens=num_tokens)
 
     if case.mode == "pull":
         for d, consumer in enumerate(consumers):

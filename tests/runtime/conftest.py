@@ -69,10 +69,12 @@ def pair_factory() -> Iterator[Callable[..., tuple[Producer, Consumer, Side, Sid
     made: list[object] = []
     keep_alive: list[Side] = []  # the KV memory must outlive the agents that registered it
 
-    def make(mode: str = "pull", **kw: object) -> tuple[Producer, Consumer, Side, Side]:
+    def make(
+        mode: str = "pull", transport: str = "shm", **kw: object
+    ) -> tuple[Producer, Consumer, Side, Side]:
         p_side, d_side = make_side(), make_side()
-        producer = Producer(config(p_side, "prefill-e", mode, **kw), "shm")
-        consumer = Consumer(config(d_side, "decode-e", mode, **kw), "shm")
+        producer = Producer(config(p_side, "prefill-e", mode, **kw), transport)
+        consumer = Consumer(config(d_side, "decode-e", mode, **kw), transport)
         producer.register_kv_caches(p_side.spec.geometry(int(p_side.buffer.ctypes.data)))
         consumer.register_kv_caches(d_side.spec.geometry(int(d_side.buffer.ctypes.data)))
         p_side.listener.set_payloads({(0, 0): producer.handshake_payload()})

@@ -58,6 +58,30 @@ def test_requests_move_verified_bytes_and_free_producer_blocks(
     assert consumer.errors == [] and producer.errors == []
 
 
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_nixl_requests_are_made_from_tables_prepared_at_the_handshake(
+    pair_factory: Pair, mode: str
+) -> None:
+    """The runtime hands NIXL every row a pairing can post once, at the handshake; then a
+    scattered request (no two blocks adjacent on both sides) is made by index."""
+    producer, consumer, p, d = pair_factory(mode, transport="nixl")
+    requests = {
+        f"scattered-{i}": ([3 + i, 17 + i, 9 + i], [30 - i, 2 + i, 21 - i]) for i in range(3)
+    }
+    for i, (rid, (p_blocks, d_blocks)) in enumerate(requests.items()):
+        fill(p.spec, p.buffer, i, p_blocks)
+        params = producer.prefill_finished(rid, [p_blocks], num_tokens=48)
+        consumer.add_request(rid, params, [d_blocks])
+    fin = _collect(consumer, 3)
+    assert sorted(fin.done) == sorted(requests) and not fin.failed
+    for i, (_, d_blocks) in enumerate(requests.values()):
+        assert count_wrong_bytes(d.spec, d.buffer, i, d_blocks)[0] == 0
+    posting = consumer if mode == "pull" else producer
+    assert posting.metrics.snapshot()["totals"]["tables_prepared"] == 1
+    stats = posting.transport.stats()  # type: ignore[attr-defined]
+    assert stats["peers_prepared"] == 1 and stats["requests_prepared"] == 3
+
+
 def test_empty_prefill_frees_at_once(pair_factory: Pair) -> None:
     producer, _, _, _ = pair_factory()
     producer.prefill_finished("nothing", [[]])

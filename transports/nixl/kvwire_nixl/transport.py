@@ -3,8 +3,12 @@
 Design choices, each measured on nixl-cu12 1.5.1 (see docs/transports.md, NIXL section):
 
 * **Requests**: a transfer is created with NIXL's plain ``initialize_xfer`` after merging
-  adjacent descriptors in numpy (NIXL's plain path does not merge; its prepped path
-  does, and preparing lists per transfer costs more than it saves for scattered blocks).
+  adjacent descriptors in numpy (NIXL's plain path does not merge). A caller that prepared
+  a peer's tables (:meth:`NixlTransport.prepare`: every row a pairing can post, taken once
+  per peer with ``prep_xfer_dlist``) makes a request from index arrays instead
+  (:meth:`NixlTransport.read_rows`, ``make_prepped_xfer``): no descriptor list is built or
+  checked per transfer. The runtime does so for scattered blocks; contiguous runs still
+  go as a few merged rows.
   A finished request of a small descriptor set is kept on ``release`` and re-posted when
   the very same descriptors move again, which is what NIXL's own fast path is (one
   ``transfer`` call): kvwire's 4 KiB READ then costs what raw NIXL's does.
@@ -18,7 +22,7 @@ Design choices, each measured on nixl-cu12 1.5.1 (see docs/transports.md, NIXL s
 All calls into the agent hold one lock, so the progress thread and the caller never run
 inside NIXL at the same time (the agent is created without NIXL's own locking).
 
-Why one module of ~800 lines: it is one adapter class over one NIXL agent, whose request
+Why one module of ~950 lines: it is one adapter class over one NIXL agent, whose request
 cache, notification pump and error mapping all act on the same agent state under one
 lock; descriptor preparation lives in ``_descs``.
 """
@@ -43,6 +47,7 @@ from kvwire.errors import (
     TransportError,
     TransportUnavailableError,
     UnknownPeerError,
+    UnpreparedTablesError,
 )
 from kvwire.layout import coalesce
 from kvwire.transport import (
@@ -51,6 +56,7 @@ from kvwire.transport import (
     MemKind,
     Region,
     XferState,
+    as_descs,
     as_message,
     descs_key,
     region_of_array,
@@ -61,6 +67,7 @@ from kvwire_nixl._errors import is_status, status_of, translate
 from kvwire_nixl._loader import load_nixl
 from kvwire_nixl._options import NixlOptions, parse_options
 from kvwire_nixl._progress import ProgressThread
+from kvwire_nixl._tables import Prepared, release_lists, rows_of
 
 _NOT_FOUND = "NIXL_ERR_NOT_FOUND"
 _PENDING = XferState.PENDING
@@ -72,12 +79,15 @@ class _Request:
     """One NIXL request and what kvwire needs to post it again: made once, then kept
     (in the cache) between the transfers that re-post it. A transfer owns it while live."""
 
-    __slots__ = ("empty_notif", "key", "nixl", "peer", "status")
+    __slots__ = ("empty_notif", "key", "nixl", "peer", "prepared", "status")
 
-    def __init__(self, nixl: Any, key: tuple[Any, ...] | None, peer: str) -> None:
+    def __init__(
+        self, nixl: Any, key: tuple[Any, ...] | None, peer: str, prepared: Prepared | None = None
+    ) -> None:
         self.nixl = nixl  # None for an empty transfer
         self.key = key  # the cache key; None: never re-posted
         self.peer = peer
+        self.prepared = prepared  # the tables it was made from (kept alive while it lives)
         self.status: str | None = None  # NIXL's status name once it failed
         self.empty_notif = False  # an empty notification is owed after DONE
 
@@ -143,6 +153,8 @@ class NixlTransport:
         self._vram_spans: list[tuple[int, int]] = []
         self._remote_kind: dict[tuple[str, str], str] = {}
         self._cache: dict[tuple[Any, ...], _Request] = {}  # finished, kept for re-posting
+        self._prepared: dict[str, Prepared] = {}  # per peer: the tables prepare() took
+        self._retired: set[Prepared] = set()  # dropped tables some request still uses
         self._inflight: set[NixlXfer] = set()
         self._requests: set[_Request] = set()  # every request not yet freed: close() frees them
         self._zombies: list[Any] = []  # requests NIXL refused to release yet
@@ -152,6 +164,7 @@ class NixlTransport:
         self._closed = False
         self._capabilities: Capabilities | None = None
         self._created = self._posts = self._post_errors = self._failed = 0
+        self._made_prepared = 0
         self._sent = self._received = 0
         self._spin_s = self._opts.spin_us * 1e-6
         self._min_s = self._opts.progress_min_us * 1e-6
@@ -259,6 +272,8 @@ class NixlTransport:
         handle = NixlRegistration(self, items, lists)
         self._registrations.append(handle)
         self._rebuild_spans()
+        with self._lock:
+            self._retire_all()  # prepared tables were checked against the old registrations
         return handle
 
     def deregister(self, handle: object) -> None:
@@ -271,6 +286,7 @@ class NixlTransport:
         self._rebuild_spans()
         with self._lock:
             self._clear_cache()  # kept requests may point into the memory
+            self._retire_all()  # and prepared tables may list it
             try:
                 for reg_list in handle.lists:
                     agent.deregister_memory(reg_list)
@@ -350,6 +366,105 @@ class NixlTransport:
     def peers(self) -> frozenset[str]:
         return frozenset(self._peers)
 
+    # -- prepared tables --------------------------------------------------------------
+
+    def prepare(self, peer: str, local: Descs, remote: Descs) -> None:
+        """Prepare the tables of every row transfers with ``peer`` may post (this agent's
+        rows and the peer's: ``kvwire.layout.PeerLayout.tables``) with NIXL, once; then
+        :meth:`read_rows` / :meth:`write_rows` make a request from index arrays.
+
+        Replaces the peer's earlier tables. They are dropped when the peer is added again
+        or removed and when a local registration changes, so no request is ever made from
+        lists checked against memory that has since changed (:class:`UnpreparedTablesError`
+        instead).
+        """
+        agent = self._open_agent()
+        if peer not in self._peers:
+            raise UnknownPeerError(f"no peer named {peer!r}; add it with add_peer first")
+        loc, rem = as_descs(local), as_descs(remote)
+        local_kind = self._local_kind(loc) if loc.shape[0] else "DRAM"
+        preferred = self._remote_kind.get((peer, local_kind), local_kind)
+        with self._lock:
+            self._retire(peer)
+            if not loc.shape[0] or not rem.shape[0]:
+                return
+            lists: list[Any] = []
+            try:
+                lists.append(agent.prep_xfer_dlist("NIXL_INIT_AGENT", loc, local_kind))
+                for remote_kind in (preferred, "VRAM" if preferred == "DRAM" else "DRAM"):
+                    try:
+                        lists.append(agent.prep_xfer_dlist(peer, rem, remote_kind))
+                        break
+                    except Exception as exc:
+                        if not is_status(exc, _NOT_FOUND) or remote_kind != preferred:
+                            raise
+            except Exception as exc:
+                for made in lists:
+                    with contextlib.suppress(Exception):
+                        made.release()
+                raise translate(
+                    exc, DescriptorError, f"preparing {rem.shape[0]} rows of {peer!r}"
+                ) from exc
+            self._prepared[peer] = Prepared(lists[0], loc.shape[0], lists[1], rem.shape[0])
+
+    def read_rows(
+        self, peer: str, local_rows: Any, remote_rows: Any, notify: bytes | None = None
+    ) -> NixlXfer:
+        """A READ of the prepared tables' rows ``remote_rows`` into ``local_rows``."""
+        return self._post_rows("READ", peer, local_rows, remote_rows, notify)
+
+    def write_rows(
+        self, peer: str, local_rows: Any, remote_rows: Any, notify: bytes | None = None
+    ) -> NixlXfer:
+        """A WRITE of the prepared tables' rows ``local_rows`` into ``remote_rows``."""
+        return self._post_rows("WRITE", peer, local_rows, remote_rows, notify)
+
+    def _post_rows(
+        self, op: str, peer: str, local_rows: Any, remote_rows: Any, notify: bytes | None
+    ) -> NixlXfer:
+        self._open_agent()
+        prepared = self._prepared.get(peer)
+        if prepared is None:
+            raise UnpreparedTablesError(f"no prepared tables for {peer!r} (dropped or never made)")
+        loc = rows_of(local_rows, prepared.local_rows, "local")
+        rem = rows_of(remote_rows, prepared.remote_rows, "remote")
+        if loc.shape != rem.shape:
+            raise DescriptorError(f"{loc.size} local rows but {rem.size} remote rows")
+        message = b"" if notify is None else as_message(notify)
+        if not loc.size:
+            return self._empty_transfer(peer, None if notify is None else message)
+        with self._lock:
+            if prepared.stale:  # dropped since the lookup above
+                raise UnpreparedTablesError(f"the tables for {peer!r} were just dropped")
+            try:
+                nixl = self._agent.make_prepped_xfer(
+                    op, prepared.local_list, loc, prepared.remote_list, rem, message
+                )
+            except Exception as exc:
+                raise translate(
+                    exc, _post_error(exc), f"making a {op} of {loc.size} rows with {peer!r}"
+                ) from exc
+            prepared.users += 1
+        self._created += 1
+        self._made_prepared += 1
+        request = _Request(nixl, None, peer, prepared)
+        self._requests.add(request)
+        return self._launch(op, peer, request, message, notify is not None and not message)
+
+    def _retire(self, peer: str) -> None:
+        """Drop a peer's prepared tables (lock held); NIXL's lists go once unused."""
+        prepared = self._prepared.pop(peer, None)
+        if prepared is not None:
+            prepared.stale = True
+            if prepared.users:
+                self._retired.add(prepared)  # released when its last request goes
+            else:
+                release_lists(prepared)
+
+    def _retire_all(self) -> None:
+        for peer in list(self._prepared):
+            self._retire(peer)
+
     # -- transfers --------------------------------------------------------------------
 
     def read(self, peer: str, local: Descs, remote: Descs, notify: bytes | None = None) -> NixlXfer:
@@ -386,6 +501,12 @@ class NixlTransport:
             request = self._new_request(op, peer, local, remote, message, key)
             if request is None:
                 return self._empty_transfer(peer, None if notify is None else message)
+        return self._launch(op, peer, request, message, owes_empty)
+
+    def _launch(
+        self, op: str, peer: str, request: _Request, message: bytes, owes_empty: bool
+    ) -> NixlXfer:
+        """Post a made request under a fresh handle."""
         if owes_empty:
             request.empty_notif = True
         xfer = _new_xfer(NixlXfer)
@@ -478,12 +599,7 @@ class NixlTransport:
                 self._remote_kind[(peer, local_kind)] = remote_kind
                 return request
         assert failure is not None
-        status = status_of(failure)
-        cls = (
-            DescriptorError
-            if status in (_NOT_FOUND, "NIXL_ERR_INVALID_PARAM")
-            else TransferFailedError
-        )
+        cls = _post_error(failure)
         raise translate(
             failure, cls, f"creating a {op} of {loc.shape[0]} descriptor(s) with {peer!r}"
         ) from failure
@@ -569,14 +685,22 @@ class NixlTransport:
     def _free(self, request: _Request) -> None:
         """Give a request back to NIXL (lock held); one NIXL refuses is retried later."""
         self._requests.discard(request)
-        if request.nixl is not None:
-            self._release_request(request.nixl)
+        released = request.nixl is None or self._release_request(request.nixl)
+        prepared = request.prepared
+        if prepared is not None and released:  # a zombie keeps its lists to the end (close)
+            request.prepared = None
+            prepared.users -= 1
+            if prepared.stale and not prepared.users:
+                self._retired.discard(prepared)
+                release_lists(prepared)
 
-    def _release_request(self, request: Any) -> None:
+    def _release_request(self, request: Any) -> bool:
         try:
             request.release()
         except Exception:
             self._zombies.append(request)  # still running and not abortable: retry later
+            return False
+        return True
 
     def _own(self, handle: object) -> NixlXfer:
         if self._closed:
@@ -621,6 +745,8 @@ class NixlTransport:
             "notifications_sent": self._sent,
             "notifications_received": self._received,
         }
+        out["requests_prepared"] = self._made_prepared  # of requests_created: made by index
+        out["peers_prepared"] = len(self._prepared)
         out["requests_kept"] = len(self._cache)
         out["requests_live"] = len(self._requests)  # kept, or held by unreleased handles
         out["in_flight"] = len(self._inflight)
@@ -732,6 +858,10 @@ class NixlTransport:
             agent, self._agent = self._agent, None
             for request in list(self._requests):  # kept, and owned by unreleased handles
                 self._free(request)
+            self._retire_all()
+            for prepared in self._retired:  # a zombie's: NIXL goes with the agent anyway
+                release_lists(prepared)
+            self._retired.clear()
             self._cache.clear()
             self._inflight.clear()
             self._retry_zombies()
@@ -772,7 +902,16 @@ class NixlTransport:
         stale = [key for key in self._cache if key[1] == peer]
         for key in stale:
             self._free(self._cache.pop(key))
+        self._retire(peer)
         self._remote_kind = {k: v for k, v in self._remote_kind.items() if k[0] != peer}
+
+
+def _post_error(exc: BaseException) -> type[TransportError]:
+    """What a refused request means: memory NIXL cannot find or parameters it rejects are
+    the caller's descriptors; anything else, the transfer (or the peer) failing."""
+    if status_of(exc) in (_NOT_FOUND, "NIXL_ERR_INVALID_PARAM"):
+        return DescriptorError
+    return TransferFailedError
 
 
 def _as_region(item: object) -> Region:
