@@ -239,6 +239,30 @@ def spread(rng: np.random.Generator, lengths: I64, sizes: Sequence[int]) -> tupl
     return which, offsets
 
 
+def disjoint_rows(
+    rng: np.random.Generator,
+    batches: int,
+    per: int,
+    max_length: int,
+    local: list[Mirror],
+    remote: list[Mirror],
+) -> list[Rows]:
+    """``batches`` transfers of ``per`` rows each, no two sharing a byte on either side.
+
+    Transfers in flight together have no order between them, so memory after several are
+    posted at once is predictable only if none overlaps another; drawing each transfer on
+    its own lets them overlap, and the check then fails on whichever order the adapter
+    happened to finish them in. Every row is placed in one draw instead, then split.
+    """
+    lengths: I64 = rng.integers(1, max_length, size=batches * per).astype(np.int64)
+    li, loff = spread(rng, lengths, [m.nbytes for m in local])
+    ri, roff = spread(rng, lengths, [m.nbytes for m in remote])
+    return [
+        Rows(li[s], loff[s], ri[s], roff[s], lengths[s], local, remote)
+        for s in (slice(b * per, (b + 1) * per) for b in range(batches))
+    ]
+
+
 def new_solo(link: Link, alloc: str, sizes: Sequence[int], timeout: float) -> Solo:
     agent = PeerAgent(link.spec.transport, link.spec.options, env=link.spec.env, timeout=timeout)
     try:
@@ -427,14 +451,11 @@ class PathTests(SuiteBase):
             local, remote = solo.local, solo.remote
             resync(solo.agent, local, remote)
             rng = np.random.default_rng(memory_seed("several", alloc))
-            for i in range(4):
-                lengths = rng.integers(1, 64 << 10, size=16).astype(np.int64)
-                li, loff = spread(rng, lengths, [m.nbytes for m in local])
-                ri, roff = spread(rng, lengths, [m.nbytes for m in remote])
-                rows = Rows(li, loff, ri, roff, lengths, local, remote)
+            for i, rows in enumerate(disjoint_rows(rng, 4, 16, 16 << 10, local, remote)):
                 plan.append((solo, rows, i % 2 == 0, f"several:{tag}:{solo.name}:{i}".encode()))
-        # Disjoint rows per peer: reads land in this agent's extra regions, which each
-        # peer owns alone; interleave the peers' posts.
+        # No byte is shared by two transfers in flight: a peer's four share no span, and
+        # each peer's reads land in this agent's extra regions, which it owns alone.
+        # Interleave the peers' posts.
         plan.sort(key=lambda entry: entry[3].rsplit(b":", 1)[1])
         handles = [
             move(link, solo.name, rows, write, note) for solo, rows, write, note in plan if rows
