@@ -322,6 +322,7 @@ class SchedulerEngine:
         tp: int = 1,
         hma: bool | None = None,
         window: int = 0,
+        kernel_block: int = 0,
     ) -> None:
         """``engine_id`` and ``port``: a restarted engine keeps its predecessor's;
         ``scheduler``: ``batch_tokens`` (tokens per step) and ``chunk_tokens`` (per request
@@ -329,7 +330,9 @@ class SchedulerEngine:
         layout (the engine checks bytes only in LBHNC); ``tp``: workers in the engine, each
         with its share of the heads, finished by vLLM's output aggregator; ``hma``: vLLM's
         hybrid KV cache manager on or off (``None``: as vLLM resolves it); ``window``:
-        every odd layer sliding-window attention over that many tokens."""
+        every odd layer sliding-window attention over that many tokens; ``kernel_block``:
+        the attention backend runs only kernel blocks of that many tokens (vLLM splits each
+        block into several)."""
         self.role = role
         extra_config = dict(extra_config or {})
         if connector == "KVWireConnector":
@@ -350,7 +353,8 @@ class SchedulerEngine:
             "engine_id": self.engine_id, "tp_size": tp, "model": self.geo.model,
             "layers": self.geo.layers, "num_blocks": self.geo.num_blocks,
             "block_size": self.geo.block_size, "lease": lease, "hma": hma, "window": window,
-            "mode": mode, "extra_config": extra_config, "layout": layout, **(scheduler or {}),
+            "mode": mode, "extra_config": extra_config, "layout": layout,
+            "kernel_block": kernel_block, **(scheduler or {}),
         }  # fmt: skip
         self.peer = Peer(start, zygote, env)
         self.state: dict[str, Any] = {}

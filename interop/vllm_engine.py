@@ -72,6 +72,7 @@ def build_vllm_config(start: dict[str, Any]) -> Any:
         dtype=torch.bfloat16,
         use_mla=False,
         uses_mrope=False,
+        runner_type="generate",
         is_encoder_decoder=False,
         is_diffusion=False,
         supports_multimodal_inputs=False,
@@ -144,7 +145,21 @@ def allocate(vllm_config: Any, start: dict[str, Any]) -> tuple[Any, dict[str, to
     memory = spec.num_blocks * page * spec.layers
     kv_cache_config = get_kv_cache_config_from_groups(vllm_config, groups, memory)
     layout = vllm_config.cache_config.get_resolved_kv_cache_layout()
-    return kv_cache_config, allocate_kv_cache(kv_cache_config, torch.device("cpu"), layout)
+    kernel = int(start.get("kernel_block") or 0)
+    sizes = [kernel] * len(groups) if kernel else None
+    caches = allocate_kv_cache(kv_cache_config, torch.device("cpu"), layout, sizes)
+    return kv_cache_config, caches
+
+
+def kernel_ratio(start: dict[str, Any]) -> int:
+    """Kernel blocks per block (``kernel_block``: the attention backend's only size)."""
+    kernel = int(start.get("kernel_block") or 0)
+    return int(start["block_size"]) // kernel if kernel else 1
+
+
+def expand(blocks: list[int], ratio: int) -> list[int]:
+    """A request's kernel block ids, in token order, from the ids vLLM's manager gave it."""
+    return [b * ratio + j for b in blocks for j in range(ratio)] if ratio > 1 else blocks
 
 
 def backing_bytes(caches: dict[str, torch.Tensor]) -> np.ndarray[Any, Any]:
@@ -273,7 +288,9 @@ class EnginePart:
 
         start = {"layout": "LBHNC", "tp_size": 1, **start, "tp_rank": 0}
         tp = int(start["tp_size"])
-        utils.get_current_attn_backends = lambda *_a, **_k: [vllm_peer._backend(False)]
+        kernel = int(start.get("kernel_block") or 0)
+        utils.get_current_attn_backends = lambda *_a, **_k: [vllm_peer._backend(False, kernel)]
+        self.ratio = kernel_ratio(start)
         self.start_role = start["role"]
         self.spec = vllm_peer.cache_spec(start)
         self.vllm_config = build_vllm_config(start)
@@ -289,6 +306,12 @@ class EnginePart:
             )
             buffer = backing_bytes(caches)
             rank_spec = vllm_peer.cache_spec(at_rank)
+            if self.ratio > 1:  # the content is written and checked in kernel blocks
+                rank_spec = replace(
+                    rank_spec,
+                    block_tokens=rank_spec.block_tokens // self.ratio,
+                    num_blocks=rank_spec.num_blocks * self.ratio,
+                )
             groups = group_views(rank_spec, kv_cache_config, caches, buffer)
             rank = Rank(rank_spec, buffer, caches, groups, worker)
             for group_spec, kv in groups:
@@ -419,7 +442,7 @@ class EnginePart:
         all_blocks = self.scheduler.kv_cache_manager.get_block_ids(rid)
         index = self.index[rid]
         for g, (spec, kv) in enumerate(rank.groups):
-            blocks = list(all_blocks[g])
+            blocks = expand(list(all_blocks[g]), self.ratio)
             if self.start_role == "P":
                 fill_group(spec, kv, group_seed(index, g), blocks)
             elif rid not in self.checked:
@@ -477,6 +500,7 @@ class EnginePart:
                 "regions": self.regions(),
                 "groups": self.region_groups(),
                 "layout": self.layout,
+                "blocks": self.advertised_blocks(),
             }
         if op == "fragment":
             # A long-running engine's pool: free blocks come back in no particular order.
@@ -540,6 +564,15 @@ class EnginePart:
             return [[a - base, n, s] for a, n, s in zip(addrs, lens, strides, strict=True)]
         geometry = connector._worker.endpoint._driver.geometry
         return [[r.base_addr - base, r.block_len, r.block_stride] for r in geometry.regions]
+
+    def advertised_blocks(self) -> list[int]:
+        """(tokens per region block, region blocks per block id, region blocks) as the
+        worker advertises them to peers."""
+        w = getattr(self.worker, "connector_worker", None)
+        if w is not None:
+            return [w.block_size, w._physical_blocks_per_logical_kv_block, w.num_blocks]
+        g = self.worker._worker.endpoint._driver.geometry
+        return [g.kernel_block_size, g.physical_blocks_per_logical, g.advertised_num_blocks()]
 
     def region_groups(self) -> list[int]:
         """The KV-cache group each registered region advertises (-1: every group's), to

@@ -77,14 +77,31 @@ def layer_names(start: dict[str, Any]) -> list[str]:
     return [LAYER_NAME.format(i) for i in range(int(start["layers"]))]
 
 
-def _backend(mla: bool) -> Any:
+_KERNEL_BACKENDS: dict[tuple[bool, int], Any] = {}
+
+
+def _backend(mla: bool, kernel_block: int = 0) -> Any:
+    """vLLM's CPU attention backend; with ``kernel_block``, one that runs only kernel blocks
+    of that many tokens, as a GPU backend may (vLLM then splits each block into several)."""
     if mla:
         from vllm.v1.attention.backends.mla.cpu_mla import CPUMLABackend
 
-        return CPUMLABackend
-    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+        base: Any = CPUMLABackend
+    else:
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
-    return CPUAttentionBackend
+        base = CPUAttentionBackend
+    if not kernel_block:
+        return base
+    key = (mla, kernel_block)
+    if key not in _KERNEL_BACKENDS:
+        sizes = [kernel_block]
+        _KERNEL_BACKENDS[key] = type(
+            f"{base.__name__}Kernel{kernel_block}",
+            (base,),
+            {"get_supported_kernel_block_sizes": staticmethod(lambda *_a, **_k: sizes)},
+        )
+    return _KERNEL_BACKENDS[key]
 
 
 def build_configs(start: dict[str, Any]) -> tuple[Any, Any]:
@@ -221,16 +238,17 @@ def stand_in_parallel_state(start: dict[str, Any]) -> None:
 
     rank, size = int(start["tp_rank"]), int(start["tp_size"])
     mla = preset(start["model"]).mla
+    kernel = int(start.get("kernel_block") or 0)
     base_worker.get_tensor_model_parallel_rank = lambda: rank  # type: ignore[attr-defined]
     base_worker.get_tensor_model_parallel_world_size = lambda: size  # type: ignore[attr-defined]
     base_worker.get_pcp_group = lambda: SimpleNamespace(rank_in_group=0)  # type: ignore[attr-defined]
     base_worker.get_current_attn_backends = (  # type: ignore[attr-defined]
-        lambda *_a, **_k: [_backend(mla)]
+        lambda *_a, **_k: [_backend(mla, kernel)]
     )
     if hasattr(base_worker, "get_current_attn_backends_and_specs"):  # vLLM 0.32 and later
         base_worker.get_current_attn_backends_and_specs = (  # type: ignore[attr-defined]
             lambda _vllm_config, kv_cache_config, _fallback: (
-                [_backend(mla)],
+                [_backend(mla, kernel)],
                 [kv_cache_config.kv_cache_groups[0].kv_cache_spec],
             )
         )

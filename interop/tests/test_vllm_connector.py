@@ -272,6 +272,64 @@ def test_regions_are_where_stock_registers(zygote: Zygote, layout: str) -> None:
     assert ours["regions"] and ours["regions"] == stock["regions"]
 
 
+KERNEL_GEO = Geometry(layers=2, num_blocks=16, block_size=64)
+"""Blocks of 64 tokens, each four kernel blocks of 16 where the backend runs only 16."""
+KERNEL_PAIRS = {
+    "kvwire-shm": ("KVWireConnector", "KVWireConnector", "shm", 16, 16),
+    "kvwire-nixl": ("KVWireConnector", "KVWireConnector", "nixl", 16, 16),
+    "stock-P-kvwire-D": ("NixlConnector", "KVWireConnector", "nixl", 16, 16),
+    "kvwire-P-stock-D": ("KVWireConnector", "NixlConnector", "nixl", 16, 16),
+    "kvwire-P16-D32": ("KVWireConnector", "KVWireConnector", "nixl", 16, 32),
+    "kvwire-P64-D16": ("KVWireConnector", "KVWireConnector", "nixl", 0, 16),
+}
+
+
+@pytest.mark.parametrize("mode", ["pull", "push"])
+@pytest.mark.parametrize("pair", sorted(KERNEL_PAIRS))
+def test_kernel_blocks_smaller_than_the_block(zygote: Zygote, pair: str, mode: str) -> None:
+    """An attention backend that runs smaller kernel blocks than the engine's blocks: each
+    layer's view holds that many more blocks, and a block id names several. P writes and D
+    checks every prompt token through the kernel-block views; kvwire pairs may split their
+    blocks differently (0: not split)."""
+    p_conn, d_conn, transport, p_kernel, d_kernel = KERNEL_PAIRS[pair]
+    extra = {"transport": transport}
+    p = SchedulerEngine(
+        "P", p_conn, zygote, geo=KERNEL_GEO, extra_config=extra, mode=mode, kernel_block=p_kernel
+    )
+    try:
+        d = SchedulerEngine(
+            "D", d_conn, zygote, geo=KERNEL_GEO, extra_config=extra, mode=mode,
+            kernel_block=d_kernel,
+        )  # fmt: skip
+        try:
+            state = transfer(p, d, "req-k", 17, 150)  # 2 blocks and 22 tokens
+            assert "req-k" in state["checked"], (state["invalid"], d.peer.log[-3:])
+            wrong, checked = state["checked"]["req-k"]
+            assert checked > 0 and wrong == 0
+        finally:
+            d.close()
+    finally:
+        p.close()
+
+
+def test_kernel_blocks_are_advertised_as_stock_advertises_them(zygote: Zygote) -> None:
+    """Regions of kernel blocks, and the block size, ratio and count a peer plans by, are
+    what a stock engine registers and advertises over the same allocation."""
+    found = {}
+    for connector in ("NixlConnector", "KVWireConnector"):
+        engine = SchedulerEngine(
+            "P", connector, zygote, geo=KERNEL_GEO, extra_config={"transport": "nixl"},
+            kernel_block=16,
+        )  # fmt: skip
+        try:
+            found[connector] = engine.peer.call({"op": "regions"})
+        finally:
+            engine.close()
+    stock, ours = found["NixlConnector"], found["KVWireConnector"]
+    assert ours["blocks"] == stock["blocks"] == [16, 4, KERNEL_GEO.num_blocks * 4]
+    assert ours["regions"] and ours["regions"] == stock["regions"]
+
+
 @pytest.mark.parametrize("layout", ["LHBNC", "BHLNC"])
 def test_unsupported_layouts_are_refused_by_name(zygote: Zygote, layout: str) -> None:
     """Layouts that put heads outside a block's page: the worker refuses at registration
@@ -361,3 +419,27 @@ def test_layouts(zygote: Zygote, layout: str, pair: str, sizes: str) -> None:
         assert d.state["invalid"] and "req-l" not in d.state["checked"]
         if refused:
             assert any(refused in line for line in d.state["log"] + d.peer.log), d.peer.log[-3:]
+
+
+@pytest.mark.parametrize(
+    ("shapes", "message"),
+    [
+        ([(64, 8, 16, 128), (32, 8, 32, 128)], "different numbers of kernel blocks"),
+        ([(40, 8, 16, 128)], "whole number of kernel blocks per block"),
+        ([(8, 8, 16, 128)], "whole number of kernel blocks per block"),
+    ],
+)
+def test_views_split_unequally_are_refused_by_name(
+    shapes: list[tuple[int, ...]], message: str
+) -> None:
+    """Views whose block counts are not one whole split of vLLM's 16 blocks."""
+    import torch
+
+    from kvwire.errors import ConfigError
+    from kvwire.integrations.vllm.geometry import kernel_ratio
+
+    views = {
+        f"layer{i}": torch.zeros(shape, dtype=torch.bfloat16) for i, shape in enumerate(shapes)
+    }
+    with pytest.raises(ConfigError, match=message):
+        kernel_ratio(views, 16)

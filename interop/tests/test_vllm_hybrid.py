@@ -95,6 +95,25 @@ def test_sliding_window(zygote: Zygote, pair: str, mode: str, tp: str) -> None:
         p.close()
 
 
+@pytest.mark.parametrize("mode", ["pull", "push"])
+@pytest.mark.parametrize("pair", ["stock-P-kvwire-D", "kvwire-P-stock-D"])
+def test_sliding_window_on_vllm_032(zygote_032: Zygote, pair: str, mode: str) -> None:
+    """The same groups on vLLM 0.32.0's manager and connector (version 14)."""
+    p_conn, d_conn, transport = PAIRS[pair]
+    p = _engine("P", p_conn, zygote_032, transport, mode)
+    try:
+        d = _engine("D", d_conn, zygote_032, transport, mode)
+        try:
+            state = transfer_many(p, d, INDEX, REQUESTS)
+            for rid, tokens in REQUESTS.items():
+                assert rid in state["checked"], (rid, state["invalid"], d.peer.log[-3:])
+                assert state["checked"][rid] == [0, checked_bytes(tokens)], rid
+        finally:
+            d.close()
+    finally:
+        p.close()
+
+
 def _spec(kind: str) -> Any:
     import torch
     from vllm.v1.kv_cache_interface import (

@@ -4,12 +4,14 @@ engine hashes (so the two kinds of engine accept each other)."""
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING, Any
 
-from kvwire.config import KVWireConfig
+from kvwire.config import CONFIG_FILE_VAR, KVWireConfig, env_layer, file_layer, vllm_layer
 from kvwire.errors import ConfigError
 from kvwire.integrations.vllm.geometry import attn_backend_name
-from kvwire.wire.compat import CompatFactors
+from kvwire.wire.compat import CompatFactors, SpeculativeFactors
+from kvwire.wire.versions import SUPPORTED_VERSIONS, VLLM_RELEASES
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -28,16 +30,51 @@ def kvwire_config(vllm_config: VllmConfig, *, tp_rank: int = 0) -> KVWireConfig:
         "kv_connector_extra_config": dict(transfer.kv_connector_extra_config or {}),
     }
     base = KVWireConfig(kv_transfer_config=as_dict)
+    version = protocol_version(as_dict)
     return KVWireConfig(
         kv_transfer_config=as_dict,
+        version=version,
         transport_options=stock_transport_options(base),
         tp_rank=tp_rank,
         tp_size=parallel.tensor_parallel_size,
         side_channel_host=envs.VLLM_NIXL_SIDE_CHANNEL_HOST,
         side_channel_port=envs.VLLM_NIXL_SIDE_CHANNEL_PORT
         + getattr(parallel, "data_parallel_index", 0),
-        compat=compat_factors(vllm_config, str(base.mode)),
+        compat=compat_factors(vllm_config, str(base.mode), version),
     )
+
+
+def protocol_version(kv_transfer_config: dict[str, Any]) -> int:
+    """The connector version of the vLLM release this engine runs in, which kvwire then
+    speaks: a stock engine of that release hashes its version, and one of another release
+    is refused by both kinds of engine alike (vLLM hashes its own version too).
+
+    A ``version`` the operator set elsewhere (extra config, ``KVWIRE_PROTOCOL_VERSION``,
+    the config file) that disagrees fails the engine's startup, naming both: no peer of
+    this engine's release could pair with it.
+    """
+    import vllm
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import metadata
+
+    engine = int(metadata.NIXL_CONNECTOR_VERSION)
+    if engine not in SUPPORTED_VERSIONS:
+        known = ", ".join(f"{v} (vLLM {r})" for v, r in VLLM_RELEASES.items())
+        raise ConfigError(
+            f"vLLM {vllm.__version__} speaks NIXL connector version {engine}; kvwire speaks {known}"
+        )
+    path = os.environ.get(CONFIG_FILE_VAR) or None
+    layers = {
+        **(file_layer(path) if path is not None else {}),
+        **vllm_layer(kv_transfer_config),
+        **env_layer(os.environ),
+    }
+    chosen = layers.get("version", engine)
+    if chosen != engine:
+        raise ConfigError(
+            f"version {chosen} is set, but this engine runs vLLM {vllm.__version__}, whose "
+            f"NIXL connector version is {engine}: leave version unset inside vLLM"
+        )
+    return engine
 
 
 def stock_transport_options(base: KVWireConfig) -> dict[str, Any]:
@@ -55,10 +92,13 @@ def stock_transport_options(base: KVWireConfig) -> dict[str, Any]:
     return options
 
 
-def compat_factors(vllm_config: VllmConfig, mode: str) -> CompatFactors:
+def compat_factors(
+    vllm_config: VllmConfig, mode: str, version: int, backend: str | None = None
+) -> CompatFactors:
     """The factors a stock NixlConnector engine of this model hashes, so the two kinds of
     engine accept each other (whether the hybrid manager is on is one: vLLM resolves it
-    per engine, and both kinds of connector support it)."""
+    per engine, and both kinds of connector support it). ``backend``: the attention
+    backend's name, looked up when not given."""
     import vllm
 
     model = vllm_config.model_config
@@ -69,10 +109,35 @@ def compat_factors(vllm_config: VllmConfig, mode: str) -> CompatFactors:
         num_kv_heads=model.get_total_num_kv_heads(),
         head_size=model.get_head_size(),
         num_hidden_layers=model.get_total_num_hidden_layers(),
-        attn_backend_name=attn_backend_name(vllm_config),
+        attn_backend_name=backend or attn_backend_name(vllm_config),
         cache_dtype=str(vllm_config.cache_config.cache_dtype),
         is_hma_enabled=not vllm_config.scheduler_config.disable_hybrid_kv_cache_manager,
         transfer_mode=mode,
+        speculative=speculative_factors(vllm_config),
+        connector_version=version,
+    )
+
+
+def speculative_factors(vllm_config: VllmConfig) -> SpeculativeFactors | None:
+    """What a stock engine hashes of its speculative decoding: an EAGLE-family drafter
+    reads the target's hidden states, so two engines must agree on it (other drafters
+    hash nothing). The draft model's own KV layers are registered beside the target's
+    and move with them."""
+    spec = vllm_config.speculative_config
+    if spec is None or not spec.use_eagle():
+        return None
+    draft = spec.draft_model_config
+    if draft is None:
+        raise ConfigError("an EAGLE speculative config without its draft model config")
+    aux = getattr(draft.hf_config, "eagle_aux_hidden_state_layer_ids", None)
+    return SpeculativeFactors(
+        method=str(spec.method),
+        model=str(draft.model),
+        revision=draft.revision,
+        code_revision=draft.code_revision,
+        parallel_drafting=bool(spec.parallel_drafting),
+        kv_cache_dtype=None if spec.kv_cache_dtype is None else str(spec.kv_cache_dtype),
+        auxiliary_layer_ids=None if aux is None else tuple(int(i) for i in aux),
     )
 
 

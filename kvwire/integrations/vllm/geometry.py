@@ -72,6 +72,27 @@ def _spans(view: torch.Tensor, num_blocks: int) -> list[tuple[int, int, int]]:
     raise ConfigError("a block's page is not one span")
 
 
+def kernel_ratio(kv_caches: Mapping[str, torch.Tensor], num_blocks: int) -> int:
+    """Kernel blocks per block vLLM hands out ids for: an attention backend that cannot use
+    the engine's block size gets the largest it supports that divides it, and every layer's
+    view then has that many times the blocks (a stock engine reads the same ratio from the
+    backends; kvwire reads it from the views it registers)."""
+    ratios = set()
+    for name, view in kv_caches.items():
+        if view.dim() < 2 or view.shape[0] % num_blocks or not view.shape[0]:
+            raise ConfigError(
+                f"layer {name}: its view {tuple(view.shape)} does not have vLLM's "
+                f"{num_blocks} blocks, or a whole number of kernel blocks per block, first"
+            )
+        ratios.add(view.shape[0] // num_blocks)
+    if len(ratios) > 1:
+        raise ConfigError(
+            f"the layers' views split a block into different numbers of kernel blocks "
+            f"({sorted(ratios)}): KVWireConnector needs one kernel block size"
+        )
+    return ratios.pop() if ratios else 1
+
+
 def layer_regions(
     kv_caches: dict[str, torch.Tensor],
     num_blocks: int,
@@ -94,15 +115,10 @@ def layer_regions(
     spans: dict[int, tuple[str, int, int, torch.Tensor]] = {}
     rows: dict[int, dict[str, tuple[int, int]]] = {}
     groups: dict[int, int] = {}
+    kernel_blocks = num_blocks * kernel_ratio(kv_caches, num_blocks)
     for name, view in kv_caches.items():
-        if view.dim() < 2 or view.shape[0] != num_blocks:
-            raise ConfigError(
-                f"layer {name}: its view {tuple(view.shape)} does not have vLLM's "
-                f"{num_blocks} blocks first (kernel blocks smaller than --block-size are "
-                "not supported)"
-            )
         try:
-            found = _spans(view, num_blocks)
+            found = _spans(view, kernel_blocks)
         except ConfigError as exc:
             raise ConfigError(f"layer {name}: in KV cache layout {layout}, {exc}") from None
         page = int(view[0].nbytes)
@@ -122,7 +138,7 @@ def layer_regions(
                 base_addr=base,
                 block_len=block_len,
                 block_stride=stride,
-                num_blocks=num_blocks,
+                num_blocks=kernel_blocks,
                 group_id=groups[base],
                 mem_kind="VRAM" if on_device else "DRAM",
                 device_id=max(view.get_device(), 0) if on_device else None,
@@ -221,8 +237,10 @@ def layer_geometry(
         for name in group.layer_names
     }
     moved = {name: view for name, view in kv_caches.items() if name in group_of}
+    ratio = kernel_ratio(moved, num_blocks)
     return KVGeometry(
         regions=layer_regions(moved, num_blocks, layout_name, group_of),
+        physical_blocks_per_logical=ratio,
         group_kinds=group_kinds(kv_cache_config, int(vllm_config.cache_config.block_size)),
         kv_cache_layout=layout_name,
         block_size=int(vllm_config.cache_config.block_size),
@@ -231,5 +249,5 @@ def layer_geometry(
         tp_size=config.tp_size,
         is_mla=bool(model.use_mla),
         attn_backend_name=attn_backend_name(vllm_config),
-        num_blocks=num_blocks,
+        num_blocks=num_blocks * ratio,
     )

@@ -1,0 +1,119 @@
+"""KVWireConnector speaks the protocol of the vLLM release it runs in: the connector
+version, the messages and the hashed factors (speculative decoding's included) are that
+release's, proven against each release's own engine and hash function."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from harness import SchedulerEngine, Zygote, transfer
+
+from kvwire.errors import ConfigError
+
+TOKENS = 100  # 3 full blocks + a partial one (32-token blocks)
+
+PAIRS = {
+    "kvwire-nixl": ("KVWireConnector", "KVWireConnector"),
+    "stock-P-kvwire-D": ("NixlConnector", "KVWireConnector"),
+    "kvwire-P-stock-D": ("KVWireConnector", "NixlConnector"),
+}
+
+
+@pytest.mark.parametrize("mode", ["pull", "push"])
+@pytest.mark.parametrize("pair", sorted(PAIRS))
+def test_pairs_on_vllm_032(zygote_032: Zygote, pair: str, mode: str) -> None:
+    """vLLM 0.32.0 (connector version 14, a field added inside its agent metadata): each
+    kind of engine pairs with the other, bytes checked on D."""
+    p_conn, d_conn = PAIRS[pair]
+    extra = {"transport": "nixl"}
+    p = SchedulerEngine("P", p_conn, zygote_032, extra_config=extra, mode=mode)
+    try:
+        d = SchedulerEngine("D", d_conn, zygote_032, extra_config=extra, mode=mode)
+        try:
+            state = transfer(p, d, "req-v", 13, TOKENS)
+            assert "req-v" in state["checked"], (state["invalid"], d.peer.log[-3:])
+            wrong, checked = state["checked"]["req-v"]
+            assert checked > 0 and wrong == 0
+        finally:
+            d.close()
+    finally:
+        p.close()
+
+
+def test_the_version_is_the_engines_vllms(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Unset, the version is what this vLLM's connector declares; set to another, the
+    engine's startup fails naming both (no peer of this release could pair with it)."""
+    import vllm
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import metadata
+
+    from kvwire.integrations.vllm.config import protocol_version
+
+    monkeypatch.delenv("KVWIRE_PROTOCOL_VERSION", raising=False)
+    monkeypatch.delenv("KVWIRE_CONFIG", raising=False)
+    assert protocol_version({}) == metadata.NIXL_CONNECTOR_VERSION
+    other = 15 if metadata.NIXL_CONNECTOR_VERSION != 15 else 14
+    monkeypatch.setenv("KVWIRE_PROTOCOL_VERSION", str(other))
+    with pytest.raises(ConfigError) as err:
+        protocol_version({})
+    assert f"version {other} is set" in str(err.value)
+    assert f"vLLM {vllm.__version__}" in str(err.value)
+
+
+def _vllm_config() -> Any:
+    from vllm_engine import build_vllm_config
+
+    start = {
+        "connector": "KVWireConnector", "role": "D", "engine_id": "spec", "model": "llama-3-8b",
+        "layers": 2, "num_blocks": 16, "tp_size": 1, "block_size": 32, "hma": None,
+    }  # fmt: skip
+    return build_vllm_config(start)
+
+
+def _drafter(method: str, aux: list[int] | None, kv_cache_dtype: str | None) -> Any:
+    """The parts of vLLM's SpeculativeConfig its hash reads (building a real one loads the
+    draft model's config from its hub)."""
+    hf_config = SimpleNamespace()
+    if aux is not None:
+        hf_config.eagle_aux_hidden_state_layer_ids = aux
+    return SimpleNamespace(
+        method=method,
+        use_eagle=lambda: method in ("eagle", "eagle3", "mtp"),
+        draft_model_config=SimpleNamespace(
+            model=f"org/{method}-drafter", revision="r1", code_revision=None, hf_config=hf_config
+        ),
+        parallel_drafting=method == "eagle3",
+        kv_cache_dtype=kv_cache_dtype,
+    )
+
+
+SPECULATIVE = {
+    "none": None,
+    "eagle": _drafter("eagle", None, None),
+    "eagle3-aux": _drafter("eagle3", [2, 15, 29], None),
+    "eagle3-fp8": _drafter("eagle3", [2, 15, 29], "fp8"),
+    "mtp": _drafter("mtp", None, "auto"),
+    "ngram": _drafter("ngram", None, None),
+}
+
+
+@pytest.mark.parametrize("mode", ["pull", "push"])
+@pytest.mark.parametrize("case", sorted(SPECULATIVE))
+def test_speculative_config_hashes_as_vllm(case: str, mode: str) -> None:
+    """vLLM's own hash function over the same config: an EAGLE-family drafter's factors,
+    the cache dtype it inherits, and nothing for the others."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
+        NIXL_CONNECTOR_VERSION,
+        compute_nixl_compatibility_hash,
+    )
+
+    from kvwire.integrations.vllm.config import compat_factors
+
+    config = _vllm_config()
+    backend = "CPU_ATTN"  # looked up in an engine; here one name for both hashes
+    object.__setattr__(config, "speculative_config", SPECULATIVE[case])
+    stock = compute_nixl_compatibility_hash(config, backend, mode)
+    ours = compat_factors(config, mode, NIXL_CONNECTOR_VERSION, backend)
+    assert (ours.speculative_config is None) == (case in ("none", "ngram"))
+    assert ours.hash() == stock
