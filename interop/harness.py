@@ -8,13 +8,14 @@ metadata, every worker runs ``start_load_kv`` and ``get_finished``) as vLLM's en
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -493,3 +494,33 @@ __all__ = [
     "vllm_compatible_extra",
     "wait_until",
 ]
+
+
+@contextlib.contextmanager
+def engines(
+    zygote: Zygote,
+    p_connector: str,
+    d_connector: str,
+    p_options: dict[str, Any] | None = None,
+    d_options: dict[str, Any] | None = None,
+    **options: Any,
+) -> Iterator[tuple[SchedulerEngine, SchedulerEngine]]:
+    """A P and a D engine with ``options`` (each side's own over them), closed on the way
+    out whatever happened."""
+    p = SchedulerEngine("P", p_connector, zygote, **{**options, **(p_options or {})})
+    try:
+        d = SchedulerEngine("D", d_connector, zygote, **{**options, **(d_options or {})})
+        try:
+            yield p, d
+        finally:
+            d.close()
+    finally:
+        p.close()
+
+
+def assert_moved(p: SchedulerEngine, d: SchedulerEngine, rid: str, index: int, tokens: int) -> None:
+    """One request from P to D, its bytes checked on D with none wrong."""
+    state = transfer(p, d, rid, index, tokens)
+    assert rid in state["checked"], (state["invalid"], d.peer.log[-3:], p.peer.log[-3:])
+    wrong, checked = state["checked"][rid]
+    assert checked > 0 and wrong == 0, (wrong, checked)

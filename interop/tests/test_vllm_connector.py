@@ -15,6 +15,8 @@ from harness import (
     PeerError,
     SchedulerEngine,
     Zygote,
+    assert_moved,
+    engines,
     free_port,
     transfer,
     transfer_many,
@@ -292,24 +294,11 @@ def test_kernel_blocks_smaller_than_the_block(zygote: Zygote, pair: str, mode: s
     checks every prompt token through the kernel-block views; kvwire pairs may split their
     blocks differently (0: not split)."""
     p_conn, d_conn, transport, p_kernel, d_kernel = KERNEL_PAIRS[pair]
-    extra = {"transport": transport}
-    p = SchedulerEngine(
-        "P", p_conn, zygote, geo=KERNEL_GEO, extra_config=extra, mode=mode, kernel_block=p_kernel
-    )
-    try:
-        d = SchedulerEngine(
-            "D", d_conn, zygote, geo=KERNEL_GEO, extra_config=extra, mode=mode,
-            kernel_block=d_kernel,
-        )  # fmt: skip
-        try:
-            state = transfer(p, d, "req-k", 17, 150)  # 2 blocks and 22 tokens
-            assert "req-k" in state["checked"], (state["invalid"], d.peer.log[-3:])
-            wrong, checked = state["checked"]["req-k"]
-            assert checked > 0 and wrong == 0
-        finally:
-            d.close()
-    finally:
-        p.close()
+    with engines(
+        zygote, p_conn, d_conn, {"kernel_block": p_kernel}, {"kernel_block": d_kernel},
+        geo=KERNEL_GEO, extra_config={"transport": transport}, mode=mode,
+    ) as (p, d):  # fmt: skip
+        assert_moved(p, d, "req-k", 17, 150)  # 2 blocks and 22 tokens
 
 
 def test_kernel_blocks_are_advertised_as_stock_advertises_them(zygote: Zygote) -> None:

@@ -77,37 +77,35 @@ def test_regions_and_groups_are_what_stock_registers(zygote: Zygote) -> None:
 @pytest.mark.parametrize("mode", ["pull", "push"])
 @pytest.mark.parametrize("pair", sorted(PAIRS))
 def test_sliding_window(zygote: Zygote, pair: str, mode: str, tp: str) -> None:
-    p_conn, d_conn, transport = PAIRS[pair]
     p_tp, d_tp = (int(n) for n in tp.split("-"))
-    p = _engine("P", p_conn, zygote, transport, mode, p_tp)
-    try:
-        d = _engine("D", d_conn, zygote, transport, mode, d_tp)
-        try:
-            state = transfer_many(p, d, INDEX, REQUESTS)
-            for rid, tokens in REQUESTS.items():
-                params = p.state["outputs"][rid]
-                assert sorted(map(len, params["remote_block_ids"])) == exchanged_lengths(tokens)
-                assert rid in state["checked"], (rid, state["invalid"], d.peer.log[-3:])
-                assert state["checked"][rid] == [0, checked_bytes(tokens)], rid
-        finally:
-            d.close()
-    finally:
-        p.close()
+    state, outputs = _window_pair(zygote, pair, mode, p_tp, d_tp)
+    for rid, tokens in REQUESTS.items():
+        assert sorted(map(len, outputs[rid]["remote_block_ids"])) == exchanged_lengths(tokens)
+        assert state["checked"][rid] == [0, checked_bytes(tokens)], rid
 
 
 @pytest.mark.parametrize("mode", ["pull", "push"])
 @pytest.mark.parametrize("pair", ["stock-P-kvwire-D", "kvwire-P-stock-D"])
 def test_sliding_window_on_vllm_032(zygote_032: Zygote, pair: str, mode: str) -> None:
     """The same groups on vLLM 0.32.0's manager and connector (version 14)."""
+    state, _ = _window_pair(zygote_032, pair, mode, 1, 1)
+    for rid, tokens in REQUESTS.items():
+        assert state["checked"][rid] == [0, checked_bytes(tokens)], rid
+
+
+def _window_pair(
+    zygote: Zygote, pair: str, mode: str, p_tp: int, d_tp: int
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Both prompts from P to D: D's state (every request checked) and P's params."""
     p_conn, d_conn, transport = PAIRS[pair]
-    p = _engine("P", p_conn, zygote_032, transport, mode)
+    p = _engine("P", p_conn, zygote, transport, mode, p_tp)
     try:
-        d = _engine("D", d_conn, zygote_032, transport, mode)
+        d = _engine("D", d_conn, zygote, transport, mode, d_tp)
         try:
             state = transfer_many(p, d, INDEX, REQUESTS)
-            for rid, tokens in REQUESTS.items():
+            for rid in REQUESTS:
                 assert rid in state["checked"], (rid, state["invalid"], d.peer.log[-3:])
-                assert state["checked"][rid] == [0, checked_bytes(tokens)], rid
+            return state, p.state["outputs"]
         finally:
             d.close()
     finally:

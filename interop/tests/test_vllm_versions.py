@@ -8,7 +8,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from harness import SchedulerEngine, Zygote, transfer
+from harness import Zygote, assert_moved, engines
 
 from kvwire.errors import ConfigError
 
@@ -28,18 +28,8 @@ def test_pairs_on_vllm_032(zygote_032: Zygote, pair: str, mode: str) -> None:
     kind of engine pairs with the other, bytes checked on D."""
     p_conn, d_conn = PAIRS[pair]
     extra = {"transport": "nixl"}
-    p = SchedulerEngine("P", p_conn, zygote_032, extra_config=extra, mode=mode)
-    try:
-        d = SchedulerEngine("D", d_conn, zygote_032, extra_config=extra, mode=mode)
-        try:
-            state = transfer(p, d, "req-v", 13, TOKENS)
-            assert "req-v" in state["checked"], (state["invalid"], d.peer.log[-3:])
-            wrong, checked = state["checked"]["req-v"]
-            assert checked > 0 and wrong == 0
-        finally:
-            d.close()
-    finally:
-        p.close()
+    with engines(zygote_032, p_conn, d_conn, extra_config=extra, mode=mode) as (p, d):
+        assert_moved(p, d, "req-v", 13, TOKENS)
 
 
 def test_the_version_is_the_engines_vllms(monkeypatch: pytest.MonkeyPatch) -> None:
