@@ -32,6 +32,8 @@ from kvwire_conformance.resources import leaks_after, snapshot
 WAIT_SLACK_S = 0.5
 """How far past its timeout ``wait`` may return: scheduling on a loaded host, never a
 deliberate sleep (an adapter that sleeps whole seconds, or 1000x, fails)."""
+WAIT_TRIES = 3
+"""Tries of each ``wait`` timeout, one of which must return within the slack."""
 ROUNDS = 200
 """Transfers and releases between two resource measurements."""
 
@@ -62,12 +64,21 @@ class LifecycleTests(SuiteBase):
 
     @capability("read", "dram")
     def test_release_of_a_running_transfer(self, link: Link) -> None:
-        lr, pr = link.local_regions["numpy"], link.peer_regions["numpy"]
+        """Contract: ``release`` of a running transfer is safe (it aborts or detaches, or
+        raises and the handle stays valid); afterwards ``poll`` and ``release`` raise.
+
+        A detached transfer may go on landing bytes after ``release``, after the next
+        transfer is DONE, even into a later test: its destination is memory of its own,
+        kept registered and alive until the agent closes, that nothing else reads."""
+        pr = link.peer_regions["numpy"]
         lengths = np.full(8192, 4096, dtype=np.int64)
         offsets = np.arange(8192, dtype=np.int64) * 4096
+        target = memory.allocate("numpy", int(lengths.sum()))
+        link.local.register([region_of_array(target)])
+        link.detached.append(target)
         handle = link.local.read(
             link.peer_name,
-            memory.descs(lr.addr, offsets, lengths),
+            memory.descs(int(target.ctypes.data), offsets, lengths),
             memory.descs(pr.addr, offsets, lengths),
         )
         try:
@@ -146,14 +157,26 @@ class LifecycleTests(SuiteBase):
 
     def test_wait_returns_within_its_timeout(self, link: Link) -> None:
         """Contract: ``wait(timeout)`` returns after at most ``timeout`` seconds when
-        nothing happens (plus scheduling slack), and at once for 0."""
+        nothing happens (plus scheduling slack), and at once for 0.
+
+        Each timeout gets :data:`WAIT_TRIES` tries and one must keep the bound: a loaded
+        host may stall any single call past the slack, never every one, while an adapter
+        that oversleeps does so each time."""
         with contextlib.suppress(TransportError):
             link.local.drain_notifications()
         for timeout in (0.0, 0.001, 0.02, 0.1, 0.02):
-            start = time.monotonic()
-            link.local.wait(timeout)
-            took = time.monotonic() - start
-            assert took <= timeout + WAIT_SLACK_S, f"wait({timeout}) took {took:.3f} s"
+            took: list[float] = []
+            while len(took) < WAIT_TRIES:
+                start = time.monotonic()
+                link.local.wait(timeout)
+                took.append(time.monotonic() - start)
+                if took[-1] <= timeout + WAIT_SLACK_S:
+                    break
+            else:
+                pytest.fail(
+                    f"wait({timeout}) took " + ", ".join(f"{t:.3f}" for t in took) + " s",
+                    pytrace=False,
+                )
 
     def _full_cycle(self, link: Link, tag: str) -> None:
         agent = create(

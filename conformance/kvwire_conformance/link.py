@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 import time
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,6 +20,9 @@ from kvwire_conformance.memory import I64, U8
 
 CLOSE_TIMEOUT_S = 10.0
 """How long a fixture's teardown waits for an agent's ``close()``."""
+
+Note = tuple[str, bytes]
+"""A notification as ``drain_notifications`` hands it out: (sender, message)."""
 
 
 def seed(*parts: object) -> int:
@@ -65,6 +69,9 @@ class Link:
     timeout: float
     local_regions: dict[str, LocalRegion] = field(default_factory=dict)
     peer_regions: dict[str, PeerRegion] = field(default_factory=dict)
+    detached: list[Any] = field(default_factory=list)
+    """Memory a released, possibly still running transfer may yet write into: registered
+    and alive until the agent closes, and never used or checked by any other test."""
 
     @property
     def caps(self) -> Capabilities:
@@ -81,15 +88,47 @@ class Link:
             )
         return state
 
-    def local_notifications(self, at_least: int) -> list[tuple[str, bytes]]:
-        """Drain this agent's notifications until ``at_least`` are in hand or timeout."""
-        got: list[tuple[str, bytes]] = []
+    def local_notifications(
+        self, at_least: int, own: Callable[[bytes], bool] | None = None
+    ) -> list[Note]:
+        """Drain this agent's notifications until ``at_least`` are in hand or timeout;
+        with ``own``, only the messages it accepts count and are kept (see
+        :func:`peer_notifications` for why)."""
+        got: list[Note] = []
         deadline = time.monotonic() + self.timeout
         while True:
-            got += self.local.drain_notifications()
+            got += [n for n in self.local.drain_notifications() if own is None or own(n[1])]
             if len(got) >= at_least or time.monotonic() >= deadline:
                 return got
             self.local.wait(0.05)
+
+
+def peer_notifications(
+    peer: PeerAgent,
+    own: Callable[[bytes], bool],
+    at_least: int,
+    timeout: float,
+    until: bytes | None = None,
+) -> list[Note]:
+    """Drain ``peer`` until ``at_least`` notifications that ``own`` accepts (and, with
+    ``until``, that message) are in hand, or ``timeout`` passes; only those are kept, in
+    the order they arrived.
+
+    A test counts only the notifications it sent (its messages carry its tag). An agent's
+    inbox outlives the test: a notification of a transfer an earlier test released while
+    it ran, or of an agent that has closed since, may still arrive during a later test.
+    The contract lets it (notifications name senders never added; a released transfer
+    detaches), so a count of everything drained would depend on when it landed.
+    """
+    got: list[Note] = []
+    deadline = time.monotonic() + timeout
+    while True:
+        left = max(0.0, deadline - time.monotonic())
+        need = max(1, at_least - len(got))
+        got += [n for n in peer.drain(at_least=need, timeout=left) if own(n[1])]
+        enough = len(got) >= at_least and (until is None or any(m == until for _, m in got))
+        if enough or time.monotonic() >= deadline:
+            return got
 
 
 def close_within(agent: Transport, seconds: float, what: str) -> None:

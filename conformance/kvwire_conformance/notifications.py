@@ -12,7 +12,7 @@ from kvwire.transport import XferState
 from kvwire_conformance import memory
 from kvwire_conformance.base import SuiteBase
 from kvwire_conformance.capabilities import capability
-from kvwire_conformance.link import Link, assert_bytes, seed
+from kvwire_conformance.link import Link, assert_bytes, peer_notifications, seed
 from kvwire_conformance.memory import I64
 
 
@@ -104,24 +104,30 @@ class NotificationTests(SuiteBase):
         lr, pr = link.local_regions["numpy"], link.peer_regions["numpy"]
         link.peer.drain()
         tag = uuid.uuid4().hex
+        prefix = f"once:{tag}:".encode()
         expected: list[bytes] = []
         handles = []
         for i in range(20):
-            message = f"once:{tag}:xfer:{i}".encode()
+            message = prefix + f"xfer:{i}".encode()
             local = memory.descs(lr.addr, np.array([i * 8192]), np.array([4096]))
             remote = memory.descs(pr.addr, np.array([i * 8192 + 3]), np.array([4096]))
             handles.append(link.local.read(link.peer_name, local, remote, message))
             expected.append(message)
-            message = f"once:{tag}:plain:{i}".encode()
+            message = prefix + f"plain:{i}".encode()
             link.local.notify(link.peer_name, message)
             expected.append(message)
         for handle in handles:
             assert link.wait(handle) is XferState.DONE
             link.local.release(handle)
-        got = link.peer.drain(at_least=len(expected), timeout=self.timeout)
-        marker = f"once:{tag}:marker".encode()
+
+        # Only this test's messages count: one from an earlier test may still arrive.
+        def mine(message: bytes) -> bool:
+            return message.startswith(prefix)
+
+        got = peer_notifications(link.peer, mine, len(expected), self.timeout)
+        marker = prefix + b"marker"
         link.local.notify(link.peer_name, marker)
-        got += link.peer.drain(at_least=1, timeout=self.timeout)
+        got += peer_notifications(link.peer, mine, 1, self.timeout, until=marker)
         messages = [m for _, m in got]
         assert marker in messages, "the marker notification never arrived"
         messages.remove(marker)
@@ -146,12 +152,17 @@ class NotificationTests(SuiteBase):
         ]
         for message in messages:
             link.local.notify(link.peer_name, message)
-        got = link.peer.drain(at_least=len(messages), timeout=self.timeout)
+
+        # Only the messages sent here count: one from an earlier test may still arrive.
+        def sent(message: bytes) -> bool:
+            return message in messages
+
+        got = peer_notifications(link.peer, sent, len(messages), self.timeout)
         assert sorted(m for _, m in got) == sorted(messages)
         assert {peer for peer, _ in got} == {link.local_name}
         for message in messages:
             link.peer.call(p.Notify(link.local_name, message))
-        back = link.local_notifications(len(messages))
+        back = link.local_notifications(len(messages), sent)
         assert sorted(m for _, m in back) == sorted(messages)
         assert {peer for peer, _ in back} == {link.peer_name}, "wrong sender name on arrival"
 
@@ -159,10 +170,10 @@ class NotificationTests(SuiteBase):
     def test_notifications_keep_their_order(self, link: Link) -> None:
         lr, pr = link.local_regions["numpy"], link.peer_regions["numpy"]
         link.peer.drain()
-        tag = uuid.uuid4().hex
+        prefix = f"order:{uuid.uuid4().hex}:".encode()
         sent: list[bytes] = []
         for i in range(200):
-            message = f"order:{tag}:{i:04d}".encode()
+            message = prefix + f"{i:04d}".encode()
             if i % 20 == 10:  # a completed transfer's notification sits among plain ones
                 local = memory.descs(lr.addr, np.array([0]), np.array([4096]))
                 remote = memory.descs(pr.addr, np.array([0]), np.array([4096]))
@@ -172,5 +183,11 @@ class NotificationTests(SuiteBase):
             else:
                 link.local.notify(link.peer_name, message)
             sent.append(message)
-        got = [m for _, m in link.peer.drain(at_least=len(sent), timeout=self.timeout)]
+        # The order among this test's messages: one from an earlier test may still arrive.
+        got = [
+            m
+            for _, m in peer_notifications(
+                link.peer, lambda m: m.startswith(prefix), len(sent), self.timeout
+            )
+        ]
         assert got == sent, "notifications from one agent arrived out of order"
