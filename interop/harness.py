@@ -518,9 +518,11 @@ def engines(
         p.close()
 
 
-def assert_moved(p: SchedulerEngine, d: SchedulerEngine, rid: str, index: int, tokens: int) -> None:
-    """One request from P to D, its bytes checked on D with none wrong."""
+def assert_moved(p: SchedulerEngine, d: SchedulerEngine, rid: str, index: int, tokens: int) -> int:
+    """One request from P to D, its bytes checked on D with none wrong: how many bytes
+    D's ranks checked."""
     state = transfer(p, d, rid, index, tokens)
     assert rid in state["checked"], (state["invalid"], d.peer.log[-3:], p.peer.log[-3:])
     wrong, checked = state["checked"][rid]
     assert checked > 0 and wrong == 0, (wrong, checked)
+    return int(checked)

@@ -27,6 +27,7 @@ import vllm_peer
 from yardstick import ConnectorClock, FetchClock
 
 from kvwire.demo.content import blocks_view, expected, fill, scribble
+from kvwire.demo.models import preset
 
 
 def build_vllm_config(start: dict[str, Any]) -> Any:
@@ -70,7 +71,7 @@ def build_vllm_config(start: dict[str, Any]) -> Any:
     model_config = SimpleNamespace(
         model=model.hf_name,
         dtype=torch.bfloat16,
-        use_mla=False,
+        use_mla=model.mla,
         uses_mrope=False,
         runner_type="generate",
         is_encoder_decoder=False,
@@ -83,8 +84,8 @@ def build_vllm_config(start: dict[str, Any]) -> Any:
         revision=None,
         code_revision=None,
         hf_config=SimpleNamespace(),
-        get_total_num_kv_heads=lambda: model.kv_heads,
-        get_head_size=lambda: model.head_dim,
+        get_total_num_kv_heads=lambda: 1 if model.mla else model.kv_heads,
+        get_head_size=lambda: model.latent_dim if model.mla else model.head_dim,
         get_total_num_hidden_layers=lambda: model.num_layers,
         get_layers_start_end_indices=lambda *_a, **_k: (0, spec.layers),
     )
@@ -145,16 +146,24 @@ def allocate(vllm_config: Any, start: dict[str, Any]) -> tuple[Any, dict[str, to
     memory = spec.num_blocks * page * spec.layers
     kv_cache_config = get_kv_cache_config_from_groups(vllm_config, groups, memory)
     layout = vllm_config.cache_config.get_resolved_kv_cache_layout()
-    kernel = int(start.get("kernel_block") or 0)
-    sizes = [kernel] * len(groups) if kernel else None
+    sizes = [kernel_size(start)] * len(groups)
     caches = allocate_kv_cache(kv_cache_config, torch.device("cpu"), layout, sizes)
     return kv_cache_config, caches
 
 
+def kernel_size(start: dict[str, Any]) -> int:
+    """Tokens per kernel block, chosen by vLLM's own rule from what the attention backend
+    runs (``kernel_block``: a backend that runs only that size), as its model runner
+    chooses them for the allocation."""
+    from vllm.v1.worker.utils import select_common_block_size
+
+    backend = vllm_peer._backend(preset(start["model"]).mla, int(start.get("kernel_block") or 0))
+    return int(select_common_block_size(int(start["block_size"]), [backend]))
+
+
 def kernel_ratio(start: dict[str, Any]) -> int:
-    """Kernel blocks per block (``kernel_block``: the attention backend's only size)."""
-    kernel = int(start.get("kernel_block") or 0)
-    return int(start["block_size"]) // kernel if kernel else 1
+    """Kernel blocks per block."""
+    return int(start["block_size"]) // kernel_size(start)
 
 
 def expand(blocks: list[int], ratio: int) -> list[int]:
@@ -289,7 +298,8 @@ class EnginePart:
         start = {"layout": "LBHNC", "tp_size": 1, **start, "tp_rank": 0}
         tp = int(start["tp_size"])
         kernel = int(start.get("kernel_block") or 0)
-        utils.get_current_attn_backends = lambda *_a, **_k: [vllm_peer._backend(False, kernel)]
+        mla = preset(start["model"]).mla
+        utils.get_current_attn_backends = lambda *_a, **_k: [vllm_peer._backend(mla, kernel)]
         self.ratio = kernel_ratio(start)
         self.start_role = start["role"]
         self.spec = vllm_peer.cache_spec(start)
