@@ -107,3 +107,20 @@ def test_speculative_config_hashes_as_vllm(case: str, mode: str) -> None:
     ours = compat_factors(config, mode, NIXL_CONNECTOR_VERSION, backend)
     assert (ours.speculative_config is None) == (case in ("none", "ngram"))
     assert ours.hash() == stock
+
+
+def test_a_vllm_without_the_nixl_connector_fails_startup_by_name(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A vLLM whose NIXL connector module is gone (renamed, or an older release)."""
+    import importlib
+    import sys
+
+    from kvwire.integrations.vllm.config import protocol_version
+
+    package = "vllm.distributed.kv_transfer.kv_connector.v1.nixl"
+    loaded = importlib.import_module(package)
+    monkeypatch.setitem(sys.modules, f"{package}.metadata", None)
+    monkeypatch.delattr(loaded, "metadata", raising=False)
+    with pytest.raises(ConfigError, match="no NIXL connector metadata module"):
+        protocol_version({})

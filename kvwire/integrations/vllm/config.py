@@ -54,8 +54,14 @@ def protocol_version(kv_transfer_config: dict[str, Any]) -> int:
     this engine's release could pair with it.
     """
     import vllm
-    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import metadata
 
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.v1.nixl import metadata
+    except ImportError as exc:
+        raise ConfigError(
+            f"vLLM {vllm.__version__} has no NIXL connector metadata module ({exc}): "
+            "KVWireConnector speaks the NIXL connector's protocol and needs its version"
+        ) from None
     engine = int(metadata.NIXL_CONNECTOR_VERSION)
     if engine not in SUPPORTED_VERSIONS:
         known = ", ".join(f"{v} (vLLM {r})" for v, r in VLLM_RELEASES.items())
