@@ -301,6 +301,36 @@ def test_kernel_blocks_smaller_than_the_block(zygote: Zygote, pair: str, mode: s
         assert_moved(p, d, "req-k", 17, 150)  # 2 blocks and 22 tokens
 
 
+BLOCK_SIZE_PAIRS = {
+    "kvwire-P32-D64": ("KVWireConnector", "KVWireConnector", 32, 64, "pull push"),
+    "kvwire-P64-D32": ("KVWireConnector", "KVWireConnector", 64, 32, "pull push"),
+    "stock-P32-kvwire-D64": ("NixlConnector", "KVWireConnector", 32, 64, "pull"),
+}
+"""Unequal block sizes (vLLM's matrix: "hetero block size"). kvwire places whole lists by
+token, so either side may have the larger blocks. With a stock engine only stock P -> kvwire
+D in pull is claimed: here stock's own pairs of unequal block sizes fail (two stock engines
+leave D's bytes wrong in pull and never finish in push), so those cells say nothing about
+kvwire."""
+
+
+@pytest.mark.parametrize(
+    ("pair", "mode"),
+    [(pair, mode) for pair, case in sorted(BLOCK_SIZE_PAIRS.items()) for mode in case[4].split()],
+)
+def test_unequal_block_sizes(zygote: Zygote, pair: str, mode: str) -> None:
+    """P and D with different block sizes: every prompt token (150: a partial last block on
+    both sides) reaches D, checked through D's own blocks."""
+    p_conn, d_conn, p_block, d_block, _ = BLOCK_SIZE_PAIRS[pair]
+    with engines(
+        zygote, p_conn, d_conn,
+        {"geo": Geometry(layers=2, num_blocks=32, block_size=p_block)},
+        {"geo": Geometry(layers=2, num_blocks=32, block_size=d_block)},
+        extra_config={"transport": "nixl"}, mode=mode,
+        hma=None if d_conn == p_conn else False,
+    ) as (p, d):  # fmt: skip
+        assert_moved(p, d, "req-b", 3, 150)
+
+
 def test_kernel_blocks_are_advertised_as_stock_advertises_them(zygote: Zygote) -> None:
     """Regions of kernel blocks, and the block size, ratio and count a peer plans by, are
     what a stock engine registers and advertises over the same allocation."""
