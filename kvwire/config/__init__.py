@@ -73,8 +73,31 @@ __all__ = [
     "TransferMode",
     "env_layer",
     "file_layer",
+    "layered",
     "vllm_layer",
 ]
+
+# -- the layers -------------------------------------------------------------------------------
+
+
+def layered(
+    environ: Mapping[str, str],
+    config_file: str | os.PathLike[str] | None = None,
+    kv_transfer_config: Mapping[str, Any] | str | None = None,
+) -> dict[str, Any]:
+    """The knobs the operator set, parsed, each from the highest layer that sets it: the
+    config file (``config_file``, else ``$KVWIRE_CONFIG``), vLLM's ``kv_transfer_config``,
+    then ``KVWIRE_*`` variables. An integration that fixes a knob itself reads here whether
+    the operator set it otherwise."""
+    values: dict[str, Any] = {}
+    path = config_file if config_file is not None else environ.get(CONFIG_FILE_VAR) or None
+    if path is not None:
+        values.update(file_layer(path))
+    if kv_transfer_config is not None:
+        values.update(vllm_layer(kv_transfer_config))
+    values.update(env_layer(environ))
+    return values
+
 
 # -- the object -------------------------------------------------------------------------------
 
@@ -181,12 +204,7 @@ class KVWireConfig:
             else f.default
             for f in dataclasses.fields(self)
         }  # fmt: skip
-        path = config_file if config_file is not None else env.get(CONFIG_FILE_VAR) or None
-        if path is not None:
-            values.update(file_layer(path))
-        if kv_transfer_config is not None:
-            values.update(vllm_layer(kv_transfer_config))
-        values.update(env_layer(env))
+        values.update(layered(env, config_file, kv_transfer_config))
         for name, raw in given.items():
             values[name] = parsed(name, raw, KNOBS[name].parse)
         if values["secret"] is None and values["secret_file"] is not None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Any
 
-from kvwire.config import CONFIG_FILE_VAR, KVWireConfig, env_layer, file_layer, vllm_layer
+from kvwire.config import KVWireConfig, layered
 from kvwire.errors import ConfigError
 from kvwire.integrations.vllm.geometry import attn_backend_name
 from kvwire.wire.compat import CompatFactors, SpeculativeFactors
@@ -49,9 +49,9 @@ def protocol_version(kv_transfer_config: dict[str, Any]) -> int:
     speaks: a stock engine of that release hashes its version, and one of another release
     is refused by both kinds of engine alike (vLLM hashes its own version too).
 
-    A ``version`` the operator set elsewhere (extra config, ``KVWIRE_PROTOCOL_VERSION``,
-    the config file) that disagrees fails the engine's startup, naming both: no peer of
-    this engine's release could pair with it.
+    A ``version`` the operator set elsewhere (``KVWIRE_PROTOCOL_VERSION`` or the config
+    file) that disagrees fails the engine's startup, naming both: no peer of this engine's
+    release could pair with it.
     """
     import vllm
 
@@ -68,13 +68,7 @@ def protocol_version(kv_transfer_config: dict[str, Any]) -> int:
         raise ConfigError(
             f"vLLM {vllm.__version__} speaks NIXL connector version {engine}; kvwire speaks {known}"
         )
-    path = os.environ.get(CONFIG_FILE_VAR) or None
-    layers = {
-        **(file_layer(path) if path is not None else {}),
-        **vllm_layer(kv_transfer_config),
-        **env_layer(os.environ),
-    }
-    chosen = layers.get("version", engine)
+    chosen = layered(os.environ, kv_transfer_config=kv_transfer_config).get("version", engine)
     if chosen != engine:
         raise ConfigError(
             f"version {chosen} is set, but this engine runs vLLM {vllm.__version__}, whose "
@@ -127,8 +121,7 @@ def compat_factors(
 def speculative_factors(vllm_config: VllmConfig) -> SpeculativeFactors | None:
     """What a stock engine hashes of its speculative decoding: an EAGLE-family drafter
     reads the target's hidden states, so two engines must agree on it (other drafters
-    hash nothing). The draft model's own KV layers are registered beside the target's
-    and move with them."""
+    hash nothing)."""
     spec = vllm_config.speculative_config
     if spec is None or not spec.use_eagle():
         return None
