@@ -99,7 +99,8 @@ def layer_regions(
     layout: str,
     group_of: Mapping[str, int] | None = None,
 ) -> list[BlockRegion]:
-    """The worker's regions, read from each layer's own view.
+    """The worker's regions, read from each layer's own view of ``num_blocks`` region
+    blocks (kernel blocks: :func:`kernel_ratio` times vLLM's block count).
 
     vLLM backs every layer of a cache group with one allocation, so a view's storage alone
     says nothing about its layer. Layers whose spans coincide (block rows) share a region,
@@ -115,10 +116,13 @@ def layer_regions(
     spans: dict[int, tuple[str, int, int, torch.Tensor]] = {}
     rows: dict[int, dict[str, tuple[int, int]]] = {}
     groups: dict[int, int] = {}
-    kernel_blocks = num_blocks * kernel_ratio(kv_caches, num_blocks)
     for name, view in kv_caches.items():
+        if view.dim() < 2 or view.shape[0] != num_blocks:
+            raise ConfigError(
+                f"layer {name}: its view {tuple(view.shape)} has not {num_blocks} blocks first"
+            )
         try:
-            found = _spans(view, kernel_blocks)
+            found = _spans(view, num_blocks)
         except ConfigError as exc:
             raise ConfigError(f"layer {name}: in KV cache layout {layout}, {exc}") from None
         page = int(view[0].nbytes)
@@ -138,7 +142,7 @@ def layer_regions(
                 base_addr=base,
                 block_len=block_len,
                 block_stride=stride,
-                num_blocks=kernel_blocks,
+                num_blocks=num_blocks,
                 group_id=groups[base],
                 mem_kind="VRAM" if on_device else "DRAM",
                 device_id=max(view.get_device(), 0) if on_device else None,
@@ -239,7 +243,7 @@ def layer_geometry(
     moved = {name: view for name, view in kv_caches.items() if name in group_of}
     ratio = kernel_ratio(moved, num_blocks)
     return KVGeometry(
-        regions=layer_regions(moved, num_blocks, layout_name, group_of),
+        regions=layer_regions(moved, num_blocks * ratio, layout_name, group_of),
         physical_blocks_per_logical=ratio,
         group_kinds=group_kinds(kv_cache_config, int(vllm_config.cache_config.block_size)),
         kv_cache_layout=layout_name,
