@@ -38,20 +38,10 @@ def _pair(
 ) -> Iterator[tuple[SchedulerEngine, SchedulerEngine]]:
     """A P and a D engine; D's extra config is ``d_extra`` when given, else P's; ``tp``:
     their TP sizes; ``layout``: vLLM's KV cache layout on both."""
-    p = SchedulerEngine("P", p_conn, zygote, extra_config=extra, mode=mode, tp=tp[0],
-                        layout=layout)  # fmt: skip
-    try:
-        d_config = extra if d_extra is None else d_extra
-        d = SchedulerEngine("D", d_conn, zygote, extra_config=d_config, mode=mode, tp=tp[1],
-                            layout=layout)  # fmt: skip
-    except BaseException:
-        p.close()
-        raise
-    try:
-        yield p, d
-    finally:
-        d.close()
-        p.close()
+    p_options = {"extra_config": extra, "tp": tp[0]}
+    d_options = {"extra_config": extra if d_extra is None else d_extra, "tp": tp[1]}
+    with engines(zygote, p_conn, d_conn, p_options, d_options, mode=mode, layout=layout) as pair:
+        yield pair
 
 
 METRICS_PORT = free_port()
@@ -229,10 +219,7 @@ def test_pull_nixl(zygote: Zygote, pair: str) -> None:
     on one side and KVWireConnector on the other, each built by vLLM's factory."""
     p_conn, d_conn = PAIRS[pair]
     for p, d in _pair(zygote, p_conn, d_conn, {"transport": "nixl"}):
-        state = transfer(p, d, "req-n", 9, TOKENS)
-        assert "req-n" in state["checked"], (state["invalid"], d.peer.log[-3:])
-        wrong, checked = state["checked"]["req-n"]
-        assert checked > 0 and wrong == 0
+        assert_moved(p, d, "req-n", 9, TOKENS)
 
 
 PUSH = {
@@ -250,10 +237,7 @@ def test_push(zygote: Zygote, pair: str) -> None:
     # No UCX setting: in push over NIXL the connector runs UCX's peer error handling, as
     # vLLM's agents do (without it UCX cannot open endpoints both ways with them).
     for p, d in _pair(zygote, p_conn, d_conn, {"transport": transport}, "push"):
-        state = transfer(p, d, "req-w", 11, TOKENS)
-        assert "req-w" in state["checked"], (state["invalid"], d.peer.log[-3:], p.peer.log[-3:])
-        wrong, checked = state["checked"]["req-w"]
-        assert checked > 0 and wrong == 0
+        assert_moved(p, d, "req-w", 11, TOKENS)
 
 
 @pytest.mark.parametrize("layout", ["LBHNC", "LBNHC", "BLHNC", "BLNHC"])
@@ -438,27 +422,3 @@ def test_layouts(zygote: Zygote, layout: str, pair: str, sizes: str) -> None:
         assert d.state["invalid"] and "req-l" not in d.state["checked"]
         if refused:
             assert any(refused in line for line in d.state["log"] + d.peer.log), d.peer.log[-3:]
-
-
-@pytest.mark.parametrize(
-    ("shapes", "message"),
-    [
-        ([(64, 8, 16, 128), (32, 8, 32, 128)], "different numbers of kernel blocks"),
-        ([(40, 8, 16, 128)], "whole number of kernel blocks per block"),
-        ([(8, 8, 16, 128)], "whole number of kernel blocks per block"),
-    ],
-)
-def test_views_split_unequally_are_refused_by_name(
-    shapes: list[tuple[int, ...]], message: str
-) -> None:
-    """Views whose block counts are not one whole split of vLLM's 16 blocks."""
-    import torch
-
-    from kvwire.errors import ConfigError
-    from kvwire.integrations.vllm.geometry import kernel_ratio
-
-    views = {
-        f"layer{i}": torch.zeros(shape, dtype=torch.bfloat16) for i, shape in enumerate(shapes)
-    }
-    with pytest.raises(ConfigError, match=message):
-        kernel_ratio(views, 16)

@@ -4,11 +4,15 @@ release's, proven against each release's own engine and hash function."""
 
 from __future__ import annotations
 
+import copy
+import functools
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 from harness import Zygote, assert_moved, engines
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvwire.errors import ConfigError
 
@@ -51,6 +55,7 @@ def test_the_version_is_the_engines_vllms(monkeypatch: pytest.MonkeyPatch) -> No
     assert f"vLLM {vllm.__version__}" in str(err.value)
 
 
+@functools.cache
 def _vllm_config() -> Any:
     from vllm_engine import build_vllm_config
 
@@ -61,7 +66,14 @@ def _vllm_config() -> Any:
     return build_vllm_config(start)
 
 
-def _drafter(method: str, aux: list[int] | None, kv_cache_dtype: str | None) -> Any:
+def _drafter(
+    method: str,
+    model: str,
+    revision: str | None,
+    aux: list[int] | None,
+    parallel: bool,
+    kv_cache_dtype: str | None,
+) -> Any:
     """The parts of vLLM's SpeculativeConfig its hash reads (building a real one loads the
     draft model's config from its hub)."""
     hf_config = SimpleNamespace()
@@ -71,28 +83,30 @@ def _drafter(method: str, aux: list[int] | None, kv_cache_dtype: str | None) -> 
         method=method,
         use_eagle=lambda: method in ("eagle", "eagle3", "mtp"),
         draft_model_config=SimpleNamespace(
-            model=f"org/{method}-drafter", revision="r1", code_revision=None, hf_config=hf_config
+            model=model, revision=revision, code_revision=None, hf_config=hf_config
         ),
-        parallel_drafting=method == "eagle3",
+        parallel_drafting=parallel,
         kv_cache_dtype=kv_cache_dtype,
     )
 
 
-SPECULATIVE = {
-    "none": None,
-    "eagle": _drafter("eagle", None, None),
-    "eagle3-aux": _drafter("eagle3", [2, 15, 29], None),
-    "eagle3-fp8": _drafter("eagle3", [2, 15, 29], "fp8"),
-    "mtp": _drafter("mtp", None, "auto"),
-    "ngram": _drafter("ngram", None, None),
-}
+DRAFTERS = st.builds(
+    _drafter,
+    method=st.sampled_from(["eagle", "eagle3", "mtp", "ngram", "medusa", "draft_model"]),
+    model=st.text(min_size=1, max_size=24),
+    revision=st.none() | st.text(max_size=12),
+    aux=st.none() | st.lists(st.integers(0, 127), max_size=4),
+    parallel=st.booleans(),
+    kv_cache_dtype=st.sampled_from([None, "auto", "fp8", "fp8_e5m2", "bfloat16"]),
+)
 
 
-@pytest.mark.parametrize("mode", ["pull", "push"])
-@pytest.mark.parametrize("case", sorted(SPECULATIVE))
-def test_speculative_config_hashes_as_vllm(case: str, mode: str) -> None:
-    """vLLM's own hash function over the same config: an EAGLE-family drafter's factors,
-    the cache dtype it inherits, and nothing for the others."""
+@settings(max_examples=150, deadline=None)
+@given(drafter=st.none() | DRAFTERS, mode=st.sampled_from(["pull", "push"]))
+def test_speculative_config_hashes_as_vllm(drafter: Any, mode: str) -> None:
+    """vLLM's own hash function over the same config, for drafters drawn at random: an
+    EAGLE-family drafter's factors, the cache dtype it inherits, and nothing for the
+    others."""
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import (
         NIXL_CONNECTOR_VERSION,
         compute_nixl_compatibility_hash,
@@ -100,12 +114,12 @@ def test_speculative_config_hashes_as_vllm(case: str, mode: str) -> None:
 
     from kvwire.integrations.vllm.config import compat_factors
 
-    config = _vllm_config()
+    config = copy.copy(_vllm_config())
     backend = "CPU_ATTN"  # looked up in an engine; here one name for both hashes
-    object.__setattr__(config, "speculative_config", SPECULATIVE[case])
+    object.__setattr__(config, "speculative_config", drafter)
     stock = compute_nixl_compatibility_hash(config, backend, mode)
     ours = compat_factors(config, mode, NIXL_CONNECTOR_VERSION, backend)
-    assert (ours.speculative_config is None) == (case in ("none", "ngram"))
+    assert (ours.speculative_config is None) == (drafter is None or not drafter.use_eagle())
     assert ours.hash() == stock
 
 
