@@ -167,6 +167,11 @@ class KVWireConfig:
     poll_interval_s: float = 0.02
     """Longest the background thread sleeps when nothing wakes it (timers, handshakes)."""
     coalesce: bool = True
+    stream_layers: bool = False
+    """Push, producer: write each layer's full blocks while the prompt is still computed
+    (the engine reports progress: :meth:`~kvwire.runtime.Producer.chunk_scheduled` and
+    :meth:`~kvwire.runtime.Producer.layer_computed`); the completion still rides on the
+    last write. Ignored in pull mode."""
     check_invariants: bool = True
     """The machines' self-checks (raise :class:`~kvwire.machine.InvariantViolation`); cheap."""
     max_parked_completions: int = 10_000

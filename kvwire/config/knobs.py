@@ -325,6 +325,9 @@ KNOBS: dict[str, Knob] = {
     ),
     "poll_interval_s": Knob(_seconds, "KVWIRE_POLL_INTERVAL_S", "longest idle sleep"),
     "coalesce": Knob(_bool, "KVWIRE_COALESCE", "merge adjacent blocks into one descriptor"),
+    "stream_layers": Knob(
+        _bool, "KVWIRE_STREAM_LAYERS", "push: write each layer while the prompt is computed"
+    ),
     "check_invariants": Knob(_bool, "KVWIRE_CHECK_INVARIANTS", "the machines' self-checks"),
     "max_parked_completions": Knob(
         _capacity, "KVWIRE_MAX_PARKED_COMPLETIONS", "push: early write notifications held"
@@ -390,6 +393,7 @@ VLLM_EXTRA_CONFIG_KEYS: dict[str, tuple[str, Parser]] = {
     "transport_options": ("transport_options", _json_object),
     "secret_file": ("secret_file", _optional_text),
     "coalesce": ("coalesce", _bool),
+    "stream_layers": ("stream_layers", _bool),
     "handshake_timeout": ("handshake_timeout_s", _seconds),
     "metrics_port": ("metrics_port", _metrics_port),
     "metadata_store": ("metadata_store", _metadata_store),

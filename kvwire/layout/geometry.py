@@ -317,6 +317,23 @@ class KVGeometry:
         device = self.regions[index].device_id
         return self.device_id if device is None else device
 
+    def layer_ends(self) -> dict[str, int]:
+        """Per layer, how many leading regions are complete once it is computed (layers
+        compute in the order they first appear in the regions): what a streaming producer
+        may write. A region is named by its packed members, else its name (K and V views of
+        one layer share it); an unnamed region is its own layer, ``"#index"``."""
+        order: dict[str, int] = {}
+        last: list[int] = []
+        for index, region in enumerate(self.regions):
+            names = region.members or (region.name or f"#{index}",)
+            positions = [order.setdefault(name, len(order)) for name in names]
+            last.append(max(positions))
+        reach = np.maximum.accumulate(np.array(last, dtype=np.int64)) if last else last
+        return {
+            name: int(np.searchsorted(reach, position, side="right"))
+            for name, position in order.items()
+        }
+
     def advertised_num_blocks(self) -> int:
         if self.num_blocks is not None:
             return self.num_blocks

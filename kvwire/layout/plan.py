@@ -246,25 +246,35 @@ def _attention_chunks(
     p_logical: IntArray,
     c_logical: IntArray,
     num_tokens: int,
+    window: tuple[int, int] | None = None,
 ) -> _Chunks:
     pk = expand_to_kernel_blocks(p_logical, producer.ppl)
     ck = expand_to_kernel_blocks(c_logical, consumer.ppl)
     unit = min(producer.kernel, consumer.kernel)
-    # Where each list starts in the sequence: both end with it.
-    p_start = _list_start(num_tokens, producer.logical, len(p_logical))
+    # Where each list starts in the sequence: both end with it, except a producer's list of
+    # a prompt still being computed (a window), which starts with it.
+    p_start = 0 if window else _list_start(num_tokens, producer.logical, len(p_logical))
     c_start = _list_start(num_tokens, consumer.logical, len(c_logical))
     c_end = c_start + len(ck) * consumer.kernel
     lo = max(p_start, c_start)
     hi = min(p_start + len(pk) * producer.kernel, c_end, -(-num_tokens // unit) * unit)
+    if window:
+        lo = max(lo, window[0])
+        hi = min(hi, -(-window[1] // unit) * unit)
     hi = max(hi, lo)
     tokens = np.arange(lo, hi, unit, dtype=np.int64)
     p_rel = tokens - p_start
     c_rel = tokens - c_start
-    # Consumer slots no producer byte lands in: before the producer's list, after the end.
-    zero_rel = np.concatenate(
-        (
-            np.arange(0, min(lo, c_end) - c_start, unit, dtype=np.int64),
-            np.arange(hi - c_start, c_end - c_start, unit, dtype=np.int64),
+    # Consumer slots no producer byte lands in: before the producer's list, after the end
+    # (a window zeroes nothing: the rest of the sequence is another window's).
+    zero_rel = (
+        np.zeros(0, dtype=np.int64)
+        if window
+        else np.concatenate(
+            (
+                np.arange(0, min(lo, c_end) - c_start, unit, dtype=np.int64),
+                np.arange(hi - c_start, c_end - c_start, unit, dtype=np.int64),
+            )
         )
     )
     return _Chunks(
@@ -442,7 +452,9 @@ class PeerLayout:
         self._producer, self._consumer = (
             (remote_side, local_side) if mode == "pull" else (local_side, remote_side)
         )
-        self._cluster_cache: dict[int, tuple[list[_Cluster], bool]] = {}
+        self._cluster_cache: dict[
+            tuple[int, tuple[int, int] | None], tuple[list[_Cluster], bool]
+        ] = {}
         self._span_cache: dict[int, list[tuple[_Span, _Span]] | None] = {}
         self._clusters(1)  # a pairing that cannot be planned fails here, at the handshake
 
@@ -472,7 +484,7 @@ class PeerLayout:
         content = pair.local.block_len // (heads_here * self.local.kernel_block_size)
         return _attention_pattern(self._producer, self._consumer, p_heads, c_heads, moved, content)
 
-    def _entries(self, num_groups: int) -> list[_Entry]:
+    def _entries(self, num_groups: int, regions: tuple[int, int] | None) -> list[_Entry]:
         """What each region pair moves, attention before state (vLLM's descriptor order).
 
         A region of one group moves that group's blocks. A *shared* region (group -1 on
@@ -484,6 +496,8 @@ class PeerLayout:
         attention: list[_Entry] = []
         states: list[_Entry] = []
         for pair in self.pairs:
+            if regions is not None and not regions[0] <= pair.local.index < regions[1]:
+                continue
             pv, cv = self._sides(pair)
             shared = SHARED_GROUP_ID in (pv.group_id, cv.group_id)
             fixed = max(pv.group_id, cv.group_id)
@@ -506,18 +520,24 @@ class PeerLayout:
         attention page (vLLM pads the state page to it); only the states move."""
         return _whole_block_pattern(int(sum(self.local.ssm_sizes)))
 
-    def _clusters(self, num_groups: int) -> tuple[list[_Cluster], bool]:
+    def _clusters(
+        self, num_groups: int, regions: tuple[int, int] | None = None
+    ) -> tuple[list[_Cluster], bool]:
         """The clusters for requests with ``num_groups`` block lists (computed once per
-        count: only shared regions depend on it), and whether their rows interleave."""
-        built = self._cluster_cache.get(num_groups)
+        count: only shared regions depend on it) over the local regions ``[r0, r1)`` (all
+        when None), and whether their rows interleave."""
+        key = (num_groups, regions)
+        built = self._cluster_cache.get(key)
         if built is None:
-            built = self._build_clusters(num_groups)
-            self._cluster_cache[num_groups] = built
+            built = self._build_clusters(num_groups, regions)
+            self._cluster_cache[key] = built
         return built
 
-    def _build_clusters(self, num_groups: int) -> tuple[list[_Cluster], bool]:
+    def _build_clusters(
+        self, num_groups: int, regions: tuple[int, int] | None
+    ) -> tuple[list[_Cluster], bool]:
         buckets: dict[tuple[int, int, int, bool, bool], list[tuple[int, _Entry]]] = {}
-        for position, entry in enumerate(self._entries(num_groups)):
+        for position, entry in enumerate(self._entries(num_groups, regions)):
             key = (id(entry.pattern), entry.p_group, entry.c_group, entry.state, entry.slab)
             buckets.setdefault(key, []).append((position, entry))
         clusters = []
@@ -547,6 +567,8 @@ class PeerLayout:
             )
         # Clusters emit their rows one after another; only when their regions interleave
         # (KV-cache groups alternating by layer) must the rows be put back in region order.
+        if not clusters:
+            return clusters, False
         positions = np.concatenate([cluster.order for cluster in clusters])
         return clusters, bool(np.any(np.diff(positions) < 0))
 
@@ -620,6 +642,8 @@ class PeerLayout:
         num_tokens: int | None = None,
         coalesce: bool | None = None,
         rows: bool = False,
+        regions: tuple[int, int] | None = None,
+        window: tuple[int, int] | None = None,
     ) -> TransferPlan:
         """Descriptors moving one request between this rank and the remote rank.
 
@@ -633,6 +657,13 @@ class PeerLayout:
 
         ``rows``: also name every row, uncoalesced, by its index in :meth:`tables` (for the
         same number of block lists), when the tables exist.
+
+        A streaming push moves a prompt in pieces while it is computed: ``regions`` keeps
+        the local regions ``[r0, r1)`` only, and ``window`` the tokens ``[t0, t1)`` only,
+        with the producer's lists then starting at the sequence's first token and reaching
+        at least ``t1`` (the blocks computed so far); ``num_tokens`` is still the prompt's
+        whole length, which places the consumer's lists. SSM states move only in a window
+        from token 0 (they are the prompt's last state, not per token).
         """
         merge = self.coalesce if coalesce is None else coalesce
         local_groups = as_groups(local_block_ids)
@@ -648,10 +679,19 @@ class PeerLayout:
         z_parts: list[IntArray] = []
         order_parts: list[IntArray] = []
         chunk_cache: dict[tuple[int, int, bool], _Chunks] = {}
-        end = _sequence_end(num_tokens, self._producer, self._consumer, p_groups, p_who)
+        if window is not None:
+            if num_tokens is None or not 0 <= window[0] <= window[1] <= num_tokens:
+                raise LocalProtocolError(
+                    f"a window of tokens {window} needs the prompt's length, at least "
+                    f"its end (num_tokens={num_tokens})"
+                )
+            end = num_tokens
+        else:
+            end = _sequence_end(num_tokens, self._producer, self._consumer, p_groups, p_who)
         num_groups = max(len(p_groups), len(c_groups), 1)
-        clusters, reorder = self._clusters(num_groups)
-        spans = self._table_spans(num_groups) if rows else None
+        clusters, reorder = self._clusters(num_groups, regions)
+        whole = regions is None and window is None
+        spans = self._table_spans(num_groups) if rows and whole else None
         p_index: list[IntArray] = []
         c_index: list[IntArray] = []
         for k, cluster in enumerate(clusters):
@@ -661,9 +701,13 @@ class PeerLayout:
                 p_ids = _group_ids(p_groups, cluster.p_group, p_who)
                 c_ids = _group_ids(c_groups, cluster.c_group, c_who)
                 if cluster.state:
+                    if window and window[0]:
+                        continue
                     chunks = _state_chunks(p_ids, c_ids)
                 else:
-                    chunks = _attention_chunks(self._producer, self._consumer, p_ids, c_ids, end)
+                    chunks = _attention_chunks(
+                        self._producer, self._consumer, p_ids, c_ids, end, window
+                    )
                 chunk_cache[key] = chunks
             self._check_bounds(cluster, chunks, p_who, c_who)
             p_rows, c_rows, z_rows = _emit(cluster, chunks)
@@ -671,10 +715,10 @@ class PeerLayout:
             c_parts.append(c_rows)
             z_parts.append(z_rows)
             if spans is not None:
-                regions = cluster.p_base.size
+                count = cluster.p_base.size
                 p_span, c_span = spans[k]
-                p_index.append(p_span.rows(regions, chunks.producer_blocks, chunks.producer_sub))
-                c_index.append(c_span.rows(regions, chunks.consumer_blocks, chunks.consumer_sub))
+                p_index.append(p_span.rows(count, chunks.producer_blocks, chunks.producer_sub))
+                c_index.append(c_span.rows(count, chunks.consumer_blocks, chunks.consumer_sub))
             if reorder:
                 segs = cluster.pattern.segments.shape[0] * chunks.producer_blocks.size
                 order_parts.append(np.repeat(cluster.order, segs))

@@ -101,6 +101,8 @@ class MachineStats:
         "release_failures",
         "remote_errors",
         "stale_handshake_answers",
+        "stream_restarts",
+        "stream_rounds",
         "transfers_failed",
         "transfers_posted",
         "transfers_timed_out",
@@ -147,6 +149,10 @@ class MachineStats:
         self.release_failures = 0
         self.remote_errors = 0
         self.stale_handshake_answers = 0
+        self.stream_restarts = 0
+        """Producer, streaming: prompts preempted mid-stream, written again from new blocks."""
+        self.stream_rounds = 0
+        """Producer, streaming: rounds of WRITEs posted before their prompt ended."""
         self.transfers_failed = 0
         self.transfers_posted = 0
         self.transfers_timed_out = 0

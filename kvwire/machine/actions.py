@@ -89,8 +89,18 @@ class PostRead(Action, frozen=True):
     notification: bytes
 
 
+Piece = tuple[int, int, int, int]
+"""Streaming push: ``(first_unit, end_unit, first_token, end_token)``, a rectangle of stream
+units (runs of local regions, in order) by tokens. ``end_unit`` -1: through the last region;
+``end_token`` -1: through the prompt's end."""
+
+
 class PostWrite(Action, frozen=True):
-    """Producer, push: WRITE ``local_block_ids`` into ``remote_block_ids`` of one D rank."""
+    """Producer, push: WRITE ``local_block_ids`` into ``remote_block_ids`` of one D rank.
+
+    ``pieces`` empty: the whole request. Otherwise only those rectangles (a streaming round);
+    ``notification`` is then empty except on the last round.
+    """
 
     xfer_id: int
     request_id: str
@@ -100,6 +110,7 @@ class PostWrite(Action, frozen=True):
     local_block_ids: BlockIds
     remote_block_ids: BlockIds
     notification: bytes
+    pieces: tuple[Piece, ...] = ()
 
 
 class CancelTransfer(Action, frozen=True):

@@ -119,6 +119,56 @@ class PrefillFinished(Event, frozen=True):
         check_block_ids(self.block_ids, "block_ids")
 
 
+class ChunkScheduled(Event, frozen=True):
+    """Producer, streaming push: a forward step computes the prompt through ``num_tokens``.
+
+    ``block_ids`` are the request's blocks so far (they cover at least ``num_tokens``);
+    ``units`` is how many leading stream units (region runs, in region order) may be written
+    before the prompt ends: the last layer is always held back for the final WRITE, which
+    carries the completion, so no bytes are ever written after it. ``num_tokens`` is
+    rounded down to whole blocks by the caller: a block is written once, when full.
+    """
+
+    request_id: str
+    num_tokens: int
+    block_ids: BlockIds
+    units: int
+
+    def __post_init__(self) -> None:
+        _check_id(self.request_id, "request_id")
+        check_block_ids(self.block_ids, "block_ids")
+        for name in ("num_tokens", "units"):
+            value = getattr(self, name)
+            if type(value) is not int or value < 0:
+                raise LocalProtocolError(f"{name} must be an int >= 0, got {value!r}")
+
+
+class LayersComputed(Event, frozen=True):
+    """Producer, streaming push: the first ``units`` stream units of these requests' current
+    chunks are computed (one event per layer for a whole batch: O(batch), never O(blocks))."""
+
+    request_ids: tuple[str, ...]
+    units: int
+
+    def __post_init__(self) -> None:
+        if type(self.request_ids) is not tuple:
+            raise LocalProtocolError("request_ids must be a tuple of str")
+        for rid in self.request_ids:
+            _check_id(rid, "request_id")
+        if type(self.units) is not int or self.units < 0:
+            raise LocalProtocolError(f"units must be an int >= 0, got {self.units!r}")
+
+
+class Preempted(Event, frozen=True):
+    """Producer, streaming push: the engine took the request's blocks back to recompute it
+    later; what was written from them is rewritten from the new blocks."""
+
+    request_id: str
+
+    def __post_init__(self) -> None:
+        _check_id(self.request_id, "request_id")
+
+
 class HandshakeDone(Event, frozen=True):
     """The side-channel handshake with ``engine_id`` (started by ``StartHandshake``) worked.
 
@@ -250,6 +300,9 @@ EVENT_TYPES: tuple[type[Event], ...] = (
     RequestAdded,
     AllocationDone,
     PrefillFinished,
+    ChunkScheduled,
+    LayersComputed,
+    Preempted,
     HandshakeDone,
     HandshakeFailed,
     TransferPosted,

@@ -7,6 +7,16 @@ forward). Push: the consumer's registration and the finished prompt are matched 
 order they arrive (exact id, then the id without its ``-xxxxxxxx`` suffix); the rank then
 WRITEs to the consumer ranks it serves, one post at a time.
 
+Streaming push (``stream_layers``): a registration also matches a prompt still being
+computed. The engine reports each chunk (:class:`ChunkScheduled`) and each computed layer
+(:class:`LayersComputed`); the computed, not yet written rectangle of (layers x full blocks)
+goes out as one round of WRITEs, and the next round only after the last one landed, so
+rounds coalesce whatever was computed meanwhile and never overlap. The last layer is held
+back: the round posted after PrefillFinished carries it, the rest and the completion, so the
+consumer is told only after every byte of the request is written. A stream that fails
+before the prompt ends goes back to prefilling, holding nothing, and frees the prompt's
+blocks as soon as the engine hands them over.
+
 Every held block is freed exactly once (``FreeBlocks``), and only when no transfer from it
 is still running.
 """
@@ -33,15 +43,19 @@ from kvwire.machine.actions import (
     FreeBlocks,
     FreeReason,
     PeerMisbehaved,
+    Piece,
     PostWrite,
     RemoteRank,
 )
 from kvwire.machine.events import (
     Abort,
     BlockIds,
+    ChunkScheduled,
     HandshakeDone,
     HandshakeFailed,
+    LayersComputed,
     NotificationReceived,
+    Preempted,
     PrefillFinished,
     RequestAdded,
     Timer,
@@ -65,6 +79,39 @@ def base_request_id(request_id: str) -> str:
     return _SUFFIX.sub("", request_id)
 
 
+def _pieces(
+    sent: tuple[int, int, int], computed: tuple[int, int, int], units: int
+) -> tuple[Piece, ...]:
+    """The rectangles computed since ``sent`` (both frontiers ``(a, b, k)``: every unit
+    through token a, units [0, k) through b). A later chunk means the earlier one is done in
+    every unit."""
+    sa, sb, sk = sent
+    a, b, k = computed
+    if sb == b:
+        return ((sk, k, a, b),) if k > sk and b > a else ()
+    out: list[Piece] = []
+    if sk < units and sb > sa:
+        out.append((sk, units, sa, sb))
+    if a > sb and units:
+        out.append((0, units, sb, a))
+    if k and b > a:
+        out.append((0, k, a, b))
+    return tuple(out)
+
+
+def _remainder(sent: tuple[int, int, int], units: int) -> tuple[Piece, ...]:
+    """Everything a stream has not written by ``sent``, through the prompt's end: the rest
+    of its chunk, every token after it, and the held-back last layer."""
+    sa, sb, sk = sent
+    out: list[Piece] = []
+    if units:
+        if sb > sa and sk < units:
+            out.append((sk, units, sa, sb))
+        out.append((0, units, sb, -1))
+    out.append((units, -1, 0, -1))
+    return tuple(out)
+
+
 def _unindex(by_base: dict[str, dict[str, None]], rid: str) -> None:
     """Take ``rid`` out of a by-base-id index, dropping its group once empty (so the index
     never outgrows the ids it holds)."""
@@ -80,20 +127,29 @@ class _Req:
 
     __slots__ = (
         "blocks",
+        "computed",
         "deadline",
         "engine",
         "entry",
         "fail_reason",
+        "finished",
+        "last_round",
         "needed",
         "next_post",
         "notif",
+        "pieces",
         "plan",
         "reg",
         "remote_w",
         "rid",
+        "round_blocks",
         "senders",
+        "sent",
         "state",
         "step",
+        "stream_blocks",
+        "stream_failed",
+        "units",
         "xfers",
     )
 
@@ -114,6 +170,20 @@ class _Req:
         self.fail_reason = FreeReason.FAILED
         self.remote_w: BlockIds = ()
         self.notif = b""
+        # Streaming: frontiers (a, b, k) say every stream unit is through token a, and
+        # units [0, k) through b (the current chunk's end); one computed, one written.
+        self.finished = True
+        """The engine handed over the prompt's blocks (False while a stream runs ahead)."""
+        self.computed: tuple[int, int, int] = (0, 0, 0)
+        self.sent: tuple[int, int, int] = (0, 0, 0)
+        self.units = 0
+        self.stream_blocks: BlockIds = ()
+        self.stream_failed: FreeReason | None = None
+        """The stream failed before the prompt ended: free with this reason at the end."""
+        self.pieces: tuple[Piece, ...] = ()
+        self.round_blocks: BlockIds = ()
+        self.last_round = False
+        """The round in flight (or posted last) carries the completion."""
 
 
 class ProducerMachine(MachineCore):
@@ -138,10 +208,14 @@ class ProducerMachine(MachineCore):
         self._served: dict[str, object] = {}
         """Registration ids already matched: a duplicate is ignored (idempotent)."""
         self._held_count = 0
+        self._streaming = config.stream_layers and config.mode is TransferMode.PUSH
         self._handlers.update(
             {
                 RequestAdded: self._on_added,
                 PrefillFinished: self._on_prefill_finished,
+                ChunkScheduled: self._on_chunk,
+                LayersComputed: self._on_layers,
+                Preempted: self._on_preempted,
                 Abort: self._on_abort,
                 NotificationReceived: self._on_notification,
             }
@@ -179,10 +253,22 @@ class ProducerMachine(MachineCore):
         req = _Req(rid)
         self._move(req, PRODUCER, "added")
         self._reqs[rid] = req
+        if self._streaming:
+            req.finished = False
+            reg = self._take_registration(rid)
+            if reg is None:
+                self._wait(req)
+            else:
+                self._start_push(req, reg, now, out)
 
     def _on_prefill_finished(self, event: PrefillFinished, now: float, out: list[Action]) -> None:
         req = self._req_state(event.request_id, PrefillFinished)
         blocks = event.block_ids
+        if not req.finished:
+            self._finish_stream(req, event, now, out)
+            return
+        if req.state is not S.PREFILLING:
+            raise LocalProtocolError(f"request {req.rid!r} finished its prefill twice")
         if not any(blocks):
             # Nothing worth keeping: the engine frees at once (vLLM's delay_free == False).
             req.blocks = blocks
@@ -219,8 +305,11 @@ class ProducerMachine(MachineCore):
             return
         successors(PRODUCER, req.state, Abort, f"request {req.rid!r}")
         state = req.state
+        req.stream_failed = FreeReason.ABORTED
         if state is S.PREFILLING:
             self._move(req, PRODUCER, "forgotten")
+            self._unwait(req)
+            self._remember_served(req)
             del self._reqs[req.rid]  # nothing held yet: the engine frees its own blocks
         elif state is S.LEASED or state is S.WAIT_PEER:
             self._free(req, FreeReason.ABORTED, out)
@@ -355,11 +444,18 @@ class ProducerMachine(MachineCore):
         if problem is not None:
             self.stats.remote_errors += 1
             out.append(PeerMisbehaved(problem, reg.decode_engine_id, req.rid))
+            if not req.finished:
+                # Nothing held yet: the registration is dropped; the prompt, once finished,
+                # waits for another one under its lease.
+                req.reg = None
+                return
             self._free(req, FreeReason.PROTOCOL, out)
             return
         if not any(reg.local_block_ids):
-            # The consumer needs nothing (full prefix hit, or it gave up before allocating).
-            self._free(req, FreeReason.SENT, out)
+            # The consumer needs nothing (full prefix hit, or it gave up before allocating);
+            # a prompt still computing is freed when it finishes.
+            if req.finished:
+                self._free(req, FreeReason.SENT, out)
             return
         engine = self._engine(
             reg.decode_engine_id, reg.decode_host, reg.decode_port, reg.decode_tp_size, 1
@@ -382,7 +478,8 @@ class ProducerMachine(MachineCore):
         if not reg.decode_engine_id:
             return f"registration {reg.request_id!r} has no consumer engine id"
         dgroups = reg.local_block_ids
-        if any(dgroups) and len(dgroups) != len(req.blocks):
+        held = req.blocks if req.finished else req.stream_blocks
+        if any(dgroups) and held and len(dgroups) != len(held):
             return (
                 f"registration {reg.request_id!r} has {len(dgroups)} KV-cache groups, "
                 f"we hold {len(req.blocks)}"
@@ -403,8 +500,29 @@ class ProducerMachine(MachineCore):
             return
         req.remote_w = tuple(tuple(g) for g in reg.local_block_ids)
         req.plan = [(0, d) for d in targets]
-        req.next_post = 0
+        req.next_post = len(req.plan)  # no round yet
         self._move(req, PRODUCER, "writing")
+        self._next_round(req, out)
+
+    def _next_round(self, req: _Req, out: list[Action]) -> None:
+        """Post the next round to every consumer rank, if one is due and none is in flight:
+        after the prompt ended, the last round (everything not yet written, and the
+        completion); before, what was computed since the last round."""
+        if req.xfers or req.next_post < len(req.plan) or req.last_round:
+            return
+        if req.finished:
+            req.pieces = _remainder(req.sent, req.units) if req.sent != (0, 0, 0) else ()
+            req.round_blocks = req.blocks
+            req.last_round = True
+        else:
+            pieces = _pieces(req.sent, req.computed, req.units)
+            if not pieces:
+                return
+            req.pieces = pieces
+            req.round_blocks = req.stream_blocks
+            req.sent = req.computed
+            self.stats.stream_rounds += 1
+        req.next_post = 0
         self._post_next(req, out)
 
     def _post_next(self, req: _Req, out: list[Action]) -> None:
@@ -418,11 +536,104 @@ class ProducerMachine(MachineCore):
                 engine.engine_id,
                 rank,
                 engine.tp_size,
-                req.blocks,
+                req.round_blocks,
                 req.remote_w,
-                req.notif,
+                req.notif if req.last_round else b"",
+                req.pieces,
             )
         )
+
+    # ----------------------------------------------------------------- streaming
+
+    def _on_chunk(self, event: ChunkScheduled, now: float, out: list[Action]) -> None:
+        req = self._req_state(event.request_id, ChunkScheduled)
+        if req.finished or req.stream_failed is not None or req.state is S.DRAINING:
+            return
+        b = req.computed[1]
+        end = event.num_tokens
+        if end < b:
+            raise LocalProtocolError(
+                f"request {req.rid!r}: a chunk through token {end} after one through {b} "
+                "(report Preempted before computing a prompt again)"
+            )
+        if end > b:
+            req.computed = (b, end, 0)  # the last chunk is computed in every layer
+        req.stream_blocks = event.block_ids
+        req.units = event.units
+        if req.state is S.WRITING:
+            self._next_round(req, out)
+
+    def _on_layers(self, event: LayersComputed, now: float, out: list[Action]) -> None:
+        reqs = self._reqs
+        for rid in event.request_ids:
+            req = reqs.get(rid)
+            if req is None or req.finished or req.stream_failed is not None:
+                continue  # not streaming (the engine reports its whole batch)
+            successors(PRODUCER, req.state, LayersComputed, f"request {rid!r}")
+            a, b, k = req.computed
+            units = min(event.units, req.units)
+            if units > k:
+                req.computed = (a, b, units)
+                if req.state is S.WRITING:
+                    self._next_round(req, out)
+
+    def _on_preempted(self, event: Preempted, now: float, out: list[Action]) -> None:
+        req = self._reqs.get(event.request_id)
+        if req is None:
+            return
+        successors(PRODUCER, req.state, Preempted, f"request {req.rid!r}")
+        if req.finished:
+            return  # not streaming: nothing was written from the blocks taken back
+        # The blocks written from are the engine's again: start over from the new ones. A
+        # round in flight lands before the next is posted, so none of its bytes outlive it.
+        req.computed = req.sent = (0, 0, 0)
+        req.stream_blocks = ()
+        self.stats.stream_restarts += 1
+
+    def _finish_stream(
+        self, req: _Req, event: PrefillFinished, now: float, out: list[Action]
+    ) -> None:
+        """The prompt of a request that was matched (or failed) while computing ended."""
+        blocks = event.block_ids
+        req.finished = True
+        self._held_count += sum(len(g) for g in blocks)
+        req.blocks = blocks
+        req.deadline = now + self.config.lease_s
+        if req.state is S.DRAINING:
+            return  # freed once its writes are released
+        if req.stream_failed is not None:
+            self._free(req, req.stream_failed, out)
+            return
+        if req.state is S.PREFILLING:
+            # Matched with a registration that needs nothing, while computing.
+            self._free(req, FreeReason.SENT, out)
+            return
+        reg = req.reg
+        assert reg is not None
+        if not any(blocks) or len(reg.local_block_ids) != len(blocks):
+            self.stats.remote_errors += 1
+            out.append(
+                PeerMisbehaved(
+                    f"registration {reg.request_id!r} has {len(reg.local_block_ids)} "
+                    f"KV-cache groups, the prompt {len(blocks)}",
+                    reg.decode_engine_id,
+                    req.rid,
+                )
+            )
+            self._begin_failure(req, FreeReason.PROTOCOL, out)
+            return
+        if req.state is S.WRITING:
+            self._next_round(req, out)
+
+    def _stream_ended(self, req: _Req, reason: FreeReason, out: list[Action]) -> None:
+        """End a failed request: free its blocks, or, if its prompt is still computing, wait
+        for them holding nothing (the engine's blocks are its own until PrefillFinished)."""
+        if req.finished or reason is FreeReason.ABORTED or req.stream_failed is not None:
+            self._free(req, req.stream_failed or reason, out)
+            return
+        req.stream_failed = reason
+        self._release_engine(req)
+        self._move(req, PRODUCER, "prefilling")
 
     # ----------------------------------------------------------------- engines
 
@@ -442,7 +653,10 @@ class ProducerMachine(MachineCore):
         for rid in waiting:
             req = self._reqs[rid]
             successors(PRODUCER, req.state, HandshakeFailed, f"request {rid!r}")
-            self._free(req, FreeReason.FAILED, out, HandshakeFailed)
+            if req.finished:
+                self._free(req, FreeReason.FAILED, out, HandshakeFailed)
+            else:
+                self._stream_ended(req, FreeReason.FAILED, out)
 
     # ----------------------------------------------------------------- transfers
 
@@ -450,10 +664,13 @@ class ProducerMachine(MachineCore):
         self._begin_failure(req, FreeReason.FAILED, out)
 
     def _drained(self, req: _Req, out: list[Action]) -> None:
-        self._free(req, req.fail_reason, out)
+        self._stream_ended(req, req.fail_reason, out)
 
     def _transfers_done(self, req: _Req, out: list[Action]) -> None:
-        self._free(req, FreeReason.SENT, out)
+        if req.last_round:
+            self._free(req, FreeReason.SENT, out)
+        else:
+            self._next_round(req, out)
 
     def _transfer_timed_out(self, req: _Req, out: list[Action]) -> None:
         self._begin_failure(req, FreeReason.FAILED, out)
@@ -461,7 +678,7 @@ class ProducerMachine(MachineCore):
     def _begin_failure(self, req: _Req, reason: FreeReason, out: list[Action]) -> None:
         req.fail_reason = reason
         if not req.xfers:
-            self._free(req, reason, out)
+            self._stream_ended(req, reason, out)
             return
         self._drain(req, out)
 
@@ -521,25 +738,31 @@ class ProducerMachine(MachineCore):
         self._held_count -= sum(len(g) for g in req.blocks)
         self._unwait(req)
         del self._reqs[rid]
+        self._release_engine(req)
+        self._remember_served(req)
+        self._move(req, PRODUCER, "freed", trigger)
+        out.append(FreeBlocks(rid, req.blocks, reason))
+
+    def _remember_served(self, req: _Req) -> None:
+        """Keep the matched registration's id a while longer, so late duplicates stay
+        idempotent, then forget it."""
+        if req.reg is None:
+            return
+        reg_id = req.reg.request_id
+        token = self._served.get(reg_id)
+        if token is not None:
+            self._arm(
+                self._last_now + self.config.registration_timeout_s, T_REGISTRATION, reg_id, token
+            )
+
+    def _release_engine(self, req: _Req) -> None:
         engine = req.engine
         if engine is not None:
-            engine.waiting.pop(rid, None)
+            req.engine = None
+            engine.waiting.pop(req.rid, None)
             engine.refs -= 1
             engine.last_active = self._last_now
             self._maybe_forget(engine)
-        if req.reg is not None:
-            reg_id = req.reg.request_id
-            token = self._served.get(reg_id)
-            if token is not None:
-                # Remember the id a while longer so late duplicates stay idempotent.
-                self._arm(
-                    self._last_now + self.config.registration_timeout_s,
-                    T_REGISTRATION,
-                    reg_id,
-                    token,
-                )
-        self._move(req, PRODUCER, "freed", trigger)
-        out.append(FreeBlocks(rid, req.blocks, reason))
 
     def _req_state(self, rid: str, etype: type[Any]) -> _Req:
         req = self._reqs.get(rid)

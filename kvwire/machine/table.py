@@ -36,12 +36,15 @@ from kvwire.errors import LocalProtocolError
 from kvwire.machine.events import (
     Abort,
     AllocationDone,
+    ChunkScheduled,
     Event,
     HandshakeDone,
     HandshakeFailed,
+    LayersComputed,
     LeaseConfirmed,
     NotificationReceived,
     PeerLost,
+    Preempted,
     PrefillFinished,
     ReleaseFailed,
     RequestAdded,
@@ -85,9 +88,12 @@ class ProducerState(_State):
     LEASED = "leased"
     """Blocks held under a lease: waiting for completions (pull) or a registration (push)."""
     WAIT_PEER = "wait_peer"
-    """Push: matched with a registration; queued behind the handshake with the consumer."""
+    """Push: matched with a registration; queued behind the handshake with the consumer
+    (streaming: possibly while the prompt is still being computed)."""
     WRITING = "writing"
-    """Push: WRITEs being posted one rank at a time, or in flight."""
+    """Push: WRITEs being posted one rank at a time, or in flight. Streaming: from before
+    the prompt ends, one round of computed layers at a time; the completion rides on the
+    last round, posted once the prompt is finished and every earlier round has landed."""
     DRAINING = "draining"
     """Push: failed or aborted, waiting for in-flight writes to be cancelled and released."""
     QUARANTINED = "quarantined"
@@ -219,8 +225,14 @@ CONSUMER: dict[tuple[ConsumerState, Trigger], dict[str, ConsumerState]] = {
 
 P = ProducerState
 PRODUCER: dict[tuple[ProducerState, Trigger], dict[str, ProducerState]] = {
-    (P.ABSENT, RequestAdded): {"added": P.PREFILLING},
+    # Streaming push: a registration already waiting is matched as the request starts.
+    (P.ABSENT, RequestAdded): {
+        "added": P.PREFILLING,
+        "wait_peer": P.WAIT_PEER,
+        "writing": P.WRITING,
+    },
     (P.ABSENT, Abort): {"": P.ABSENT},
+    (P.ABSENT, Preempted): {"": P.ABSENT},
     (P.PREFILLING, PrefillFinished): {
         "leased": P.LEASED,
         "wait_peer": P.WAIT_PEER,
@@ -231,8 +243,29 @@ PRODUCER: dict[tuple[ProducerState, Trigger], dict[str, ProducerState]] = {
     (P.PREFILLING, Abort): {"forgotten": P.ABSENT},
     # A consumer's completion can overtake the engine's PrefillFinished (vLLM hands out P's
     # params a step before its worker holds the blocks): counted; the hold then frees at
-    # once if every sender has reported.
-    (P.PREFILLING, NotificationReceived): {"": P.PREFILLING},
+    # once if every sender has reported. Streaming push: a registration matches the
+    # prompt while it is computed.
+    (P.PREFILLING, NotificationReceived): {
+        "": P.PREFILLING,
+        "wait_peer": P.WAIT_PEER,
+        "writing": P.WRITING,
+    },
+    # Streaming push: the engine reports progress; it is recorded, and written once matched.
+    (P.PREFILLING, ChunkScheduled): {"": P.PREFILLING},
+    (P.PREFILLING, LayersComputed): {"": P.PREFILLING},
+    (P.PREFILLING, Preempted): {"": P.PREFILLING},
+    (P.WAIT_PEER, ChunkScheduled): {"": P.WAIT_PEER},
+    (P.WAIT_PEER, LayersComputed): {"": P.WAIT_PEER},
+    (P.WAIT_PEER, Preempted): {"": P.WAIT_PEER},
+    (P.WAIT_PEER, PrefillFinished): {"": P.WAIT_PEER, "freed": P.FREED},
+    (P.WRITING, ChunkScheduled): {"": P.WRITING},
+    (P.WRITING, LayersComputed): {"": P.WRITING},
+    (P.WRITING, Preempted): {"": P.WRITING},
+    (P.WRITING, PrefillFinished): {"": P.WRITING, "draining": P.DRAINING, "freed": P.FREED},
+    (P.DRAINING, ChunkScheduled): {"": P.DRAINING},
+    (P.DRAINING, LayersComputed): {"": P.DRAINING},
+    (P.DRAINING, Preempted): {"": P.DRAINING},
+    (P.DRAINING, PrefillFinished): {"": P.DRAINING},
     (P.LEASED, NotificationReceived): {
         "": P.LEASED,
         "wait_peer": P.WAIT_PEER,
@@ -245,17 +278,23 @@ PRODUCER: dict[tuple[ProducerState, Trigger], dict[str, ProducerState]] = {
     (P.QUARANTINED, NotificationReceived): {"": P.QUARANTINED, "freed": P.FREED},
     (P.QUARANTINED, Abort): {"": P.QUARANTINED},
     (P.WAIT_PEER, HandshakeDone): {"writing": P.WRITING, "freed": P.FREED},
-    (P.WAIT_PEER, HandshakeFailed): {"freed": P.FREED},
+    # A stream that fails before its prompt ends waits, holding nothing, for the engine's
+    # PrefillFinished (its blocks are then freed at once) or Abort.
+    (P.WAIT_PEER, HandshakeFailed): {"freed": P.FREED, "prefilling": P.PREFILLING},
     (P.WAIT_PEER, Abort): {"freed": P.FREED},
     (P.WRITING, TransferPosted): {"": P.WRITING},
     (P.WRITING, TransferDone): {"": P.WRITING, "freed": P.FREED},
-    (P.WRITING, TransferFailed): {"draining": P.DRAINING, "freed": P.FREED},
+    (P.WRITING, TransferFailed): {
+        "draining": P.DRAINING,
+        "freed": P.FREED,
+        "prefilling": P.PREFILLING,
+    },
     (P.WRITING, ReleaseFailed): {"": P.WRITING},
     (P.WRITING, Abort): {"draining": P.DRAINING, "freed": P.FREED},
     (P.WRITING, Timer): {"": P.WRITING, "draining": P.DRAINING},
     (P.DRAINING, TransferPosted): {"": P.DRAINING},
-    (P.DRAINING, TransferDone): {"": P.DRAINING, "freed": P.FREED},
-    (P.DRAINING, TransferFailed): {"": P.DRAINING, "freed": P.FREED},
+    (P.DRAINING, TransferDone): {"": P.DRAINING, "freed": P.FREED, "prefilling": P.PREFILLING},
+    (P.DRAINING, TransferFailed): {"": P.DRAINING, "freed": P.FREED, "prefilling": P.PREFILLING},
     (P.DRAINING, ReleaseFailed): {"": P.DRAINING},
     (P.DRAINING, Abort): {"": P.DRAINING},
 }

@@ -46,7 +46,7 @@ from kvwire.errors import (
     UnpreparedTablesError,
     WireDecodeError,
 )
-from kvwire.layout import PeerLayout, TransferPlan, topology
+from kvwire.layout import PeerLayout, TransferPlan, empty_descs, topology
 from kvwire.layout.geometry import KVGeometry, RemoteGeometry
 from kvwire.logs import get_logger
 from kvwire.machine import (
@@ -430,17 +430,21 @@ class Driver:
             return
         t0 = self._clock()
         try:
-            plan = rank.layout.plan(
-                action.local_block_ids,
-                action.remote_block_ids,
-                num_tokens=self._num_tokens.get(action.request_id),
-                rows=rank.prepared,
-            )
+            if isinstance(action, PostWrite) and action.pieces:
+                plan = self._plan_pieces(action, rank.layout)
+            else:
+                plan = rank.layout.plan(
+                    action.local_block_ids,
+                    action.remote_block_ids,
+                    num_tokens=self._num_tokens.get(action.request_id),
+                    rows=rank.prepared,
+                )
             if plan.local_zero.shape[0]:
                 _zero_host_ranges(plan.local_zero)
             if plan.is_empty:
-                self.transport.notify(rank.agent, action.notification)
-                self.metrics.count("notifications_sent")
+                if action.notification:
+                    self.transport.notify(rank.agent, action.notification)
+                    self.metrics.count("notifications_sent")
                 self._events.extend((TransferPosted(xid), TransferDone(xid)))
                 return
             handle, ndescs = self._post_plan(action, rank, plan)
@@ -467,6 +471,34 @@ class Driver:
                 action.remote_rank, ndescs, nbytes, extra={"request_id": action.request_id},
             )  # fmt: skip
         self._events.append(TransferPosted(xid))
+
+    def _plan_pieces(self, action: PostWrite, layout: PeerLayout) -> TransferPlan:
+        """One streaming round: each rectangle of regions x tokens planned on its own, the
+        rows joined into one WRITE."""
+        num_tokens = self._num_tokens.get(action.request_id)
+        if num_tokens is None:
+            raise LocalProtocolError(
+                f"request {action.request_id!r} streams without its prompt's length"
+            )
+        num_regions = len(layout.local.regions)
+        plans = [
+            layout.plan(
+                action.local_block_ids,
+                action.remote_block_ids,
+                num_tokens=num_tokens,
+                regions=(u0, num_regions if u1 < 0 else u1),
+                window=(t0, num_tokens if t1 < 0 else t1),
+            )
+            for u0, u1, t0, t1 in action.pieces
+        ]
+        if len(plans) == 1:
+            return plans[0]
+        return TransferPlan(
+            np.concatenate([p.local_descs for p in plans]),
+            np.concatenate([p.remote_descs for p in plans]),
+            empty_descs(),
+            empty_descs(),
+        )
 
     def _post_plan(
         self, action: PostRead | PostWrite, rank: _PeerRank, plan: TransferPlan

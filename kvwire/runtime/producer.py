@@ -14,10 +14,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvwire.errors import ConfigError, LocalProtocolError
+from kvwire.layout import KVGeometry
 from kvwire.machine import (
     Abort,
+    ChunkScheduled,
     Event,
     FreeBlocks,
+    LayersComputed,
+    Preempted,
     PrefillFinished,
     ProducerMachine,
     ProducerState,
@@ -51,6 +55,7 @@ class Producer(_Endpoint[list[FreedRequest]]):
     """
 
     _role = "producer"
+    _ends_cache: tuple[KVGeometry, dict[str, int]] | None = None
 
     # -- setup ---------------------------------------------------------------------
 
@@ -99,6 +104,86 @@ class Producer(_Endpoint[list[FreedRequest]]):
         self._driver.request_started(request_id, num_tokens)
         self._driver.feed(*events)
         return self._params(request_id, blocks, num_tokens)
+
+    # -- streaming push (``stream_layers``) -------------------------------------------
+
+    @property
+    def streaming(self) -> bool:
+        """Whether this rank writes layers while prompts are computed (push with
+        ``stream_layers``); the streaming calls below are no-ops otherwise."""
+        return self.config.stream_layers and self.config.mode == "push"
+
+    def chunk_scheduled(
+        self,
+        request_id: str,
+        block_ids: BlockIdsLike,
+        *,
+        num_tokens: int,
+        prompt_tokens: int,
+    ) -> None:
+        """This step computes the prompt through ``num_tokens`` of ``prompt_tokens``, into
+        ``block_ids`` (the request's blocks so far). Call it before the step's first
+        :meth:`layer_computed`; a later chunk tells that the earlier one is done in every
+        layer. Only full blocks are written before the prompt ends."""
+        if not self.streaming:
+            return
+        rid = request_id_arg(request_id)
+        geometry = self._driver.geometry
+        machine = self._driver.machine
+        if geometry is None or not isinstance(machine, ProducerMachine):
+            raise ConfigError("register_kv_caches before chunk_scheduled")
+        blocks = block_ids_arg(block_ids, geometry)
+        prompt = num_tokens_arg(prompt_tokens, (), geometry.block_size)
+        done = num_tokens_arg(num_tokens, blocks, geometry.block_size)
+        if prompt is None or done is None or done > prompt:
+            raise LocalProtocolError(
+                f"num_tokens {num_tokens} must be an int within prompt_tokens {prompt_tokens}"
+            )
+        # Streaming writes one attention group's full blocks; anything else (SSM states,
+        # several groups) goes out whole with the completion.
+        units = self._stream_units if len(blocks) == 1 and not geometry.has_ssm else 0
+        events: list[Event] = []
+        if machine.request_state(rid) is ProducerState.ABSENT:
+            events.append(RequestAdded(rid))
+            self._driver.request_started(rid, prompt)
+        whole = done - done % geometry.block_size
+        events.append(ChunkScheduled(rid, whole, blocks, units))
+        self._driver.feed(*events)
+
+    def layer_computed(self, layer: str, request_ids: Sequence[str]) -> None:
+        """``layer`` (a region's layer name, see :meth:`KVGeometry.layer_ends`) is computed
+        for these requests' current chunks: what it completes is written in the
+        background."""
+        if not self.streaming or not request_ids:
+            return
+        ends = self._layer_ends
+        if layer not in ends:
+            raise LocalProtocolError(f"layer {layer!r} is not a layer of the registered KV cache")
+        self._driver.feed(LayersComputed(tuple(request_ids), ends[layer]))
+
+    def preempted(self, request_id: str) -> None:
+        """The engine took the request's blocks back; it will compute it again."""
+        if self.streaming:
+            self._driver.feed(Preempted(request_id_arg(request_id)))
+
+    @property
+    def _layer_ends(self) -> dict[str, int]:
+        geometry = self._driver.geometry
+        if geometry is None:
+            raise ConfigError("register_kv_caches before layer_computed")
+        cached = self._ends_cache
+        if cached is None or cached[0] is not geometry:
+            cached = self._ends_cache = (geometry, geometry.layer_ends())
+        return cached[1]
+
+    @property
+    def _stream_units(self) -> int:
+        """Regions written before the prompt ends: all but the last layer's (it carries
+        the completion)."""
+        geometry = self._driver.geometry
+        assert geometry is not None
+        total = len(geometry.regions)
+        return max((end for end in self._layer_ends.values() if end < total), default=0)
 
     def kv_transfer_params(
         self,
@@ -175,6 +260,11 @@ class Producer(_Endpoint[list[FreedRequest]]):
     def held_blocks(self) -> int:
         machine = self._driver.machine
         return machine.held_blocks() if isinstance(machine, ProducerMachine) else 0
+
+    def pending_registrations(self) -> int:
+        """Push: consumers' registrations received and not yet matched with a prompt."""
+        machine = self._driver.machine
+        return machine.pending_registrations() if isinstance(machine, ProducerMachine) else 0
 
     # -- internals -----------------------------------------------------------------
 

@@ -9,8 +9,10 @@ from kvwire.machine import (
     Abort,
     Action,
     AllocationDone,
+    ChunkScheduled,
     ConsumerMachine,
     HandshakeDone,
+    LayersComputed,
     NotificationReceived,
     PostRead,
     PostWrite,
@@ -28,6 +30,8 @@ from kvwire.wire.schemas import PushRegistration
 
 PULL = TransferMode.PULL
 PUSH = TransferMode.PUSH
+STREAM = "stream"
+"""Push with ``stream_layers``: what ``ProducerAt`` drives through the streaming path."""
 
 
 MACHINE_DEFAULTS: dict[str, Any] = {
@@ -154,15 +158,20 @@ class ConsumerAt:
 class ProducerAt:
     """A producer with request ``r1`` driven to a named state (push: writes to 2 D ranks)."""
 
-    def __init__(self, state: str, mode: TransferMode = PULL) -> None:
+    def __init__(self, state: str, mode: TransferMode | str = PULL) -> None:
         self.now = 1.0
-        self.m = producer(mode=mode)
+        stream = self.stream = mode == STREAM
+        mode = PUSH if stream else mode
+        self.m = producer(mode=mode, stream_layers=stream)
         self.rid = "r1"
         self.xfers: list[int] = []
         self.attempt = 0
         if state == "absent":
             return
         self.step(RequestAdded("r1"))
+        if stream:
+            self._stream_to(state)
+            return
         if state == "prefilling":
             return
         self.step(PrefillFinished("r1", ((1, 2, 3),)))
@@ -179,6 +188,24 @@ class ProducerAt:
         self.xfers.append(one(acts, PostWrite).xfer_id)
         acts = self.step(TransferPosted(self.xfers[0]))
         self.xfers.append(one(acts, PostWrite).xfer_id)
+        if state == "writing":
+            return
+        assert state == "draining"
+        self.step(Abort("r1"))
+
+    def _stream_to(self, state: str) -> None:
+        """Streaming push: matched while the prompt computes; a round in flight to both D
+        ranks in ``writing`` (and ``draining``, after an abort)."""
+        self.step(ChunkScheduled("r1", 32, ((1, 2),), 1))
+        if state == "prefilling":
+            return
+        acts = self.step(NotificationReceived("d-agent", registration("r1", decode_tp=2)))
+        self.attempt = one(acts, StartHandshake).attempt
+        if state == "wait_peer":
+            return
+        self.step(HandshakeDone("D", self.attempt, 2))
+        self.xfers.append(one(self.step(LayersComputed(("r1",), 1)), PostWrite).xfer_id)
+        self.xfers.append(one(self.step(TransferPosted(self.xfers[0])), PostWrite).xfer_id)
         if state == "writing":
             return
         assert state == "draining"
