@@ -150,6 +150,7 @@ class _Req:
         "stream_blocks",
         "stream_failed",
         "units",
+        "write_deadline",
         "xfers",
     )
 
@@ -184,6 +185,8 @@ class _Req:
         self.round_blocks: BlockIds = ()
         self.last_round = False
         """The round in flight (or posted last) carries the completion."""
+        self.write_deadline = float("inf")
+        """Push: every WRITE must have ended by then (the consumer's watchdog)."""
 
 
 class ProducerMachine(MachineCore):
@@ -203,7 +206,8 @@ class ProducerMachine(MachineCore):
         # and registrations waiting for their prompt, each by exact and by base id.
         self._waiting: dict[str, None] = {}
         self._waiting_by_base: dict[str, dict[str, None]] = {}
-        self._pending: dict[str, tuple[PushRegistration, object]] = {}
+        self._pending: dict[str, tuple[PushRegistration, object, float]] = {}
+        """Registrations waiting for their prompt, with the time each arrived."""
         self._pending_by_base: dict[str, dict[str, None]] = {}
         self._served: dict[str, object] = {}
         """Registration ids already matched: a duplicate is ignored (idempotent)."""
@@ -255,11 +259,11 @@ class ProducerMachine(MachineCore):
         self._reqs[rid] = req
         if self._streaming:
             req.finished = False
-            reg = self._take_registration(rid)
-            if reg is None:
+            taken = self._take_registration(rid)
+            if taken is None:
                 self._wait(req)
             else:
-                self._start_push(req, reg, now, out)
+                self._start_push(req, *taken, now, out)
 
     def _on_prefill_finished(self, event: PrefillFinished, now: float, out: list[Action]) -> None:
         req = self._req_state(event.request_id, PrefillFinished)
@@ -292,11 +296,11 @@ class ProducerMachine(MachineCore):
         self._move(req, PRODUCER, "leased")
         self._arm(req.deadline, T_LEASE, req)
         if self.config.mode is TransferMode.PUSH:
-            reg = self._take_registration(req.rid)
-            if reg is None:
+            taken = self._take_registration(req.rid)
+            if taken is None:
                 self._wait(req)
             else:
-                self._start_push(req, reg, now, out)
+                self._start_push(req, *taken, now, out)
 
     def _on_abort(self, event: Abort, now: float, out: list[Action]) -> None:
         req = self._reqs.get(event.request_id)
@@ -396,12 +400,12 @@ class ProducerMachine(MachineCore):
         req = self._match_waiting(rid)
         if req is None:
             token = object()
-            self._pending[rid] = (reg, token)
+            self._pending[rid] = (reg, token, now)
             self._pending_by_base.setdefault(base_request_id(rid), {})[rid] = None
             self._arm(now + self.config.registration_timeout_s, T_REGISTRATION, rid, token)
             return
         successors(PRODUCER, req.state, NotificationReceived, f"request {req.rid!r}")
-        self._start_push(req, reg, now, out)
+        self._start_push(req, reg, now, now, out)
 
     # ----------------------------------------------------------------- push matching
 
@@ -423,23 +427,32 @@ class ProducerMachine(MachineCore):
             return self._reqs[next(iter(group))]
         return None
 
-    def _take_registration(self, rid: str) -> PushRegistration | None:
-        """A pending registration for this prompt (same id, then same base id), removed."""
+    def _take_registration(self, rid: str) -> tuple[PushRegistration, float] | None:
+        """A pending registration for this prompt (same id, then same base id), removed,
+        with when it arrived."""
         reg_id: str | None = rid if rid in self._pending else None
         if reg_id is None:
             group = self._pending_by_base.get(base_request_id(rid))
             if not group:
                 return None
             reg_id = next(iter(group))
-        reg, _ = self._pending.pop(reg_id)
+        reg, _, arrived = self._pending.pop(reg_id)
         _unindex(self._pending_by_base, reg_id)
-        return reg
+        return reg, arrived
 
-    def _start_push(self, req: _Req, reg: PushRegistration, now: float, out: list[Action]) -> None:
+    def _start_push(
+        self, req: _Req, reg: PushRegistration, arrived: float, now: float, out: list[Action]
+    ) -> None:
         self._unwait(req)
         token = object()
         self._served[reg.request_id] = token
         req.reg = reg
+        # The consumer gives up on its registration after registration_timeout_s (its
+        # watchdog, armed when it sent it): no write of ours may still run then, or it
+        # would land in blocks the consumer has handed to another request.
+        req.write_deadline = (
+            arrived + self.config.registration_timeout_s - self._completion_margin_s
+        )
         problem = self._check_registration(req, reg)
         if problem is not None:
             self.stats.remote_errors += 1
@@ -509,6 +522,10 @@ class ProducerMachine(MachineCore):
         after the prompt ended, the last round (everything not yet written, and the
         completion); before, what was computed since the last round."""
         if req.xfers or req.next_post < len(req.plan) or req.last_round:
+            return
+        if self._last_now >= req.write_deadline:
+            self.stats.transfers_timed_out += 1
+            self._begin_failure(req, FreeReason.FAILED, out)
             return
         if req.finished:
             req.pieces = _remainder(req.sent, req.units) if req.sent != (0, 0, 0) else ()
@@ -671,6 +688,9 @@ class ProducerMachine(MachineCore):
             self._free(req, FreeReason.SENT, out)
         else:
             self._next_round(req, out)
+
+    def _transfer_deadline(self, req: _Req, now: float) -> float:
+        return min(now + self._transfer_timeout_s, req.write_deadline)
 
     def _transfer_timed_out(self, req: _Req, out: list[Action]) -> None:
         self._begin_failure(req, FreeReason.FAILED, out)

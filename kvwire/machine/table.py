@@ -226,10 +226,13 @@ CONSUMER: dict[tuple[ConsumerState, Trigger], dict[str, ConsumerState]] = {
 P = ProducerState
 PRODUCER: dict[tuple[ProducerState, Trigger], dict[str, ProducerState]] = {
     # Streaming push: a registration already waiting is matched as the request starts.
+    # A stream past its write deadline (the consumer's watchdog) fails before it starts;
+    # a failed stream waits, holding nothing, in PREFILLING (see below).
     (P.ABSENT, RequestAdded): {
         "added": P.PREFILLING,
         "wait_peer": P.WAIT_PEER,
         "writing": P.WRITING,
+        "prefilling": P.PREFILLING,
     },
     (P.ABSENT, Abort): {"": P.ABSENT},
     (P.ABSENT, Preempted): {"": P.ABSENT},
@@ -249,6 +252,7 @@ PRODUCER: dict[tuple[ProducerState, Trigger], dict[str, ProducerState]] = {
         "": P.PREFILLING,
         "wait_peer": P.WAIT_PEER,
         "writing": P.WRITING,
+        "prefilling": P.PREFILLING,
     },
     # Streaming push: the engine reports progress; it is recorded, and written once matched.
     (P.PREFILLING, ChunkScheduled): {"": P.PREFILLING},
@@ -258,8 +262,8 @@ PRODUCER: dict[tuple[ProducerState, Trigger], dict[str, ProducerState]] = {
     (P.WAIT_PEER, LayersComputed): {"": P.WAIT_PEER},
     (P.WAIT_PEER, Preempted): {"": P.WAIT_PEER},
     (P.WAIT_PEER, PrefillFinished): {"": P.WAIT_PEER, "freed": P.FREED},
-    (P.WRITING, ChunkScheduled): {"": P.WRITING},
-    (P.WRITING, LayersComputed): {"": P.WRITING},
+    (P.WRITING, ChunkScheduled): {"": P.WRITING, "prefilling": P.PREFILLING},
+    (P.WRITING, LayersComputed): {"": P.WRITING, "prefilling": P.PREFILLING},
     (P.WRITING, Preempted): {"": P.WRITING},
     (P.WRITING, PrefillFinished): {"": P.WRITING, "draining": P.DRAINING, "freed": P.FREED},
     (P.DRAINING, ChunkScheduled): {"": P.DRAINING},
@@ -277,13 +281,17 @@ PRODUCER: dict[tuple[ProducerState, Trigger], dict[str, ProducerState]] = {
     (P.QUARANTINED, Timer): {"": P.QUARANTINED, "freed": P.FREED},
     (P.QUARANTINED, NotificationReceived): {"": P.QUARANTINED, "freed": P.FREED},
     (P.QUARANTINED, Abort): {"": P.QUARANTINED},
-    (P.WAIT_PEER, HandshakeDone): {"writing": P.WRITING, "freed": P.FREED},
+    (P.WAIT_PEER, HandshakeDone): {
+        "writing": P.WRITING,
+        "freed": P.FREED,
+        "prefilling": P.PREFILLING,
+    },
     # A stream that fails before its prompt ends waits, holding nothing, for the engine's
     # PrefillFinished (its blocks are then freed at once) or Abort.
     (P.WAIT_PEER, HandshakeFailed): {"freed": P.FREED, "prefilling": P.PREFILLING},
     (P.WAIT_PEER, Abort): {"freed": P.FREED},
     (P.WRITING, TransferPosted): {"": P.WRITING},
-    (P.WRITING, TransferDone): {"": P.WRITING, "freed": P.FREED},
+    (P.WRITING, TransferDone): {"": P.WRITING, "freed": P.FREED, "prefilling": P.PREFILLING},
     (P.WRITING, TransferFailed): {
         "draining": P.DRAINING,
         "freed": P.FREED,
