@@ -269,8 +269,10 @@ class ProducerMachine(MachineCore):
         req = self._req_state(event.request_id, PrefillFinished)
         blocks = event.block_ids
         if not req.finished:
-            self._finish_stream(req, event, now, out)
-            return
+            if req.state is not S.PREFILLING or req.reg is not None or req.stream_failed:
+                self._finish_stream(req, event, now, out)
+                return
+            req.finished = True  # no registration came while it computed: as without streams
         if req.state is not S.PREFILLING:
             raise LocalProtocolError(f"request {req.rid!r} finished its prefill twice")
         if not any(blocks):
@@ -622,7 +624,7 @@ class ProducerMachine(MachineCore):
             self._free(req, req.stream_failed, out)
             return
         if req.state is S.PREFILLING:
-            # Matched with a registration that needs nothing, while computing.
+            # Matched, while computing, with a registration that needs nothing.
             self._free(req, FreeReason.SENT, out)
             return
         reg = req.reg

@@ -223,3 +223,16 @@ def test_rounds_go_to_every_consumer_rank_it_serves() -> None:
     assert {first.remote_rank, second.remote_rank} == {(0, 0), (0, 1)}
     assert first.pieces == second.pieces == ((0, 1, 0, 8),)
     assert first.notification == second.notification == b""
+
+
+def test_a_prompt_that_ends_before_its_registration_is_held_and_written_whole() -> None:
+    m = producer(mode=PUSH, stream_layers=True)
+    m.handle(RequestAdded("r1"), 1.0)
+    m.handle(ChunkScheduled("r1", 8, ((3, 9),), UNITS), 1.1)
+    assert not m.handle(LayersComputed(("r1",), UNITS), 1.2)
+    assert not of(m.handle(PrefillFinished("r1", ((3, 9),)), 1.3), FreeBlocks)
+    assert m.request_state("r1") is ProducerState.LEASED and m.held_blocks() == 2
+    acts = m.handle(NotificationReceived("d", registration("r1", ((1, 2),))), 1.4)
+    attempt = one(acts, StartHandshake).attempt
+    write = one(m.handle(HandshakeDone("D", attempt, 1), 1.5), PostWrite)
+    assert write.pieces == () and write.notification  # the whole request, with completion
