@@ -167,11 +167,13 @@ class KVWireConfig:
     poll_interval_s: float = 0.02
     """Longest the background thread sleeps when nothing wakes it (timers, handshakes)."""
     coalesce: bool = True
-    stream_layers: bool = False
-    """Push, producer: write each layer's full blocks while the prompt is still computed
-    (the engine reports progress: :meth:`~kvwire.runtime.Producer.chunk_scheduled` and
+    stream_layers: bool = True
+    """Push, producer: a consumer's registration is matched while the prompt is still
+    computed, and each layer's full blocks are written as the engine reports them
+    (:meth:`~kvwire.runtime.Producer.chunk_scheduled`,
     :meth:`~kvwire.runtime.Producer.layer_computed`); the completion still rides on the
-    last write. Ignored in pull mode."""
+    last write. An engine that reports nothing gets whole-request writes, as with it off.
+    Ignored in pull mode."""
     check_invariants: bool = True
     """The machines' self-checks (raise :class:`~kvwire.machine.InvariantViolation`); cheap."""
     max_parked_completions: int = 10_000

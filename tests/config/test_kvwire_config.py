@@ -41,7 +41,7 @@ SAMPLES: dict[str, tuple[str, Any]] = {
     "KVWIRE_HANDSHAKE_BACKOFF_S": ("0", 0.0),
     "KVWIRE_POLL_INTERVAL_S": ("0.005", 0.005),
     "KVWIRE_COALESCE": ("false", False),
-    "KVWIRE_STREAM_LAYERS": ("true", True),
+    "KVWIRE_STREAM_LAYERS": ("false", False),
     "KVWIRE_CHECK_INVARIANTS": ("0", False),
     "KVWIRE_MAX_PARKED_COMPLETIONS": ("500", 500),
     "KVWIRE_RELEASE_RETRY_S": ("2", 2.0),
@@ -275,7 +275,7 @@ def test_every_vllm_key_changes_something(tmp_path: Path) -> None:
         "transport_options": {"backend": "POSIX"},
         "secret_file": str(secret),
         "coalesce": False,
-        "stream_layers": True,
+        "stream_layers": False,  # on by default
         "handshake_timeout": 2,
         "metrics_port": 9400,
         "metadata_store": "etcd://10.0.0.5:2379",

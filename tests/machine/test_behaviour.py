@@ -31,6 +31,7 @@ from kvwire.machine import (
     PostWrite,
     PrefillFinished,
     ProducerMachine,
+    ProducerState,
     RequestAdded,
     RequestDone,
     RequestFailed,
@@ -146,7 +147,7 @@ def test_consumer_with_more_ranks_reads_its_one_producer_rank() -> None:
 
 def test_push_registration_and_prompt_match_in_either_order_by_base_id() -> None:
     for order in ("registration-first", "prompt-first"):
-        p = producer(mode=PUSH)
+        p = producer(mode=PUSH, stream_layers=False)
         p.handle(RequestAdded("req-7-0badc0de"), 0.0)
         note = NotificationReceived("d", registration("req-7-12345678", blocks=((8, 9),)))
         if order == "registration-first":
@@ -165,6 +166,23 @@ def test_push_registration_and_prompt_match_in_either_order_by_base_id() -> None
         assert one(p.handle(TransferDone(write.xfer_id), 0.5), FreeBlocks).reason is FreeReason.SENT
         assert p.handle(note, 0.6) == []
         assert p.stats.registrations_duplicate == 2
+
+
+def test_streaming_push_matches_a_registration_by_base_id_while_the_prompt_computes() -> None:
+    """With streams (the default), a registration that comes first is matched at once: the
+    handshake starts while the prompt computes, and the prompt, once finished (the engine
+    reported no layers here), is written whole with the completion."""
+    p = producer(mode=PUSH)
+    p.handle(RequestAdded("req-7-0badc0de"), 0.0)
+    note = NotificationReceived("d", registration("req-7-12345678", blocks=((8, 9),)))
+    attempt = one(p.handle(note, 0.1), StartHandshake).attempt
+    assert p.request_state("req-7-0badc0de") is ProducerState.WAIT_PEER
+    assert of(p.handle(HandshakeDone("D", attempt, 1), 0.2), PostWrite) == []
+    write = one(p.handle(PrefillFinished("req-7-0badc0de", ((1, 2, 3),)), 0.3), PostWrite)
+    assert write.pieces == () and write.local_block_ids == ((1, 2, 3),)
+    assert write.notification == b"req-7-12345678:1"
+    p.handle(TransferPosted(write.xfer_id), 0.4)
+    assert one(p.handle(TransferDone(write.xfer_id), 0.5), FreeBlocks).reason is FreeReason.SENT
 
 
 def test_base_id_strips_only_an_eight_hex_suffix() -> None:
