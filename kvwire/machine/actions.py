@@ -173,13 +173,17 @@ class RequestFailed(Action, frozen=True):
     """Consumer: the request ended without its KV. A terminal outcome.
 
     ``invalid_block_ids`` are the local blocks whose contents must not be trusted (recompute
-    them); no transfer into them is still running when this is emitted.
+    them); no READ of ours into them is still running when this is emitted. Push: after
+    our registration went out the producer may still WRITE into them until
+    ``writes_until`` (our clock), the end of its write bound; reusing them for another
+    request before then risks that request's bytes.
     """
 
     request_id: str
     invalid_block_ids: BlockIds
     reason: FailReason
     detail: str = ""
+    writes_until: float | None = None
 
 
 class EvictEngine(Action, frozen=True):

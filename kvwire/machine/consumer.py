@@ -105,6 +105,7 @@ class _Req:
         "notif",
         "plan",
         "read_deadline",
+        "registered",
         "remote",
         "rid",
         "senders",
@@ -117,6 +118,8 @@ class _Req:
         self.rid = rid
         self.arrival = now
         self.read_deadline = math.inf
+        self.registered: float | None = None
+        """Push: when our registration went out (the producer writes until its watchdog)."""
         """Pull: our-clock moment after which the producer may no longer hold the blocks."""
         self.confirmed = -math.inf
         """Pull, before the read starts: the latest lease the producer confirmed (ours)."""
@@ -565,6 +568,7 @@ class ConsumerMachine(MachineCore):
             )
         )
         self._move(req, CONSUMER, "register")
+        req.registered = now
         self._arm(now + self.config.registration_timeout_s, T_WATCHDOG, req)
         entry = self._unpark(req.rid, "applied")
         if entry is not None:
@@ -763,7 +767,11 @@ class ConsumerMachine(MachineCore):
         self._release_producer(req, out)
         self._move(req, CONSUMER, "failed", trigger)
         self._end(req)
-        self._terminal_out(req.rid, RequestFailed(req.rid, req.local, reason, detail), out)
+        until = None
+        if req.registered is not None:
+            until = req.registered + self.config.registration_timeout_s
+        failed = RequestFailed(req.rid, req.local, reason, detail, until)
+        self._terminal_out(req.rid, failed, out)
 
     def _end(self, req: _Req) -> None:
         if self._check and req.xfers:

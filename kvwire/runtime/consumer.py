@@ -43,6 +43,10 @@ class RequestFailure:
     reason: str
     """``handshake``, ``transfer``, ``expired``, ``timeout``, ``aborted`` or ``protocol``."""
     detail: str = ""
+    writes_until: float | None = None
+    """Push: the producer may still write into these blocks until this ``perf_counter``
+    time (our registration's watchdog: kvwire producers end every write before it); reuse
+    them for another request only after it."""
 
 
 @dataclass
@@ -143,6 +147,9 @@ class Consumer(_Endpoint[Finished]):
             else:
                 assert isinstance(action, RequestFailed)
                 self._finished.failed[action.request_id] = RequestFailure(
-                    action.invalid_block_ids, action.reason.value, action.detail
+                    action.invalid_block_ids,
+                    action.reason.value,
+                    action.detail,
+                    action.writes_until,
                 )
             self._cv.notify_all()

@@ -17,6 +17,7 @@ from machine_helpers import (
 from kvwire.config import KVWireConfig
 from kvwire.errors import ConfigError, LocalProtocolError
 from kvwire.machine import (
+    Abort,
     AllocationDone,
     ConsumerMachine,
     EvictEngine,
@@ -210,6 +211,22 @@ def test_push_consumer_watchdog_fails_a_request_whose_writes_never_come() -> Non
     assert c.handle(NotificationReceived("p0", b"d1:2"), 1.0) == []
     failed = one(c.handle(Timer(), 10.0), RequestFailed)
     assert failed.reason is FailReason.TIMEOUT and failed.invalid_block_ids == ((4, 5),)
+    assert failed.writes_until == 10.0  # the producer's writes are bounded by the watchdog
+
+
+def test_a_push_request_aborted_after_registering_says_until_when_writes_may_land() -> None:
+    """An abort cannot stop the producer's writes into the request's blocks (a streaming
+    producer writes all through its prefill); they end by the registration's watchdog,
+    which the failure names so the engine reuses the blocks only after it."""
+    c = consumer(mode=PUSH, registration_timeout_s=10.0)
+    attempt = one(c.handle(RequestAdded("d1", remote(blocks=())), 0.0), StartHandshake).attempt
+    c.handle(AllocationDone("d1", ((4, 5),)), 0.5)
+    c.handle(HandshakeDone("P", attempt, 2), 2.0)  # the registration goes out now
+    failed = one(c.handle(Abort("d1"), 3.0), RequestFailed)
+    assert failed.writes_until == 12.0
+    c2 = consumer(mode=PUSH)
+    c2.handle(RequestAdded("d2", remote(blocks=())), 0.0)
+    assert one(c2.handle(Abort("d2"), 0.1), RequestFailed).writes_until is None  # none sent
 
 
 def test_push_consumer_completes_after_every_producer_rank_wrote() -> None:

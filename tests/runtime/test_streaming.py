@@ -14,6 +14,7 @@ import itertools
 import json
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -230,6 +231,9 @@ def test_a_consumer_abort_mid_stream_is_never_done_and_the_producer_frees_once()
         producer.prefill_finished("r", [blocks], num_tokens=prompt)
         assert freed_reasons(producer, "r") == ["sent"] and producer.held_blocks() == 0
         finished = consumer.get_finished()
+        # The failure says until when P may write into the blocks: after every write did.
+        assert finished.failed["r"].writes_until is not None
+        assert finished.failed["r"].writes_until > time.perf_counter()
         # The completion came after the abort: counted, never a done request.
         wait_until(lambda: consumer.machine_stats()["completions_parked"] >= 1)
         finished.done.extend(consumer.get_finished().done)
