@@ -64,6 +64,9 @@ from kvwire.layout.geometry import (
 
 __all__ = ["MAX_TABLE_ROWS", "PeerLayout", "TransferPlan", "plan_read", "plan_write"]
 
+_CLUSTER_CACHE_SIZE = 512
+"""Region ranges (and block-list counts) whose clusters a layout keeps."""
+
 MAX_TABLE_ROWS = 1 << 21
 """The most rows :meth:`PeerLayout.tables` returns (both sides together: 96 MiB of
 descriptors): a 70B model's 80 layers of a 32k-token pool are 160k rows a side."""
@@ -530,6 +533,13 @@ class PeerLayout:
         built = self._cluster_cache.get(key)
         if built is None:
             built = self._build_clusters(num_groups, regions)
+            if len(self._cluster_cache) >= _CLUSTER_CACHE_SIZE:
+                # Streaming rounds name region ranges: at most one per pair of layers, but
+                # a deep model has many pairs; start over rather than grow without bound.
+                whole = self._cluster_cache.get((num_groups, None))
+                self._cluster_cache.clear()
+                if whole is not None:
+                    self._cluster_cache[(num_groups, None)] = whole
             self._cluster_cache[key] = built
         return built
 
