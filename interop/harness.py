@@ -324,6 +324,8 @@ class SchedulerEngine:
         hma: bool | None = None,
         window: int = 0,
         kernel_block: int = 0,
+        layerwise: bool = False,
+        prefix_caching: bool = True,
     ) -> None:
         """``engine_id`` and ``port``: a restarted engine keeps its predecessor's;
         ``scheduler``: ``batch_tokens`` (tokens per step) and ``chunk_tokens`` (per request
@@ -333,8 +335,12 @@ class SchedulerEngine:
         hybrid KV cache manager on or off (``None``: as vLLM resolves it); ``window``:
         every odd layer sliding-window attention over that many tokens; ``kernel_block``:
         the attention backend runs only kernel blocks of that many tokens (vLLM splits each
-        block into several)."""
+        block into several); ``layerwise``: P computes each step's chunk layer by layer,
+        each layer's share written just before its ``save_kv_layer`` (for streaming);
+        ``prefix_caching``: vLLM's (off: a preempted prompt is computed again from its
+        first token, into whatever blocks it gets)."""
         self.role = role
+        self.tp = tp
         extra_config = dict(extra_config or {})
         if connector == "KVWireConnector":
             extra_config["transfer_mode"] = mode
@@ -355,7 +361,8 @@ class SchedulerEngine:
             "layers": self.geo.layers, "num_blocks": self.geo.num_blocks,
             "block_size": self.geo.block_size, "lease": lease, "hma": hma, "window": window,
             "mode": mode, "extra_config": extra_config, "layout": layout,
-            "kernel_block": kernel_block, **(scheduler or {}),
+            "kernel_block": kernel_block, "layerwise": layerwise, "prefix_caching": prefix_caching,
+            **(scheduler or {}),
         }  # fmt: skip
         self.peer = Peer(start, zygote, env)
         self.state: dict[str, Any] = {}
@@ -372,6 +379,14 @@ class SchedulerEngine:
     def step(self, n: int = 1) -> dict[str, Any]:
         self.state = self.peer.call({"op": "step", "n": n})
         return self.state
+
+    def pending_registrations(self) -> list[int]:
+        """P (kvwire): per rank, D's push registrations not yet matched with a prompt."""
+        return list(self.peer.call({"op": "registrations"})["pending"])
+
+    def machine_stats(self) -> list[dict[str, int]]:
+        """kvwire: per rank, its transfer machine's counters."""
+        return [rank["machine"] for rank in self.peer.call({"op": "debug"})["ranks"]]
 
     def close(self) -> None:
         self.peer.close()
@@ -439,6 +454,11 @@ def transfer(
     params = p.state["outputs"][rid]
     assert params["do_remote_prefill"] and params["remote_request_id"] == rid
     d.add(rid, index, tokens, params)
+    return moved(p, d, rid)
+
+
+def moved(p: SchedulerEngine, d: SchedulerEngine, rid: str) -> dict[str, Any]:
+    """Both engines step until D has ``rid``'s KV and P has its blocks back; D's state."""
 
     def both() -> None:
         d.step()
@@ -455,6 +475,30 @@ def transfer(
             f"P: {p.peer.call({'op': 'stats'})}, {p.peer.log[-3:]}"
         ) from None
     return d.state
+
+
+def params_ahead(p: SchedulerEngine, rid: str) -> dict[str, Any]:
+    """Push: what a proxy that knows P's address can give D with the request before P has
+    computed anything. D registers its blocks with P from it; P's block ids, which P's own
+    params add, are P's to plan by in push mode."""
+    return {
+        "do_remote_prefill": True, "do_remote_decode": False, "remote_block_ids": [],
+        "remote_engine_id": p.engine_id, "remote_request_id": rid,
+        "remote_host": "127.0.0.1", "remote_port": p.port,
+        "tp_size": p.tp, "pp_size": 1, "dcp_size": 1, "transfer_mode": "push",
+    }  # fmt: skip
+
+
+def streamed(
+    p: SchedulerEngine, d: SchedulerEngine, rid: str, index: int, tokens: int
+) -> dict[str, Any]:
+    """Push, D first: D gets the request (and registers its blocks with P) before P has
+    stepped it, so P's runtime may write the prompt while P computes it; then both engines
+    step until D has the KV and P has its blocks back. Returns D's state."""
+    p.add(rid, index, tokens)  # queued: P has not scheduled it
+    d.add(rid, index, tokens, params_ahead(p, rid))
+    wait_until(lambda: min(p.pending_registrations()) > 0, d.step, 30, f"D's registration of {rid}")
+    return moved(p, d, rid)
 
 
 def transfer_many(
@@ -489,6 +533,8 @@ __all__ = [
     "Zygote",
     "factors",
     "kvwire_options",
+    "params_ahead",
+    "streamed",
     "transfer",
     "transfer_many",
     "vllm_compatible_extra",

@@ -11,7 +11,9 @@ runner — which, each step, runs the connector's worker calls in vLLM's order
 (``bind_connector_metadata``, ``start_load_kv``, per layer ``wait_for_layer_load`` and
 ``save_kv_layer``, ``wait_for_save``, ``get_finished``, ``get_block_ids_with_load_errors``,
 ``clear_connector_metadata``), fills P's scheduled blocks with ``kvwire.demo.content``, checks
-D's blocks the moment D would first read them, and samples one token per request.
+D's blocks the moment D would first read them, and samples one token per request. With
+``layerwise``, P computes as a model does: each layer's share of the step's chunk is written
+just before that layer's ``save_kv_layer``, and not before (see :meth:`EnginePart._layer`).
 """
 
 from __future__ import annotations
@@ -65,7 +67,10 @@ def build_vllm_config(start: dict[str, Any]) -> Any:
             # None: vLLM resolves it (on, for a connector that supports the hybrid manager).
             disable_hybrid_kv_cache_manager=None if start.get("hma") is None else not start["hma"],
         ),
-        cache_config=CacheConfig(block_size=spec.block_tokens, enable_prefix_caching=True),
+        cache_config=CacheConfig(
+            block_size=spec.block_tokens,
+            enable_prefix_caching=bool(start.get("prefix_caching", True)),
+        ),
         kv_transfer_config=kv,
     )
     model_config = SimpleNamespace(
@@ -254,6 +259,20 @@ def fill_group(spec: Any, kv: Any, seed: int, blocks: list[int]) -> None:
         kv[:, [blocks[i] for i in positions]] = want[:, positions]
 
 
+def fill_tokens(
+    spec: Any, kv: Any, seed: int, blocks: list[int], layer: int, start: int, stop: int
+) -> None:
+    """One layer's values of the prompt's tokens [start, stop), as a model's layer writes
+    them into the request's blocks (a slice per block the range touches)."""
+    tokens = spec.block_tokens
+    first, last = start // tokens, -(-stop // tokens)
+    want = expected(spec, seed, last)
+    view = blocks_view(spec, kv)
+    for b in range(first, last):
+        t0, t1 = max(start - b * tokens, 0), min(stop - b * tokens, tokens)
+        view[layer, blocks[b], :, t0:t1] = want[layer, b, :, t0:t1]
+
+
 def check_group(
     spec: Any, kv: Any, seed: int, blocks: list[int], prompt: int, window: int
 ) -> tuple[int, int]:
@@ -330,6 +349,14 @@ class EnginePart:
             self.ranks.append(rank)
         self.kv_cache_config = kv_cache_config
         self.windows = windows(kv_cache_config)
+        self.layerwise = bool(start.get("layerwise")) and self.start_role == "P"
+        assert not (self.layerwise and any(self.windows)), "layerwise: full attention only"
+        self.layer_at = {
+            name: (g, j)
+            for g, group in enumerate(kv_cache_config.kv_cache_groups)
+            for j, name in enumerate(group.layer_names)
+        }
+        """Per layer name: its KV-cache group and its index among the group's layers."""
         self.worker = self.ranks[0].worker
         self.caches = self.ranks[0].caches
         self.buffer = self.ranks[0].buffer
@@ -409,11 +436,14 @@ class EnginePart:
             if meta is not None and self.start_role == "D":
                 self.fetch.step_began(meta, time.perf_counter())
             w.start_load_kv(None)
-            for rid in req_ids:
-                self._compute(rank, rid)
+            if not self.layerwise:
+                for rid in req_ids:
+                    self._compute(rank, rid)
             for name in self.layers:
+                if self.layerwise:
+                    self._layer(rank, name, req_ids, out.num_scheduled_tokens)
                 w.wait_for_layer_load(name)
-                w.save_kv_layer(name, None, None)
+                w.save_kv_layer(name, rank.caches[name], None)
             w.wait_for_save()
             sending, recving = w.get_finished(out.finished_req_ids)
             invalid = w.get_block_ids_with_load_errors()
@@ -462,6 +492,48 @@ class EnginePart:
                 before = self.pending_checks.get(rid, (0, 0))
                 self.pending_checks[rid] = (before[0] + wrong, before[1] + checked)
 
+    def _layer(self, rank: Rank, name: str, req_ids: list[str], counts: dict[str, int]) -> None:
+        """P, layerwise: the model's layer ``name`` for this step's batch on one rank. It
+        first lets the rank's runtime settle (:meth:`_settle`), then writes the layer's
+        values of each request's chunk; the caller reports the layer after that."""
+        self._settle(rank, req_ids)
+        g, layer = self.layer_at[name]
+        spec, kv = rank.groups[g]
+        for rid in req_ids:
+            req = self.scheduler.requests[rid]
+            # schedule() already counted this step's tokens as computed.
+            stop = min(int(req.num_computed_tokens), int(req.num_prompt_tokens))
+            start = int(req.num_computed_tokens) - int(counts[rid])
+            if start < stop:
+                blocks = self.scheduler.kv_cache_manager.get_block_ids(rid)[g]
+                seed = group_seed(self.index[rid], g)
+                fill_tokens(spec, kv, seed, expand(list(blocks), self.ratio), layer, start, stop)
+
+    def _settle(self, rank: Rank, req_ids: list[str]) -> None:
+        """Before a layer is computed: every write a streaming kvwire P posted has landed,
+        and none of the batch's streams waits for its handshake with D. The stand-in model
+        is then slower than the network, deterministically: a write of anything not yet
+        computed reads the scribble in P's blocks, and D's check finds it."""
+        from kvwire.machine import ProducerState
+
+        producer = getattr(getattr(rank.worker, "_worker", None), "producer", None)
+        if producer is None or not producer.streaming:
+            return
+        driver = producer._driver
+        deadline = time.monotonic() + 30
+
+        def settled() -> bool:
+            with driver._lock:
+                state = driver.machine.request_state
+                return not driver._xfers and all(
+                    state(rid) is not ProducerState.WAIT_PEER for rid in req_ids
+                )
+
+        while not settled():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"P's writes still in flight after 30 s: {producer.errors}")
+            time.sleep(0.001)
+
     def handle(self, cmd: dict[str, Any]) -> dict[str, Any]:
         from vllm import SamplingParams
         from vllm.v1.request import Request
@@ -497,12 +569,21 @@ class EnginePart:
                 self.step()
             return self.state()
         if op == "debug":
-            side = self.worker._worker.endpoint
+            sides = [rank.worker._worker.endpoint for rank in self.ranks]
             return {
-                "machine": side.machine_stats(),
-                "errors": side.errors,
-                "metrics": side.metrics.snapshot()["totals"],
+                "machine": sides[0].machine_stats(),
+                "errors": sides[0].errors,
+                "metrics": sides[0].metrics.snapshot()["totals"],
+                "ranks": [
+                    {"machine": side.machine_stats(), "errors": side.errors} for side in sides
+                ],
             }
+        if op == "registrations":
+            # P: push registrations each kvwire rank holds, not yet matched with a prompt.
+            return {
+                "pending": [rank.worker._worker.producer.pending_registrations()
+                            for rank in self.ranks]
+            }  # fmt: skip
         if op == "resolve_layout":
             return self.resolve_layout()
         if op == "regions":

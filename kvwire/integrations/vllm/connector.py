@@ -25,7 +25,7 @@ from kvwire.integrations.vllm.worker import WorkerSide
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.forward_context import ForwardContext
-    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.outputs import KVConnectorOutput
@@ -87,8 +87,15 @@ class KVWireConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     ) -> None:
         self._sched().update_state_after_alloc(request, blocks, num_external_tokens)
 
+    def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
+        """vLLM's scheduler binds its cache manager: a streaming P reads where each
+        computing prompt's blocks are from it."""
+        super().bind_kv_cache_manager(kv_cache_manager)
+        if self._scheduler is not None:
+            self._scheduler.kv_cache_manager = kv_cache_manager
+
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        return self._sched().build_meta()
+        return self._sched().build_meta(scheduler_output)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         self._sched().update_output(connector_output)
@@ -137,11 +144,24 @@ class KVWireConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
     ) -> None:
-        """P's blocks are read (or written out) from the KV cache itself after the request
-        finishes: nothing to copy per layer."""
+        """vLLM calls this after each attention layer of a step. Streaming push (a P in
+        push mode, ``stream_layers`` on): the layer is computed for the step's prompts, and
+        the runtime writes what that completes in the background. Otherwise nothing: P's
+        blocks are read (or written out) from the KV cache itself after the request
+        finishes.
+
+        Not overriding ``requires_piecewise_for_cudagraph``: the replay of a full CUDA
+        graph makes no call here, so such a step's layers are reported by the next chunk
+        (which tells the runtime the one before is computed) or the prompt's end. Nothing
+        goes early; the stream is coarser. vLLM's default graph mode runs prefills
+        piecewise, which calls here per layer; forcing it would cost a decode engine its
+        full graphs (the setting cannot tell P from D)."""
+        self._work().layer_saved(layer_name)
 
     def wait_for_save(self) -> None:
-        """See :meth:`save_kv_layer`."""
+        """Nothing to wait for: writes run in the background and read P's blocks, which
+        vLLM keeps until the worker reports the request sent (the completion goes only
+        after the prompt finished, on the write that carries its last layer)."""
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return self._work().finished()

@@ -38,6 +38,12 @@ class KVWireMetadata(KVConnectorMetadata):  # type: ignore[misc]
     started: list[str] = field(default_factory=list)
     """P: requests scheduled for prefill; their producer knows them from here (an abort
     before the prefill ends is then the machine's to forget)."""
+    chunks: dict[str, tuple[BlockIds, int, int]] = field(default_factory=dict)
+    """P, streaming push: requests this step computes prompt tokens of, with their blocks
+    so far, the token the step computes the prompt through and the prompt's length."""
+    preempted: list[str] = field(default_factory=list)
+    """P, streaming push: requests whose blocks vLLM took back since the last step (it
+    computes them again from the start)."""
 
 
 class KVWireStats(KVConnectorStats):  # type: ignore[misc]

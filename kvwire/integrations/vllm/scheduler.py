@@ -16,7 +16,8 @@ from kvwire.sidechannel.advertise import advertised_host
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorHandshakeMetadata
-    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
@@ -44,6 +45,12 @@ class SchedulerSide:
         self.loading: set[str] = set()
         """D: requests whose KV is being fetched (vLLM holds their blocks until the
         worker reports them received, aborted ones included)."""
+        self.streaming = bool(config.stream_layers) and config.mode == "push"
+        """P writes prompts while computing them (push with ``stream_layers``)."""
+        self.prompts: dict[str, Request] = {}
+        """P, streaming: the requests to stream, from their first scheduling to their end."""
+        self.kv_cache_manager: KVCacheManager | None = None
+        """vLLM's, bound by its scheduler: where a computing prompt's blocks are."""
 
     @property
     def port(self) -> int:
@@ -70,6 +77,8 @@ class SchedulerSide:
     ) -> None:
         params = request.kv_transfer_params
         if params and params.get("do_remote_decode"):
+            if self.streaming:
+                self.prompts[request.request_id] = request
             if request.request_id not in self.started:  # once, not per prefill chunk
                 self.started.add(request.request_id)
                 self.meta.started.append(request.request_id)
@@ -87,6 +96,19 @@ class SchedulerSide:
     def request_finished(
         self, request: Request, block_ids: Any
     ) -> tuple[bool, dict[str, Any] | None]:
+        """Whether vLLM must keep the request's blocks (until the worker reports it sent),
+        and the params for D.
+
+        P holds a finished prompt's blocks for D. Any other end on P frees them at once,
+        a streaming prompt's too, although a round of its writes may still be in flight
+        and read blocks vLLM hands to another request meanwhile: a stream only reads P's
+        blocks, so nothing of P's changes, and what such a round carries lands in D's
+        blocks of a request that is never completed (the completion rides only on the
+        round posted after the prompt finished, and the producer posts nothing after the
+        abort). D gives those blocks back only when no write of P's can still land in them
+        (kvwire bounds its writes by D's registration watchdog). vLLM's preemption frees
+        blocks the same way; the producer then writes the prompt again from its new
+        blocks, after the round in flight landed."""
         from vllm.v1.request import RequestStatus
 
         params = request.kv_transfer_params
@@ -94,6 +116,7 @@ class SchedulerSide:
             return False, None
         rid = request.request_id
         self.started.discard(rid)
+        self.prompts.pop(rid, None)
         if rid in self.loading:
             # D: aborted while its KV is in flight; the worker ends the fetch and reports
             # the request received, which is when vLLM frees its blocks.
@@ -145,9 +168,29 @@ class SchedulerSide:
             groups = [list(g) for g in self.kv_cache_config.select_transfer_block_ids(groups)]
         return [g[-tail:] if tail else g for g, tail in zip(groups, self.tails, strict=True)]
 
-    def build_meta(self) -> KVWireMetadata:
+    def build_meta(self, scheduler_output: SchedulerOutput) -> KVWireMetadata:
         meta, self.meta = self.meta, KVWireMetadata()
+        if self.prompts:
+            self._stream_facts(meta, scheduler_output)
         return meta
+
+    def _stream_facts(self, meta: KVWireMetadata, scheduler_output: SchedulerOutput) -> None:
+        """P, streaming: the chunk each prompt computes this step and what vLLM preempted.
+        vLLM builds the metadata before it counts the step's tokens as computed, so a
+        request's ``num_computed_tokens`` is where its chunk begins."""
+        manager = self.kv_cache_manager
+        if manager is None:  # an engine that binds no cache manager: prompts go whole
+            return
+        prompts = self.prompts
+        meta.preempted.extend(r for r in scheduler_output.preempted_req_ids or () if r in prompts)
+        for rid, count in scheduler_output.num_scheduled_tokens.items():
+            request = prompts.get(rid)
+            if request is None:
+                continue
+            start, prompt = int(request.num_computed_tokens), int(request.num_prompt_tokens)
+            if start < prompt:
+                end = min(start + int(count), prompt)
+                meta.chunks[rid] = (self.exchanged(manager.get_block_ids(rid)), end, prompt)
 
     def update_output(self, output: KVConnectorOutput) -> None:
         self.sending -= set(output.finished_sending or ())

@@ -1,10 +1,14 @@
 """The worker half of ``KVWireConnector``: one TP rank's Producer or Consumer over the
-rank's KV tensors, fed from the scheduler's metadata each step."""
+rank's KV tensors, fed from the scheduler's metadata each step and, on a streaming P, from
+the forward's layers as they are computed."""
 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+import queue
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -41,6 +45,17 @@ class WorkerSide:
         self.recving: set[str] = set()
         self.sending: set[str] = set()
         self.invalid: set[int] = set()
+        self.batch: tuple[str, ...] = ()
+        """P, streaming: the requests this step computes prompt tokens of."""
+        self.layers: frozenset[str] = frozenset()
+        """P, streaming: the registered layers' names (others are not reported)."""
+        self.device: torch.device | None = None
+        """P, streaming: the device the KV cache is on (None: host memory)."""
+        self.in_order: _InOrder | None = None
+        """P, streaming on a device: where the producer's calls run, in the engine's order,
+        each after the kernels enqueued before it."""
+        self._after: Any = None
+        """P, streaming on a device: this step's start event, for its first call."""
 
     @property
     def endpoint(self) -> Producer | Consumer:
@@ -51,20 +66,37 @@ class WorkerSide:
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         geometry = layer_geometry(kv_caches, self.kv_cache_config, self.config, self.vllm_config)
         self.endpoint.register_kv_caches(geometry)
+        if self.producer is not None and self.producer.streaming:
+            self.layers = frozenset(geometry.layer_ends())
+            devices = {t.device for t in kv_caches.values()} - {torch.device("cpu")}
+            if devices:
+                self.device, self.in_order = devices.pop(), _InOrder()
 
     def handshake(self) -> KVWireHandshake:
         return KVWireHandshake(self.endpoint.handshake_payload())
 
     def start(self, meta: KVWireMetadata) -> None:
-        if self.producer is not None:
+        producer = self.producer
+        if producer is not None:
+            # On a device vLLM may start a step before the last one's kernels ran (async
+            # scheduling; a full CUDA graph's replay reports no layers), and a chunk tells
+            # the runtime that the one before is computed: this step's calls wait for them.
+            self._after = None if self.device is None else _recorded_event(self.device)
+            call = self._call
             for rid in meta.started:
-                if rid not in meta.to_send:
-                    self.producer.request_started(rid)
+                # A streamed prompt is known from its chunk, which names its length.
+                if rid not in meta.to_send and rid not in meta.chunks:
+                    call(producer.request_started, rid)
+            for rid in meta.preempted:
+                call(producer.preempted, rid)
+            for rid, (groups, end, length) in meta.chunks.items():
+                call(producer.chunk_scheduled, rid, groups, num_tokens=end, prompt_tokens=length)
+            self.batch = tuple(meta.chunks)
             for rid, (groups, num_tokens) in meta.to_send.items():
-                self.producer.prefill_finished(rid, groups, num_tokens=num_tokens)
+                call(producer.prefill_finished, rid, groups, num_tokens=num_tokens)
                 self.sending.add(rid)
             for rid in meta.to_abort:
-                self.producer.abort(rid)
+                call(producer.abort, rid)
         if self.consumer is not None:
             for rid, (params, local, prompt) in meta.to_recv.items():
                 self.consumer.add_request(rid, params, local, num_tokens=prompt)
@@ -72,6 +104,27 @@ class WorkerSide:
                     self.recving.add(rid)
             for rid in meta.to_abort:
                 self.consumer.abort(rid)
+
+    def layer_saved(self, layer: str) -> None:
+        """P, streaming: vLLM ran ``layer``'s attention for this step's batch, whose
+        prompts' KV of that layer is then in the blocks (on a device: once the kernels
+        enqueued so far ran). O(batch): the runtime works out what that completes."""
+        producer = self.producer
+        if not self.batch or producer is None or layer not in self.layers:
+            return
+        if self.in_order is None or self.device is None:
+            producer.layer_computed(layer, self.batch)
+        else:
+            event = _recorded_event(self.device)
+            self.in_order.put(event, producer.layer_computed, layer, self.batch)
+
+    def _call(self, fn: Callable[..., object], *args: Any, **kwargs: Any) -> None:
+        """A producer call now, or on a device after the kernels enqueued before it."""
+        if self.in_order is None:
+            fn(*args, **kwargs)
+        else:
+            event, self._after = self._after, None
+            self.in_order.put(event, fn, *args, **kwargs)
 
     def finished(self) -> tuple[set[str] | None, set[str] | None]:
         sent: set[str] = set()
@@ -99,4 +152,44 @@ class WorkerSide:
         return KVWireStats(data=dict(self.endpoint.metrics.snapshot()["totals"]))
 
     def close(self) -> None:
+        if self.in_order is not None:
+            self.in_order.close()
         self.endpoint.close()
+
+
+def _recorded_event(device: torch.device) -> Any:
+    """An event on the device's current stream (the forward's), which completes once every
+    kernel enqueued before it ran: vLLM's attention returns before its kernels do."""
+    event = torch.Event(device=device)
+    event.record(torch.accelerator.current_stream(device))
+    return event
+
+
+class _InOrder:
+    """The producer's calls on one thread, in the engine's order, each after the device
+    event put with it has completed. A layer is reported computed only after its kernels
+    ran, and no call overtakes one before it (a later chunk tells the runtime that every
+    layer of the earlier one is computed), while the forward goes on launching layers."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[tuple[Any, Callable[..., object], Any, Any] | None]
+        self._queue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="kvwire-layers", daemon=True)
+        self._thread.start()
+
+    def put(self, event: Any, fn: Callable[..., object], *args: Any, **kwargs: Any) -> None:
+        self._queue.put((event, fn, args, kwargs))
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            event, fn, args, kwargs = item
+            try:
+                if event is not None:
+                    event.synchronize()
+                fn(*args, **kwargs)
+            except Exception:  # the engine's step has moved on: say what failed
+                log.exception("kvwire: %s failed", getattr(fn, "__name__", fn))
+
+    def close(self, timeout: float = 10.0) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout)
