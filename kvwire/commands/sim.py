@@ -23,7 +23,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--faults",
         default="all",
         help="'all', 'none', or a comma list of: drop, delay, duplicate, reorder, transfer, "
-        "post, handshake, crash, release, skew, abort, short-lease, partition (default all)",
+        "post, handshake, crash, release, skew, abort, short-lease, partition, and with "
+        "--stream preempt, stall, vanish (default all)",
+    )
+    parser.add_argument(
+        "--stream",
+        action="store_true",
+        help="push producers stream: prompts are computed over time in chunks and layers, "
+        "consumers register while they compute, and each layer's KV is written once computed",
     )
     parser.add_argument(
         "--legacy-lease-rule",
@@ -42,7 +49,9 @@ def run(args: argparse.Namespace) -> int:
     if args.seed < 0:
         raise ConfigError(f"--seed must be >= 0, got {args.seed}")
     faults = parse_faults(args.faults)
-    if args.legacy_lease_rule:
+    if args.stream:
+        result = simulate(args.seed, args.requests, faults, args.legacy_lease_rule, True)
+    elif args.legacy_lease_rule:
         result = simulate(args.seed, args.requests, faults, True)
     else:
         result = simulate(args.seed, args.requests, faults)
@@ -66,9 +75,12 @@ def _print_summary(result: object) -> None:
         f"  stuck             {d['stuck']}",
         f"  corrupt KV        {d['corrupt']}",
         f"  stale KV done     {d['stale_done']}  (partitions: {d['partitions']})",
+        f"  late writes       {d['late_writes']}",
         f"  invariant breaks  {d['invariant_violations']}",
         f"  machine events    {d['machine_events']}",
         f"  crashes           {d['crashes']}",
+        f"  streamed          {d['streamed']}  (rounds {d['stream_rounds']}; preempted "
+        f"{d['preemptions']}, stalled {d['stalls']}, consumers vanished {d['vanished']})",
         f"  simulated time    {d['sim_time_s']:.1f} s",
         f"  wall time         {d['wall_s']:.2f} s",
     ]

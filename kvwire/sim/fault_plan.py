@@ -20,8 +20,12 @@ FAULT_NAMES: tuple[str, ...] = (
     "abort",
     "short-lease",
     "partition",
+    "preempt",
+    "stall",
+    "vanish",
 )
-"""Every fault kind, in the order ``--faults all`` lists them."""
+"""Every fault kind, in the order ``--faults all`` lists them. The last three act on
+streamed prompts only (``--stream``); without it they inject nothing."""
 
 
 @dataclass(frozen=True)
@@ -47,6 +51,16 @@ class Faults:
     leases. Heartbeats, completions and handshakes across it are lost, and every transfer
     on it stalls until the link heals, then completes with whatever the source blocks hold
     by then."""
+    preempt: float = 0.0
+    """Per forward step of a streamed prompt: the engine preempts it (``Preempted``),
+    hands its blocks to other prompts and computes it again, from the start, into new
+    blocks."""
+    stall: float = 0.0
+    """Per forward step of a streamed prompt after its first: the engine stalls it for
+    25-45 s, past the consumer's registration watchdog (30 s), so the stream's write bound
+    ends mid-stream."""
+    vanish: float = 0.0
+    """Per layer a streamed prompt computes: its consumer engine dies (and restarts)."""
     kinds: tuple[str, ...] = ()
     """The ``--faults`` names that produced these settings."""
 
@@ -69,6 +83,9 @@ _SETTINGS: dict[str, dict[str, float | bool]] = {
     "abort": {"abort": 0.04},
     "short-lease": {"short_lease": True},
     "partition": {"partition": 0.0002},
+    "preempt": {"preempt": 0.03},
+    "stall": {"stall": 0.01},
+    "vanish": {"vanish": 0.0002},
 }
 
 

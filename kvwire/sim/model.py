@@ -26,6 +26,17 @@ FULL = HEADS * UNIT
 """Bytes of one logical block over all heads; a rank holds its heads' slice (MLA: all)."""
 POISON = 255
 """Freshly allocated consumer blocks hold this; the KV pattern never does (values < 251)."""
+SCRIBBLE = 253
+"""A streamed prompt's blocks hold this until a layer of a chunk is computed into them (and
+again once the engine takes them back): a byte written before it was computed, or from
+blocks given to another prompt, never matches the KV."""
+LAYERS = 4
+"""Streaming (``--stream``): layers of the push cluster's KV, one stream unit (region) each."""
+BLOCK_TOKENS = 4
+"""Streaming: tokens per block (prompts end mid-block; chunks are cut at any token)."""
+STREAM_UNITS = LAYERS - 1
+"""Units written before the prompt ends: every layer but the last (it carries the
+completion)."""
 P_BLOCKS = 16384
 D_BLOCKS = 32768
 ARRIVALS_PER_S = 400.0
@@ -122,11 +133,14 @@ class Rank:
         machine: ConsumerMachine | ProducerMachine,
         width: int,
         blocks: int,
+        layered: bool = False,
     ) -> None:
         self.engine = engine
         self.index = index
         self.machine = machine
-        self.buf: Buffer = np.zeros((blocks, width), dtype=np.uint8)
+        shape = (blocks, LAYERS, BLOCK_TOKENS, width) if layered else (blocks, width)
+        self.buf: Buffer = np.zeros(shape, dtype=np.uint8)
+        """Per block: its bytes; streaming: ``[layer, token in block, byte]``."""
         self.agent = f"{engine.spec.name}#{engine.inc}:{index}"
         self.alive = True
         self.last_now = -math.inf
@@ -167,6 +181,8 @@ class Xfer:
 
     __slots__ = (
         "cancelled",
+        "data",
+        "dst_gens",
         "dst_ids",
         "gens",
         "notif",
@@ -177,12 +193,17 @@ class Xfer:
         "rank",
         "read",
         "rid",
+        "rows",
         "src_ids",
         "stale",
         "stalled",
         "xid",
     )
     cancelled: bool
+    data: Buffer | None
+    dst_gens: npt.NDArray[np.int64] | None
+    """A WRITE: the generations of its consumer blocks when the consumer allocated them for
+    this request (a landing that finds others wrote into blocks D since reused)."""
     dst_ids: list[int]
     gens: npt.NDArray[np.int64] | None
     notif: bytes
@@ -193,11 +214,17 @@ class Xfer:
     rank: Rank
     read: bool
     rid: str
+    rows: Rows | None
+    """A streaming round's rectangles as (src index, dst index) into the ranks' buffers."""
     src_ids: list[int]
     xid: int
 
     def __init__(self) -> None:
         self.cancelled = False
+        self.rows = None
+        self.data = None
+        """The source bytes, when the DMA read them as it was posted."""
+        self.dst_gens = None
         self.outcome = ""
         self.stalled = False
         """Held up by a partition: completes after the heal with whatever is there then."""
@@ -212,6 +239,7 @@ class Request:
         "aborted",
         "cluster",
         "d",
+        "d_gens",
         "d_ids",
         "d_inc",
         "d_results",
@@ -219,14 +247,20 @@ class Request:
         "expired",
         "k",
         "n",
+        "nt",
         "p",
+        "p_aborted",
+        "p_done",
         "p_freed",
         "p_ids",
         "p_inc",
         "p_rid",
+        "preemptions",
         "read_stale",
         "seed",
         "status",
+        "stream",
+        "streamed",
         "t0",
     )
     aborted: bool
@@ -234,19 +268,29 @@ class Request:
     d: Engine
     d_ids: list[int]
     d_inc: int
+    d_gens: npt.NDArray[np.int64] | None
     d_results: dict[int, Action]
     d_rid: str
     expired: bool
     k: int
     n: int
+    nt: int
+    """Streaming: the prompt's tokens (``n`` blocks of BLOCK_TOKENS, the last maybe part)."""
     p: Engine
+    p_aborted: bool
+    p_done: bool
+    """The producer engine handed the prompt's blocks over (PrefillFinished)."""
     p_freed: set[int]
     p_ids: list[int]
     p_inc: int
     p_rid: str
+    preemptions: int
     read_stale: bool
     seed: int
     status: str
+    stream: Stream | None
+    streamed: bool
+    """A round of its KV was written before its prompt ended."""
     t0: float
 
     def __init__(self) -> None:
@@ -258,6 +302,30 @@ class Request:
         self.expired = False
         self.aborted = False
         self.read_stale = False
+        self.d_gens = None
+        self.nt = 0
+        self.p_aborted = False
+        self.p_done = False
+        self.preemptions = 0
+        self.stream = None
+        self.streamed = False
+
+
+class Stream:
+    """A prompt the producer engine computes chunk by chunk, layer by layer."""
+
+    __slots__ = ("bounds", "chunk", "ids", "layer", "version")
+
+    def __init__(self, bounds: list[int]) -> None:
+        self.bounds = bounds
+        """Token boundaries of its chunks: ``[0, ..., nt]``."""
+        self.chunk = 0
+        self.layer = -1
+        """The next layer to compute in the chunk; -1: the chunk is not scheduled yet."""
+        self.ids: list[int] = []
+        """The blocks the engine holds for it so far (its own until PrefillFinished)."""
+        self.version = 0
+        """Bumped at each preemption: the KV computed again is told apart from the old."""
 
 
 @dataclass
@@ -277,10 +345,22 @@ class SimResult:
     """Requests reported done whose bytes were not the producer's for that request (a READ
     that outlived the lease and read blocks the producer had given to another prompt)."""
     partitions: int = 0
+    streamed: int = 0
+    """Streaming: requests that had KV written before their prompt ended."""
+    stream_rounds: int = 0
+    preemptions: int = 0
+    stalls: int = 0
+    vanished: int = 0
+    """Consumer engines killed while a prompt streamed to them (``vanish``)."""
+    late_writes: int = 0
+    """WRITEs that landed in consumer blocks after the consumer freed them (counted in
+    ``corrupt`` too)."""
     lease_queries: int = 0
     """Lease queries a producer answered (every engine here is kvwire: ``lease-query``)."""
     bytes_verified: int = 0
     quarantined_blocks: int = 0
+    """Consumer blocks of failed push requests held until the producer's writes into them
+    are bounded to have ended (``writes_until``), then freed."""
     machine_events: int = 0
     notifications_dropped: int = 0
     crashes: int = 0
@@ -300,6 +380,68 @@ class SimResult:
             and self.corrupt == 0
             and self.stale_done == 0
         )
+
+
+Cells = tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int64]]
+Rows = tuple[Cells, Cells]
+"""Source and destination index arrays ``(block, layer, token in block)`` of a round."""
+
+
+def kv(
+    seed: int,
+    version: int,
+    layers: npt.NDArray[np.int64],
+    tokens: npt.NDArray[np.int64],
+    start: int,
+    width: int,
+) -> Buffer:
+    """Streaming: the KV bytes ``[start, start+width)`` of ``(layer, token)`` pairs of a
+    prompt computed the ``version``-th time; one row per pair. Every input changes every
+    byte (a mixed hash), so a byte of another layer, token, prompt or computation is wrong.
+    """
+    cols = np.arange(start, start + width, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        h = (
+            np.uint64(seed * 1_000_003 + version * 7919)
+            + layers.astype(np.uint64)[:, None] * np.uint64(104_729)
+            + tokens.astype(np.uint64)[:, None] * np.uint64(1_299_709)
+            + cols[None, :] * np.uint64(15_485_863)
+        )
+        h ^= h >> np.uint64(29)
+        h *= np.uint64(0xBF58476D1CE4E5B9)
+        h ^= h >> np.uint64(32)
+    out: Buffer = (h % np.uint64(251)).astype(np.uint8)
+    return out
+
+
+def piece_rows(
+    pieces: tuple[tuple[int, int, int, int], ...],
+    nt: int,
+    src_ids: list[int],
+    dst_ids: list[int],
+) -> Rows | None:
+    """The (block, layer, token) cells a streaming round's rectangles name, on both sides:
+    the producer's list is the prompt's first blocks, the consumer's its last (a prefix
+    hit needs no more). None if a rectangle names a token past the producer's blocks."""
+    layers_l: list[npt.NDArray[np.int64]] = []
+    tokens_l: list[npt.NDArray[np.int64]] = []
+    for u0, u1, t0, t1 in pieces:
+        ls = np.arange(u0, LAYERS if u1 < 0 else u1, dtype=np.int64)
+        ts = np.arange(t0, nt if t1 < 0 else t1, dtype=np.int64)
+        layers_l.append(np.repeat(ls, len(ts)))
+        tokens_l.append(np.tile(ts, len(ls)))
+    layers = np.concatenate(layers_l) if layers_l else np.zeros(0, dtype=np.int64)
+    tokens = np.concatenate(tokens_l) if tokens_l else np.zeros(0, dtype=np.int64)
+    blocks = tokens // BLOCK_TOKENS
+    if len(blocks) and int(blocks.max()) >= len(src_ids):
+        return None
+    skip = -(-nt // BLOCK_TOKENS) - len(dst_ids)
+    keep = blocks >= skip
+    layers, tokens, blocks = layers[keep], tokens[keep], blocks[keep]
+    src = np.asarray(src_ids, dtype=np.int64)[blocks]
+    dst = np.asarray(dst_ids, dtype=np.int64)[blocks - skip]
+    within = tokens % BLOCK_TOKENS
+    return (src, layers, within), (dst, layers, within)
 
 
 def pattern(seed: int, positions: npt.NDArray[np.int64], start: int, width: int) -> Buffer:

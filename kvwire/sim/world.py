@@ -10,9 +10,13 @@ reproduces a run exactly.
 
 Bytes are checked end to end: a prompt's KV is a pattern derived from its seed, written into
 the producer's blocks at prefill; a consumer request that reports success must hold exactly
-that pattern (for its suffix and its heads) in every rank's blocks.
+that pattern (for its suffix and its heads) in every rank's blocks. Streaming push
+(``stream``): the push producer computes each prompt chunk by chunk and layer by layer over
+simulated time, the pattern is per (prompt, layer, token, computation), and each round's
+rectangles are copied cell by cell, so bytes written before they were computed, from
+blocks taken back, or into blocks the consumer reused are found.
 
-Why one module of ~780 lines: it is one event loop, and each handler plays a part the
+Why one module of ~1000 lines: it is one event loop, and each handler plays a part the
 driver plays in production (proxy, block manager, transport, side channel) on the same
 random stream; split, the order of draws that makes a seed reproducible would be spread
 across files.
@@ -38,6 +42,7 @@ from kvwire.machine import (
     AllocationDone,
     ArmTimer,
     CancelTransfer,
+    ChunkScheduled,
     ConsumerMachine,
     EvictEngine,
     FailReason,
@@ -45,14 +50,17 @@ from kvwire.machine import (
     FreeReason,
     HandshakeDone,
     HandshakeFailed,
+    LayersComputed,
     LeaseConfirmed,
     NotificationReceived,
     PeerLost,
     PeerMisbehaved,
     PostRead,
     PostWrite,
+    Preempted,
     PrefillFinished,
     ProducerMachine,
+    ProducerState,
     QueryLeases,
     ReleaseFailed,
     ReleaseTransfer,
@@ -71,19 +79,27 @@ from kvwire.machine import (
 from kvwire.sim.fault_plan import Faults
 from kvwire.sim.model import (
     ARRIVALS_PER_S,
+    BLOCK_TOKENS,
     CLUSTERS,
     ENGINES,
     FULL,
+    LAYERS,
     POISON,
+    SCRIBBLE,
     SHORT_LEASE,
+    STREAM_UNITS,
     Allocator,
+    Buffer,
     Engine,
     EngineSpec,
     Rank,
     Request,
     SimResult,
+    Stream,
     Xfer,
+    kv,
     pattern,
+    piece_rows,
 )
 
 
@@ -91,12 +107,19 @@ class World:
     """One simulation run; ``run()`` returns its :class:`SimResult`."""
 
     def __init__(
-        self, seed: int, requests: int, faults: Faults, legacy_lease_rule: bool = False
+        self,
+        seed: int,
+        requests: int,
+        faults: Faults,
+        legacy_lease_rule: bool = False,
+        stream: bool = False,
     ) -> None:
         self.rng = random.Random(seed)
         self.legacy = legacy_lease_rule
         """Reproduce the old rule: consumers do not bound READs by the producer's lease,
         producers free expired blocks at once, transfers have no deadline."""
+        self.stream = stream
+        """Push producers stream: a prompt's KV is written while it is computed."""
         self.cuts: dict[tuple[str, str], float] = {}
         """Partitioned links: (producer host, consumer host) -> when the link heals."""
         self.n_requests = requests
@@ -233,12 +256,18 @@ class World:
                 if spec.role == "P"
                 else ConsumerMachine(config, mla=cluster.mla, host=spec.name, port=1)
             )
-            engine.ranks.append(Rank(engine, i, machine, engine.slice_of(i)[1], engine.blocks))
+            width = engine.slice_of(i)[1]
+            layered = self.stream and cluster.mode is TransferMode.PUSH
+            engine.ranks.append(Rank(engine, i, machine, width, engine.blocks, layered))
 
     def _crash(self, _: Any) -> None:
         if self.arrivals_done:
             return
-        engine = self.rng.choice(list(self.engines.values()))
+        self._kill(self.rng.choice(list(self.engines.values())))
+        self.at(self.t + self.rng.expovariate(1 / self.faults.crash_interval_s), self._crash)
+
+    def _kill(self, engine: Engine) -> None:
+        """The engine's process dies; it restarts 0.5-2 s later as a new engine."""
         if engine.up:
             self.result.crashes += 1
             engine.up = False
@@ -258,7 +287,6 @@ class World:
                     for rank in other.ranks:
                         self.at(self.t + 0.001, self._deliver, (rank, PeerLost(dead_id)))
             self.at(self.t + self.rng.uniform(0.5, 2.0), self._restart, engine)
-        self.at(self.t + self.rng.expovariate(1 / self.faults.crash_interval_s), self._crash)
 
     def _restart(self, engine: Engine) -> None:
         engine.up = True
@@ -281,7 +309,12 @@ class World:
         req.cluster = cluster
         req.t0 = self.t
         req.seed = rng.randrange(1 << 30)
-        req.n = rng.randint(1, 16)
+        streaming = self.stream and cluster.mode is TransferMode.PUSH
+        if streaming:
+            req.nt = rng.randint(1, 16 * BLOCK_TOKENS)
+            req.n = -(-req.nt // BLOCK_TOKENS)
+        else:
+            req.n = rng.randint(1, 16)
         roll = rng.random()
         req.k = 0 if roll < 0.7 else (req.n if roll > 0.9 else rng.randint(0, req.n - 1))
         req.p = rng.choice(ps)
@@ -295,7 +328,10 @@ class World:
         req.d_inc = req.d.inc
         self.reqs_p[req.p_rid] = req
         self.feed_all(req.p, RequestAdded(req.p_rid))
-        self.at(self.t + rng.uniform(0.002, 0.02), self._prefill_done, req)
+        if streaming:
+            self._start_stream(req)
+        else:
+            self.at(self.t + rng.uniform(0.002, 0.02), self._prefill_done, req)
         if self.faults.abort and rng.random() < self.faults.abort / 4:
             self.at(self.t + rng.uniform(0.0, 0.05), self._abort_p, req)
 
@@ -318,30 +354,45 @@ class World:
         for rank in p.ranks:
             start, width = p.slice_of(rank.index)
             rank.buf[arr] = pattern(req.seed, positions, start, width)
-        sched_now = self.t + p.sched_skew
-        deadline = sched_now + p.spec.lease_s
-        blocks = (tuple(ids),)
-        self.feed_all(p, PrefillFinished(req.p_rid, blocks, deadline, sched_now))
+        deadline = self._hand_over(req)
         # kvwire producers export their lease deadline (in the clock the handshake samples),
         # so a consumer declines a read that could outlive it instead of reading blocks that
         # may already hold another prompt. Heartbeats alone are no evidence that it moved
         # (they are fire-and-forget); the producer's answers to lease queries are.
-        expiry = deadline if req.cluster.mode is TransferMode.PULL else None
-        remote = RemotePrefill(
+        remote = self._remote(req, deadline if req.cluster.mode is TransferMode.PULL else None)
+        self.at(self.t + self.rng.uniform(0.0005, 0.003), self._to_consumer, (req, remote))
+
+    def _hand_over(self, req: Request) -> float:
+        """PrefillFinished: the engine hands the prompt's blocks to its ranks' machines under
+        a lease the scheduler stamps (in its own clock); returns the deadline."""
+        p = req.p
+        req.p_done = True
+        sched_now = self.t + p.sched_skew
+        deadline = sched_now + p.spec.lease_s
+        self.feed_all(p, PrefillFinished(req.p_rid, (tuple(req.p_ids),), deadline, sched_now))
+        return deadline
+
+    def _remote(self, req: Request, expiry: float | None) -> RemotePrefill:
+        """The producer's side of the request, as the proxy hands it to the consumer."""
+        p = req.p
+        pull = req.cluster.mode is TransferMode.PULL
+        return RemotePrefill(
             engine_id=p.engine_id,
             request_id=req.p_rid,
             host=p.spec.name,
             port=1,
-            block_ids=blocks if req.cluster.mode is TransferMode.PULL else (),
+            block_ids=(tuple(req.p_ids),) if pull else (),
             tp_size=p.spec.tp,
             blocks_expiry_time=expiry,
         )
-        self.at(self.t + self.rng.uniform(0.0005, 0.003), self._to_consumer, (req, remote))
 
     def _abort_p(self, req: Request) -> None:
         """Abort a prompt still being prefilled. (Once finished, its KV belongs to the
         consumer's read: aborting then would hand reused blocks to a reader that cannot tell,
         which is why engines do not; the machine's handling of it is unit-tested instead.)"""
+        if req.stream is not None:
+            self._abort_stream(req, "aborted", "producer aborted")
+            return
         if req.p.inc != req.p_inc or not req.p.up or req.p_ids or req.status != "pending":
             return
         req.aborted = True
@@ -367,11 +418,10 @@ class World:
         wait = rng.uniform(0.0, 0.03) if rng.random() > 0.002 else rng.uniform(10.0, 45.0)
         self.at(self.t + wait, self._allocate, req)
         if self.faults.abort and rng.random() < self.faults.abort:
-            self.at(
-                self.t + rng.choice((0.0, wait / 2, wait, wait + 0.001, wait + 0.005, wait + 0.02)),
-                self._abort_d,
-                req,
-            )
+            # A streamed prompt is still computing after the allocation: abort it mid-stream.
+            later = (wait + rng.uniform(0.0, 0.05),) if req.stream is not None else ()
+            times = (0.0, wait / 2, wait, wait + 0.001, wait + 0.005, wait + 0.02, *later)
+            self.at(self.t + rng.choice(times), self._abort_d, req)
 
     def _allocate(self, req: Request) -> None:
         d = req.d
@@ -385,6 +435,7 @@ class World:
         req.d_ids = ids
         if ids:
             arr = np.asarray(ids, dtype=np.int64)
+            req.d_gens = d.alloc.gens[arr].copy()
             for rank in d.ranks:
                 rank.buf[arr] = POISON
         blocks = (tuple(ids),)
@@ -395,6 +446,123 @@ class World:
             return
         req.aborted = True
         self.feed_all(req.d, Abort(req.d_rid))
+
+    # ----------------------------------------------------------------- streaming
+
+    def _start_stream(self, req: Request) -> None:
+        """A push prompt the producer engine computes in chunks of 3-24 tokens, layer by
+        layer, while the proxy hands the request to the consumer at once (push needs none of
+        the producer's blocks): the consumer's registration often reaches the producer while
+        the prompt is still computing, and its KV then leaves in rounds as layers complete."""
+        rng = self.rng
+        bounds = [0]
+        while bounds[-1] < req.nt:
+            bounds.append(min(req.nt, bounds[-1] + rng.randint(3, 24)))
+        req.stream = Stream(bounds)
+        remote = self._remote(req, None)
+        self.at(self.t + rng.uniform(0.0005, 0.003), self._to_consumer, (req, remote))
+        self.at(self.t + rng.uniform(0.0005, 0.003), self._stream_step, req)
+
+    def _stream_step(self, req: Request) -> None:
+        """One forward step's scheduling (blocks for the chunk, ``ChunkScheduled``), or one
+        layer of it computed and then reported (``LayersComputed``); after the last layer of
+        the last chunk, ``PrefillFinished``. Faults strike between steps (``preempt``,
+        ``stall``) and between layers (``vanish``)."""
+        p, st, rng, f = req.p, req.stream, self.rng, self.faults
+        assert st is not None
+        if not p.up or p.inc != req.p_inc or req.p_aborted:
+            return  # the engine died or gave the prompt up: nothing more is computed
+        lo, hi = st.bounds[st.chunk], st.bounds[st.chunk + 1]
+        if st.layer < 0:
+            if f.preempt and req.preemptions < 3 and rng.random() < f.preempt:
+                self._preempt(req)
+                return
+            if f.stall and st.chunk and rng.random() < f.stall:
+                self.result.stalls += 1
+                self.at(self.t + rng.uniform(25.0, 45.0), self._stream_step, req)
+                return
+            ids = p.alloc.alloc(-(-hi // BLOCK_TOKENS) - len(st.ids))
+            if ids is None:
+                self._abort_stream(req, "failed", "producer out of blocks")
+                return
+            self._scribble(p, ids)
+            st.ids += ids
+            whole = hi - hi % BLOCK_TOKENS  # only full blocks are written before the end
+            self.feed_all(p, ChunkScheduled(req.p_rid, whole, (tuple(st.ids),), STREAM_UNITS))
+            st.layer = 0
+        else:
+            d = req.d
+            if f.vanish and rng.random() < f.vanish and d.up and d.inc == req.d_inc:
+                self.result.vanished += 1
+                self._kill(d)
+            self._compute(req, st.layer, lo, hi)
+            self.feed_all(p, LayersComputed((req.p_rid,), st.layer + 1))
+            st.layer += 1
+            if st.layer == LAYERS:
+                st.chunk += 1
+                st.layer = -1
+                if st.chunk == len(st.bounds) - 1:
+                    req.p_ids = st.ids
+                    self._hand_over(req)
+                    return
+        self.at(self.t + rng.uniform(0.0003, 0.002), self._stream_step, req)
+
+    def _compute(self, req: Request, layer: int, lo: int, hi: int) -> None:
+        """Write ``layer``'s KV of tokens [lo, hi) into the prompt's blocks on every rank."""
+        st = req.stream
+        assert st is not None
+        tokens = np.arange(lo, hi, dtype=np.int64)
+        layers = np.full(len(tokens), layer, dtype=np.int64)
+        blocks = np.asarray(st.ids, dtype=np.int64)[tokens // BLOCK_TOKENS]
+        for rank in req.p.ranks:
+            start, width = req.p.slice_of(rank.index)
+            values = kv(req.seed, st.version, layers, tokens, start, width)
+            rank.buf[blocks, layer, tokens % BLOCK_TOKENS] = values
+
+    def _scribble(self, engine: Engine, ids: list[int]) -> None:
+        """Blocks a prompt gets (or gives back) hold nothing of its KV."""
+        arr = np.asarray(ids, dtype=np.int64)
+        for rank in engine.ranks:
+            rank.buf[arr] = SCRIBBLE
+
+    def _preempt(self, req: Request) -> None:
+        """The engine takes the prompt's blocks back for other prompts (so whatever reads them
+        from now on reads junk) and computes it again, from the start, into new blocks."""
+        st = req.stream
+        assert st is not None
+        req.preemptions += 1
+        self.result.preemptions += 1
+        self._scribble(req.p, st.ids)
+        req.p.alloc.free(st.ids)
+        st.ids = []
+        st.version += 1
+        st.chunk = 0
+        self.feed_all(req.p, Preempted(req.p_rid))
+        self.at(self.t + self.rng.uniform(0.001, 0.01), self._stream_step, req)
+
+    def _abort_stream(self, req: Request, status: str, reason: str) -> None:
+        """The producer engine gives a prompt up while computing it: it frees its own blocks
+        (they are not the machines' before PrefillFinished), its ranks drop the request, and
+        the proxy ends the consumer's side too."""
+        p, st = req.p, req.stream
+        assert st is not None
+        if req.p_done or req.p_aborted or not p.up or p.inc != req.p_inc:
+            return
+        req.p_aborted = True
+        self._scribble(p, st.ids)
+        p.alloc.free(st.ids)
+        st.ids = []
+        self.feed_all(p, Abort(req.p_rid))
+        for rank in p.ranks:
+            if rank.machine.request_state(req.p_rid) is ProducerState.ABSENT:
+                req.p_freed.add(rank.index)  # dropped while holding nothing: no FreeBlocks
+        self._p_released(req)
+        if req.status != "pending":
+            return
+        if req.d_rid in self.reqs_d:
+            self._abort_d(req)
+        else:
+            self._finish(req, status, reason, free_d=False)
 
     # ----------------------------------------------------------------- actions
 
@@ -473,6 +641,12 @@ class World:
         else:
             x.src_ids, x.dst_ids = local, remote
             x.gens = None
+            owner = self.reqs_p.get(x.rid)
+            if owner is not None and owner.d_gens is not None and remote == owner.d_ids:
+                x.dst_gens = owner.d_gens
+            if isinstance(action, PostWrite) and action.pieces and not self._round(x, action):
+                self.at(self.t, self._deliver, (rank, TransferFailed(xid, "bad round")))
+                return
         rank.xfers[xid] = x
         self.at(self.t, self._deliver, (rank, TransferPosted(xid)))
         latency = 0.0002 + len(local) * FULL / 5e9 + rng.expovariate(1 / 0.001)
@@ -484,6 +658,26 @@ class World:
             self.at(heal + latency, self._complete, x)
             return
         self.at(self.t + latency, self._complete, x)
+
+    def _round(self, x: Xfer, action: PostWrite) -> bool:
+        """Plan a streaming round's rectangles cell by cell; the DMA reads its source as it
+        is posted or as it lands (either may happen: both must give the same bytes)."""
+        owner = self.reqs_p.get(x.rid)
+        if owner is None or owner.stream is None:
+            self.violation(f"{x.rank.agent} streamed {x.rid}, not a streamed prompt")
+            return False
+        rows = piece_rows(action.pieces, owner.nt, list(action.local_block_ids[0]), x.dst_ids)
+        if rows is None:
+            self.violation(f"{x.rank.agent} round {action.pieces} of {x.rid} names unheld tokens")
+            return False
+        x.rows = rows
+        self.result.stream_rounds += 1
+        if not action.notification and not owner.streamed:
+            owner.streamed = True
+            self.result.streamed += 1
+        if self.rng.random() < 0.5:
+            x.data = self._source(x).copy()
+        return True
 
     def _cut_until(self, a: Engine, b: Engine) -> float:
         """When the link between ``a`` and ``b`` heals (in the past if it is up)."""
@@ -515,6 +709,12 @@ class World:
         f = self.faults
         if ok and f.transfer_failure and self.rng.random() < f.transfer_failure:
             ok = False
+        if ok and x.dst_gens is not None:
+            now_gens = peer.alloc.gens[np.asarray(x.dst_ids, dtype=np.int64)]
+            if not np.array_equal(now_gens, x.dst_gens):
+                self.result.late_writes += 1
+                self.result.corrupt += 1
+                self.violation(f"{x.rank.agent} wrote {x.rid} into blocks its consumer freed")
         if ok:
             self._copy(x)
             self._send(x.rank.agent, peer, x.peer_rank, x.notif, x.rank.engine)
@@ -525,18 +725,36 @@ class World:
         x.outcome = "done" if ok else "failed"
         self._answer(x)
 
-    def _copy(self, x: Xfer) -> None:
+    def _ends(self, x: Xfer) -> tuple[Rank, slice, Rank, slice]:
+        """Source and destination ranks, and the bytes of a block's head slice each moves."""
         rank = x.rank
         other = x.peer.ranks[x.peer_rank]
         src_rank, dst_rank = (other, rank) if x.read else (rank, other)
         s0, sw = src_rank.engine.slice_of(src_rank.index)
         d0, dw = dst_rank.engine.slice_of(dst_rank.index)
         lo, hi = max(s0, d0), min(s0 + sw, d0 + dw)
-        if hi <= lo or not x.dst_ids:
+        hi = max(lo, hi)
+        return src_rank, slice(lo - s0, hi - s0), dst_rank, slice(lo - d0, hi - d0)
+
+    def _source(self, x: Xfer) -> Buffer:
+        """The bytes a streaming round reads (a view of the source rank's buffer)."""
+        assert x.rows is not None
+        src_rank, cols, _, _ = self._ends(x)
+        blocks, layers, within = x.rows[0]
+        return src_rank.buf[blocks, layers, within, cols]
+
+    def _copy(self, x: Xfer) -> None:
+        src_rank, s_cols, dst_rank, d_cols = self._ends(x)
+        if s_cols.stop <= s_cols.start or not x.dst_ids:
+            return
+        if x.rows is not None:
+            data = x.data if x.data is not None else self._source(x)
+            blocks, layers, within = x.rows[1]
+            dst_rank.buf[blocks, layers, within, d_cols] = data
             return
         src = np.asarray(x.src_ids, dtype=np.int64)
         dst = np.asarray(x.dst_ids, dtype=np.int64)
-        dst_rank.buf[dst, lo - d0 : hi - d0] = src_rank.buf[src, lo - s0 : hi - s0]
+        dst_rank.buf[dst, ..., d_cols] = src_rank.buf[src, ..., s_cols]
 
     def _answer(self, x: Xfer) -> None:
         """Report a finished or cancelled transfer: released, or a failed release."""
@@ -637,17 +855,25 @@ class World:
             self.result.double_frees += 1
             self.violation(f"{rank.agent} freed {action.request_id} twice")
             return
-        if tuple(action.block_ids[0]) != tuple(req.p_ids):
+        if req.stream is not None and not req.p_done:
+            # A stream that ended before its prompt: the engine's blocks were never handed over.
+            if any(action.block_ids):
+                self.violation(f"{rank.agent} freed {action.request_id}'s unfinished blocks")
+        elif tuple(action.block_ids[0]) != tuple(req.p_ids):
             self.violation(f"{rank.agent} freed {action.request_id} with the wrong blocks")
         req.p_freed.add(rank.index)
         if action.reason is FreeReason.EXPIRED:
             req.expired = True
-        if len(req.p_freed) == req.p.spec.tp:
-            bad = req.p.alloc.free(req.p_ids)
-            if bad:
-                self.result.double_frees += bad
-                self.violation(f"{action.request_id}: {bad} blocks freed while not allocated")
-            del self.reqs_p[action.request_id]
+        self._p_released(req)
+
+    def _p_released(self, req: Request) -> None:
+        """Every producer rank let go of the request: its blocks go back to the pool."""
+        if len(req.p_freed) < req.p.spec.tp or self.reqs_p.pop(req.p_rid, None) is None:
+            return
+        bad = req.p.alloc.free(req.p_ids)
+        if bad:
+            self.result.double_frees += bad
+            self.violation(f"{req.p_rid}: {bad} blocks freed while not allocated")
 
     def _act_outcome(self, rank: Rank, action: RequestDone | RequestFailed) -> None:
         req = self.reqs_d.get(action.request_id)
@@ -664,7 +890,9 @@ class World:
         if failures:
             first = failures[0]
             status = "aborted" if first.reason is FailReason.ABORTED else "failed"
-            self._finish(req, status, first.reason.value, free_d=True)
+            bounds = [a.writes_until for a in failures if a.writes_until is not None]
+            until = max(bounds) if bounds else None
+            self._finish(req, status, first.reason.value, free_d=True, writes_until=until)
             return
         # Done even if aborted (the abort raced with the last transfer): verified all the same.
         self._verify(req)
@@ -672,12 +900,9 @@ class World:
     def _verify(self, req: Request) -> None:
         d = req.d
         if req.d_ids:
-            dst = np.asarray(req.d_ids, dtype=np.int64)
-            positions = np.arange(req.k, req.n, dtype=np.int64)
             for rank in d.ranks:
-                start, width = d.slice_of(rank.index)
-                expected = pattern(req.seed, positions, start, width)
-                if not np.array_equal(rank.buf[dst], expected):
+                held, expected = self._held_kv(req, rank)
+                if not np.array_equal(held, expected):
                     self.result.corrupt += 1
                     if req.read_stale:
                         self.result.stale_done += 1
@@ -687,7 +912,33 @@ class World:
                 self.result.bytes_verified += expected.size
         self._finish(req, "done", "", free_d=True)
 
-    def _finish(self, req: Request, status: str, reason: str, *, free_d: bool) -> None:
+    def _held_kv(self, req: Request, rank: Rank) -> tuple[Buffer, Buffer]:
+        """What a consumer rank holds of the request's KV, and what it must hold: the
+        prompt's last blocks (past the prefix hit), its heads; streamed, every layer of every
+        token of them, as last computed."""
+        dst = np.asarray(req.d_ids, dtype=np.int64)
+        start, width = req.d.slice_of(rank.index)
+        if req.stream is None:
+            positions = np.arange(req.k, req.n, dtype=np.int64)
+            return rank.buf[dst], pattern(req.seed, positions, start, width)
+        tokens = np.arange(req.k * BLOCK_TOKENS, req.nt, dtype=np.int64)
+        layers = np.repeat(np.arange(LAYERS, dtype=np.int64), len(tokens))
+        tokens = np.tile(tokens, LAYERS)
+        blocks = dst[tokens // BLOCK_TOKENS - req.k]
+        held = rank.buf[blocks, layers, tokens % BLOCK_TOKENS]
+        return held, kv(req.seed, req.stream.version, layers, tokens, start, width)
+
+    def _finish(
+        self,
+        req: Request,
+        status: str,
+        reason: str,
+        *,
+        free_d: bool,
+        writes_until: float | None = None,
+    ) -> None:
+        """``writes_until``: push, the consumer's bound (its clock) on the producer's writes
+        into the request's blocks."""
         if req.status != "pending":
             self.violation(f"{req.d_rid} finished twice ({req.status}, then {status})")
             return
@@ -704,15 +955,21 @@ class World:
             self.result.failures_by_reason[key] = self.result.failures_by_reason.get(key, 0) + 1
         self.reqs_d.pop(req.d_rid, None)
         if free_d and req.d_ids and req.d.inc == req.d_inc:
-            if req.cluster.mode is TransferMode.PUSH and status != "done":
-                # A producer may still be writing into them: never hand them out again.
+            if writes_until is not None:
+                # A producer may still write into them until then: hold them, then hand them
+                # out again (a write that lands later finds them reused, and is counted).
                 self.result.quarantined_blocks += len(req.d_ids)
-                req.d.alloc.allocated -= len(req.d_ids)
+                self.at(max(self.t, writes_until - req.d.skew), self._release_d, req)
             else:
-                bad = req.d.alloc.free(req.d_ids)
-                if bad:
-                    self.result.double_frees += bad
-                    self.violation(f"{req.d_rid}: consumer blocks freed twice")
+                self._release_d(req)
+
+    def _release_d(self, req: Request) -> None:
+        if req.d.inc != req.d_inc:
+            return  # the engine restarted: its blocks went with it
+        bad = req.d.alloc.free(req.d_ids)
+        if bad:
+            self.result.double_frees += bad
+            self.violation(f"{req.d_rid}: consumer blocks freed twice")
 
     # ----------------------------------------------------------------- the end
 
@@ -748,14 +1005,20 @@ class World:
 
 
 def simulate(
-    seed: int, requests: int, faults: Faults, legacy_lease_rule: bool = False
+    seed: int,
+    requests: int,
+    faults: Faults,
+    legacy_lease_rule: bool = False,
+    stream: bool = False,
 ) -> SimResult:
     """Run one simulation to quiescence; deterministic for a given seed and arguments.
 
     ``legacy_lease_rule`` runs the machines with the old, unsafe rule (reads not bounded by
     the producer's lease, no quarantine, no transfer deadline): with ``partition`` it
-    shows what the new rule prevents (``stale_done > 0``)."""
-    return World(seed, requests, faults, legacy_lease_rule).run()
+    shows what the new rule prevents (``stale_done > 0``). ``stream``: push producers
+    stream (the prompt is computed over time in chunks and layers, and its KV written as
+    it is; consumers register while it computes)."""
+    return World(seed, requests, faults, legacy_lease_rule, stream).run()
 
 
 def _sim_settings(
