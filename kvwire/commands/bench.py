@@ -1,9 +1,10 @@
 """Measure kvwire beside baselines measured in the same run.
 
 Suites: layout, wire, machine, transport, e2e, fleet (metadata traffic of a fleet over
-ZMQ handshakes and over an etcd metadata store, cold start and a prefill restart). Every
-figure comes with its baseline and their ratio; ``--json`` prints one JSON object per
-suite (a list when several run).
+ZMQ handshakes and over an etcd metadata store, cold start and a prefill restart),
+layerwise (the transfer time a layer-by-layer prefill leaves exposed: pull, whole-request
+push and streaming push). Every figure comes with its baseline and their ratio; ``--json``
+prints one JSON object per suite (a list when several run).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import sys
 
 from kvwire.errors import ConfigError
 
-SUITES = ("layout", "wire", "machine", "transport", "e2e", "fleet")
+SUITES = ("layout", "wire", "machine", "transport", "e2e", "fleet", "layerwise")
 NO_CHARTS = frozenset({"layout", "fleet"})
 """Suites whose figures are single points, with no sweep for ``--plot`` to draw."""
 
