@@ -42,15 +42,6 @@ ALL_BYTES = TOKENS * GEO.layers * 8 * 2 * 128 * 2
 whichever D ranks hold them."""
 
 
-EMPTY_NOTIFICATIONS = pytest.mark.xfail(
-    strict=True,
-    reason="kvwire.runtime's driver posts early stream rounds with notification b'' (not "
-    "None), which the NIXL transport delivers as an empty notification; vLLM's push D "
-    "cannot parse it (ValueError in get_finished). Remove this mark with the fix.",
-)
-"""Only the stock-D cases: kvwire's D counts those notifications as malformed."""
-
-
 @contextmanager
 def streaming_pair(
     zygote: Zygote, d_connector: str, tp: tuple[int, int]
@@ -80,7 +71,6 @@ def assert_streamed(p: SchedulerEngine, d: SchedulerEngine, rid: str, index: int
         assert stats["transfers_failed"] == 0, (rank, stats)
 
 
-@EMPTY_NOTIFICATIONS
 @pytest.mark.parametrize("tp", [(1, 1), (1, 2)], ids=["1-1", "1-2"])
 def test_streaming_p_to_stock_push_d(zygote: Zygote, tp: tuple[int, int]) -> None:
     """vLLM 0.31.0's stock push D (``NixlPushConnector``) takes a streamed prompt as it
@@ -95,7 +85,6 @@ def test_streaming_p_to_kvwire_d(zygote: Zygote, tp: tuple[int, int]) -> None:
         assert_streamed(p, d, "req-s", 43)
 
 
-@EMPTY_NOTIFICATIONS
 def test_streaming_p_to_stock_push_d_on_vllm_032(zygote_032: Zygote) -> None:
     with streaming_pair(zygote_032, "NixlConnector", (1, 1)) as (p, d):
         assert_streamed(p, d, "req-s", 47)

@@ -19,6 +19,10 @@ blocks as soon as the engine hands them over.
 
 Every held block is freed exactly once (``FreeBlocks``), and only when no transfer from it
 is still running.
+
+Why one module: matching, whole-request writes and streaming rounds share one request
+record and one set of endings (free, drain, back to prefilling); split apart, each half
+would have to reach into the other's fields.
 """
 
 from __future__ import annotations
@@ -644,15 +648,17 @@ class ProducerMachine(MachineCore):
         if req.state is S.WRITING:
             self._next_round(req, out)
 
-    def _stream_ended(self, req: _Req, reason: FreeReason, out: list[Action]) -> None:
+    def _stream_ended(
+        self, req: _Req, reason: FreeReason, out: list[Action], trigger: Trigger | None = None
+    ) -> None:
         """End a failed request: free its blocks, or, if its prompt is still computing, wait
         for them holding nothing (the engine's blocks are its own until PrefillFinished)."""
         if req.finished or reason is FreeReason.ABORTED or req.stream_failed is not None:
-            self._free(req, req.stream_failed or reason, out)
+            self._free(req, req.stream_failed or reason, out, trigger)
             return
         req.stream_failed = reason
         self._release_engine(req)
-        self._move(req, PRODUCER, "prefilling")
+        self._move(req, PRODUCER, "prefilling", trigger)
 
     # ----------------------------------------------------------------- engines
 
@@ -675,7 +681,7 @@ class ProducerMachine(MachineCore):
             if req.finished:
                 self._free(req, FreeReason.FAILED, out, HandshakeFailed)
             else:
-                self._stream_ended(req, FreeReason.FAILED, out)
+                self._stream_ended(req, FreeReason.FAILED, out, HandshakeFailed)
 
     # ----------------------------------------------------------------- transfers
 

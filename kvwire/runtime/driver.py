@@ -508,6 +508,9 @@ class Driver:
         less to post than the many table rows they cover. Returns the handle and the
         descriptors handed to the transport."""
         read = isinstance(action, PostRead)
+        # A streaming round carries no notification: None, never an empty one (which a
+        # transport would deliver, and vLLM's D cannot parse).
+        notify = action.notification or None
         rows, remote_rows, tables = plan.local_rows, plan.remote_rows, self._tables
         if (
             rank.prepared
@@ -518,12 +521,12 @@ class Driver:
         ):
             post_rows = tables.read_rows if read else tables.write_rows
             try:
-                handle = post_rows(rank.agent, rows, remote_rows, action.notification)
+                handle = post_rows(rank.agent, rows, remote_rows, notify)
                 return handle, int(rows.size)
             except UnpreparedTablesError:
                 rank.prepared = False  # dropped by the transport: post rows until re-prepared
         post = self.transport.read if read else self.transport.write
-        handle = post(rank.agent, plan.local_descs, plan.remote_descs, action.notification)
+        handle = post(rank.agent, plan.local_descs, plan.remote_descs, notify)
         return handle, plan.num_descs
 
     def _send(self, action: SendNotification) -> None:

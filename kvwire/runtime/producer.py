@@ -145,7 +145,8 @@ class Producer(_Endpoint[list[FreedRequest]]):
         events: list[Event] = []
         if machine.request_state(rid) is ProducerState.ABSENT:
             events.append(RequestAdded(rid))
-            self._driver.request_started(rid, prompt)
+        # Always: an engine that called request_started first gave no length then.
+        self._driver.request_started(rid, prompt)
         whole = done - done % geometry.block_size
         events.append(ChunkScheduled(rid, whole, blocks, units))
         self._driver.feed(*events)

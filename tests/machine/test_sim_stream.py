@@ -137,12 +137,6 @@ def test_not_rewriting_after_a_preemption_is_found(monkeypatch: pytest.MonkeyPat
     assert result.corrupt > 0 or result.invariant_violations > 0
 
 
-@pytest.mark.xfail(
-    reason="producer machine bug (reported): a handshake that times out while a matched "
-    "stream still computes moves WAIT_PEER -> PREFILLING under the Timer trigger, which the "
-    "table lacks; the machine raises mid-step and leaks the rank's requests",
-    strict=False,
-)
 def test_a_handshake_timing_out_mid_stream() -> None:
     faults = Faults(handshake_silence=0.5, stall=0.3, kinds=("handshake", "stall"))
     result = simulate(0, 200, faults, False, True)

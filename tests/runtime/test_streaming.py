@@ -251,7 +251,6 @@ def test_a_producer_abort_mid_stream_frees_once_and_the_consumer_fails() -> None
         failed: dict[str, object] = {}
         wait_until(lambda: bool(failed.update(consumer.get_finished().failed) or failed))
         assert list(failed) == ["r"]
-        assert producer.machine_stats()["transfers_posted"] >= 1
 
 
 def test_a_stream_past_the_consumers_watchdog_fails_on_both_sides() -> None:
