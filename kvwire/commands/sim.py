@@ -42,19 +42,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvwire.sim import parse_faults, simulate
+    from kvwire.sim import STREAM_FAULTS, parse_faults, simulate
 
     if args.requests < 1 or args.requests > 10_000_000:
         raise ConfigError(f"--requests must be between 1 and 10000000, got {args.requests}")
     if args.seed < 0:
         raise ConfigError(f"--seed must be >= 0, got {args.seed}")
     faults = parse_faults(args.faults)
-    if args.stream:
-        result = simulate(args.seed, args.requests, faults, args.legacy_lease_rule, True)
-    elif args.legacy_lease_rule:
-        result = simulate(args.seed, args.requests, faults, True)
-    else:
-        result = simulate(args.seed, args.requests, faults)
+    named = set(faults.kinds) & STREAM_FAULTS
+    if named and not args.stream and args.faults.strip() != "all":
+        # Named on purpose, they would inject nothing: say so rather than report 0 of them.
+        raise ConfigError(
+            f"--faults {', '.join(sorted(named))} act on streamed prompts: add --stream"
+        )
+    result = simulate(
+        args.seed,
+        args.requests,
+        faults,
+        legacy_lease_rule=args.legacy_lease_rule,
+        stream=args.stream,
+    )
     if args.json:
         sys.stdout.write(json.dumps(dataclasses.asdict(result), sort_keys=True) + "\n")
     else:

@@ -2,8 +2,16 @@
 
 from __future__ import annotations
 
-from kvwire.sim.fault_plan import FAULT_NAMES, Faults, parse_faults
+from kvwire.sim.fault_plan import FAULT_NAMES, STREAM_FAULTS, Faults, parse_faults
 from kvwire.sim.model import SimResult
 from kvwire.sim.world import World, simulate
 
-__all__ = ["FAULT_NAMES", "Faults", "SimResult", "World", "parse_faults", "simulate"]
+__all__ = [
+    "FAULT_NAMES",
+    "STREAM_FAULTS",
+    "Faults",
+    "SimResult",
+    "World",
+    "parse_faults",
+    "simulate",
+]

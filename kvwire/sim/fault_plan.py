@@ -27,6 +27,9 @@ FAULT_NAMES: tuple[str, ...] = (
 """Every fault kind, in the order ``--faults all`` lists them. The last three act on
 streamed prompts only (``--stream``); without it they inject nothing."""
 
+STREAM_FAULTS = frozenset({"preempt", "stall", "vanish"})
+"""The faults of :data:`FAULT_NAMES` that only a streaming push producer meets."""
+
 
 @dataclass(frozen=True)
 class Faults:

@@ -123,6 +123,7 @@ TABLE: list[tuple[str, dict[str, str], str]] = [
     ("sim --requests many", {}, "argument --requests: invalid int value"),
     ("sim --seed -1", {}, "--seed must be >= 0"),
     ("sim --faults nope", {}, "nope"),
+    ("sim --faults drop,preempt", {}, "--faults preempt act on streamed prompts: add --stream"),
     # bench
     ("bench fleet --fleet 3", {}, "--fleet '3': expected PxDxTP"),
     ("bench fleet --fleet 1x1x3", {}, "TP 1/2/4/8"),

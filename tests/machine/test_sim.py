@@ -85,7 +85,7 @@ def test_command_exits_1_when_an_invariant_broke(monkeypatch: pytest.MonkeyPatch
     import kvwire.sim
     from kvwire.sim import SimResult
 
-    monkeypatch.setattr(kvwire.sim, "simulate", lambda *a: SimResult(seed=0, stuck=1))
+    monkeypatch.setattr(kvwire.sim, "simulate", lambda *a, **k: SimResult(seed=0, stuck=1))
     assert main(["sim", "--requests", "10", "--json"]) == 1
 
 
