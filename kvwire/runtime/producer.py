@@ -55,7 +55,7 @@ class Producer(_Endpoint[list[FreedRequest]]):
     """
 
     _role = "producer"
-    _ends_cache: tuple[KVGeometry, dict[str, int]] | None = None
+    _stream_cache: tuple[KVGeometry, dict[str, int], int] | None = None
 
     # -- setup ---------------------------------------------------------------------
 
@@ -169,22 +169,27 @@ class Producer(_Endpoint[list[FreedRequest]]):
 
     @property
     def _layer_ends(self) -> dict[str, int]:
-        geometry = self._driver.geometry
-        if geometry is None:
-            raise ConfigError("register_kv_caches before layer_computed")
-        cached = self._ends_cache
-        if cached is None or cached[0] is not geometry:
-            cached = self._ends_cache = (geometry, geometry.layer_ends())
-        return cached[1]
+        return self._stream_layout()[0]
 
     @property
     def _stream_units(self) -> int:
         """Regions written before the prompt ends: all but the last layer's (it carries
         the completion)."""
+        return self._stream_layout()[1]
+
+    def _stream_layout(self) -> tuple[dict[str, int], int]:
+        """Each layer's region count and the streamed units, worked out once per
+        registration (the engine asks on every chunk and layer)."""
         geometry = self._driver.geometry
-        assert geometry is not None
-        total = len(geometry.regions)
-        return max((end for end in self._layer_ends.values() if end < total), default=0)
+        if geometry is None:
+            raise ConfigError("register_kv_caches before streaming calls")
+        cached = self._stream_cache
+        if cached is None or cached[0] is not geometry:
+            ends = geometry.layer_ends()
+            total = len(geometry.regions)
+            units = max((end for end in ends.values() if end < total), default=0)
+            cached = self._stream_cache = (geometry, ends, units)
+        return cached[1], cached[2]
 
     def kv_transfer_params(
         self,

@@ -25,6 +25,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvwire.demo.content import blocks_view, expected, scribble
+from kvwire.errors import LocalProtocolError
 from kvwire.runtime import Consumer, Producer
 
 from .conftest import Side, config, make_side, wait_until
@@ -274,3 +275,23 @@ def test_a_stream_past_the_consumers_watchdog_fails_on_both_sides() -> None:
         # Nothing was written after the consumer gave up: not the next chunk, not the end.
         assert producer.machine_stats()["transfers_posted"] == posted[0]
         assert list(failed) == ["r"] and consumer.get_finished().done == []
+
+
+@pytest.mark.parametrize(
+    ("call", "named"),
+    [
+        (lambda p: p.chunk_scheduled("b", [0, 1], num_tokens=8, prompt_tokens=8), "block"),
+        (lambda p: p.chunk_scheduled("b", [[0]], num_tokens=8.0, prompt_tokens=8), "int"),
+        (lambda p: p.chunk_scheduled("b", [[0]], num_tokens=9, prompt_tokens=8), "within"),
+        (lambda p: p.chunk_scheduled("b,c", [[0]], num_tokens=8, prompt_tokens=8), "','"),
+        (lambda p: p.layer_computed("lm_head", ["b"]), "not a layer"),
+        (lambda p: p.preempted(""), "non-empty"),
+    ],
+)
+def test_bad_streaming_calls_are_refused_by_name(
+    pair: Pair, call: Callable[[Producer], object], named: str
+) -> None:
+    producer = pair[0]
+    with pytest.raises(LocalProtocolError, match=named):
+        call(producer)
+    assert producer.errors == []
