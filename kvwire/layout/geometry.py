@@ -334,6 +334,13 @@ class KVGeometry:
             for name, position in order.items()
         }
 
+    def streamed_regions(self) -> int:
+        """How many leading regions a streaming producer writes before the prompt ends: all
+        but the last layer's, which goes with the completion (0: the layout streams
+        nothing early, e.g. one region row shared by every layer)."""
+        total = len(self.regions)
+        return max((end for end in self.layer_ends().values() if end < total), default=0)
+
     def advertised_num_blocks(self) -> int:
         if self.num_blocks is not None:
             return self.num_blocks

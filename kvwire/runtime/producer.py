@@ -185,9 +185,7 @@ class Producer(_Endpoint[list[FreedRequest]]):
             raise ConfigError("register_kv_caches before streaming calls")
         cached = self._stream_cache
         if cached is None or cached[0] is not geometry:
-            ends = geometry.layer_ends()
-            total = len(geometry.regions)
-            units = max((end for end in ends.values() if end < total), default=0)
+            ends, units = geometry.layer_ends(), geometry.streamed_regions()
             cached = self._stream_cache = (geometry, ends, units)
         return cached[1], cached[2]
 

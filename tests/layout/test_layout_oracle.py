@@ -23,6 +23,7 @@ from kvwire.pairs.oracle import (
     SPACE,
     Case,
     RankBuffer,
+    Request,
     Side,
     check_consumer,
     check_producer,
@@ -82,13 +83,19 @@ def assert_rows_in_tables(
 # ----------------------------------------------------------------------------------------
 
 
-def run_case(case: Case) -> dict[str, int]:
+def ranks(case: Case) -> tuple[Request, list[RankBuffer], list[RankBuffer], dict[int, RankBuffer]]:
+    """The case's request, its producer ranks (holding it) and consumer ranks, and every
+    rank's buffer by base address."""
     request = make_request(case)
     producers = [make_rank(case, 0, r) for r in range(case.p.tp)]
     consumers = [make_rank(case, 1, r) for r in range(case.d.tp)]
-    buffers = {rb.base: rb for rb in producers + consumers}
     for rb in producers:
         lay_out(rb, request.p_ids, request.p_starts, request)
+    return request, producers, consumers, {rb.base: rb for rb in producers + consumers}
+
+
+def run_case(case: Case) -> dict[str, int]:
+    request, producers, consumers, buffers = ranks(case)
 
     num_tokens = case.tokens if case.pass_tokens else None
     stats = {"descs": 0, "empty_plans": 0}

@@ -20,9 +20,9 @@ from hypothesis import strategies as st
 from kvwire.layout import PeerLayout, TransferPlan, topology
 from kvwire.layout.geometry import RemoteGeometry
 from kvwire.machine.producer import _pieces, _remainder
-from kvwire.pairs.oracle import Case, RankBuffer, check_consumer, lay_out, make_rank, make_request
+from kvwire.pairs.oracle import Case, RankBuffer, check_consumer
 
-from .test_layout_oracle import cases, copy_rows, locate, zero_rows
+from .test_layout_oracle import cases, copy_rows, locate, ranks, zero_rows
 
 Frontier = tuple[int, int, int]
 
@@ -57,15 +57,9 @@ def rounds(
 @given(cases(), st.data())
 def test_streamed_rounds_move_the_right_bytes(case: Case, data: st.DataObject) -> None:
     case = replace(case, mode="push", groups=1, window=0)
-    request = make_request(case)
-    producers = [make_rank(case, 0, r) for r in range(case.p.tp)]
-    consumers = [make_rank(case, 1, r) for r in range(case.d.tp)]
-    buffers = {rb.base: rb for rb in producers + consumers}
-    for rb in producers:
-        lay_out(rb, request.p_ids, request.p_starts, request)
+    request, producers, consumers, buffers = ranks(case)
     geometry = producers[0].geometry
-    total = len(geometry.regions)
-    units = max((e for e in geometry.layer_ends().values() if e < total), default=0)
+    total, units = len(geometry.regions), geometry.streamed_regions()
     plan = rounds(data, case, units, total)
     d_ids = [g.tolist() for g in request.d_ids]
     writes = {rb.base: np.zeros(rb.buf.size, dtype=np.int64) for rb in consumers}
