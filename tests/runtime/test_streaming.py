@@ -139,6 +139,10 @@ def test_streamed_prompts_arrive_whole(pair: Pair, data: st.DataObject) -> None:
     params = producer.kv_transfer_params(rid, [p_blocks], num_tokens=prompt)
     consumer.add_request(rid, params, [d_blocks], num_tokens=prompt)
     wait_until(lambda: producer.pending_registrations() == 1)
+    # Matched now; the stream can only write once P's handshake with D is done, so wait
+    # for it rather than let its timing decide whether anything went early.
+    producer.request_started(rid)
+    wait_until(lambda: producer.metrics.snapshot()["totals"]["handshakes_ok"] >= 1)
     rounds = producer.machine_stats()["stream_rounds"]
     if preempt_at < len(bounds) - 1:
         # Preempted midway: the engine hands the old blocks to another prompt (scribbled
