@@ -115,6 +115,8 @@ class Geometry:
     layers: int = 2
     num_blocks: int = 32
     block_size: int = BLOCK
+    kv_heads: int = 0
+    """KV heads in all (0: the model's); 1 with Llama-3-70B is one rank of a TP-8 engine."""
 
 
 def factors(
@@ -359,7 +361,8 @@ class SchedulerEngine:
             "part": "engine", "role": role, "connector": connector,
             "engine_id": self.engine_id, "tp_size": tp, "model": self.geo.model,
             "layers": self.geo.layers, "num_blocks": self.geo.num_blocks,
-            "block_size": self.geo.block_size, "lease": lease, "hma": hma, "window": window,
+            "block_size": self.geo.block_size, "kv_heads": self.geo.kv_heads, "lease": lease,
+            "hma": hma, "window": window,
             "mode": mode, "extra_config": extra_config, "layout": layout,
             "kernel_block": kernel_block, "layerwise": layerwise, "prefix_caching": prefix_caching,
             **(scheduler or {}),

@@ -14,10 +14,18 @@ runner — which, each step, runs the connector's worker calls in vLLM's order
 D's blocks the moment D would first read them, and samples one token per request. With
 ``layerwise``, P computes as a model does: each layer's share of the step's chunk is written
 just before that layer's ``save_kv_layer``, and not before (see :meth:`EnginePart._layer`).
+For interop/bench_layerwise.py a layer also takes a set time (``compute``), threads are
+placed on CPUs (``pin``), D steps until a request's KV is in (``run_until``), and both
+sides report their clocks (``clocks``).
+
+Why one module: it is one engine process; the engine loop, the stand-in model and the
+commands the harness sends share that engine's state, and each is a few short methods.
 """
 
 from __future__ import annotations
 
+import os
+import threading
 import time
 from dataclasses import dataclass, replace
 from types import SimpleNamespace
@@ -26,7 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 import vllm_peer
-from yardstick import ConnectorClock, FetchClock
+from yardstick import IDLE_STEP_S, ConnectorClock, FetchClock
 
 from kvwire.demo.content import blocks_view, expected, fill, scribble
 from kvwire.demo.models import preset
@@ -260,15 +268,17 @@ def fill_group(spec: Any, kv: Any, seed: int, blocks: list[int]) -> None:
 
 
 def fill_tokens(
-    spec: Any, kv: Any, seed: int, blocks: list[int], layer: int, start: int, stop: int
+    spec: Any, kv: Any, want: Any, blocks: list[int], layer: int, start: int, stop: int
 ) -> None:
     """One layer's values of the prompt's tokens [start, stop), as a model's layer writes
-    them into the request's blocks (a slice per block the range touches)."""
+    them into the request's blocks: the blocks the range fills whole in one scatter, a
+    slice of each block it only touches. ``want``: the request's values (``expected``)."""
     tokens = spec.block_tokens
-    first, last = start // tokens, -(-stop // tokens)
-    want = expected(spec, seed, last)
     view = blocks_view(spec, kv)
-    for b in range(first, last):
+    whole = range(-(-start // tokens), stop // tokens)
+    if whole:
+        view[layer, blocks[whole.start : whole.stop]] = want[layer, whole.start : whole.stop]
+    for b in {start // tokens, -(-stop // tokens) - 1} - set(whole):
         t0, t1 = max(start - b * tokens, 0), min(stop - b * tokens, tokens)
         view[layer, blocks[b], :, t0:t1] = want[layer, b, :, t0:t1]
 
@@ -293,6 +303,21 @@ def check_group(
         wrong += int(np.count_nonzero(got.view(np.uint8) != ought.view(np.uint8)))
         checked += int(ought.nbytes)
     return wrong, checked
+
+
+CPUS = sorted(os.sched_getaffinity(0))
+"""The CPUs the engine may use, read before any thread is pinned."""
+
+
+def pin(role: str) -> set[str]:
+    """The bench's compute stands for a GPU's, which no copy slows down: P's engine thread
+    (this one) alone on the first CPU, every other thread (and all of D) on the rest. The
+    threads placed; none with fewer than 2 CPUs."""
+    from kvwire.bench.layerwise_peer import pin_threads
+
+    tasks = set(os.listdir("/proc/self/task"))
+    engine = threading.get_native_id() if role == "P" else None
+    return tasks if pin_threads(CPUS, engine) else set()
 
 
 def _as_rank(start: dict[str, Any], rank: int, tp_size: int) -> None:
@@ -397,6 +422,18 @@ class EnginePart:
         self.connector_class = type(sched_connector).__name__
         self.requests: dict[str, Any] = {}
         self.fetch = FetchClock()
+        self.compute: tuple[Any, float, float] | None = None
+        """P, layerwise: (Burn, seconds per layer, seconds per Burn row); see set_compute."""
+        self.wants: dict[tuple[str, int, int], Any] = {}
+        """P, layerwise: per (request, rank, group) the prompt's values, while it computes."""
+        self.computed_at: dict[str, list[float]] = {}
+        """P, layerwise: per request, its first layer's start and its last layer's end."""
+        self.pinned: set[str] = set()
+        """The bench's: the threads :func:`pin` placed (none: not pinned)."""
+        self.layer_s: list[float] = []
+        """P, layerwise: how long each layer of each step took (the batch's)."""
+        self.save_s = 0.0
+        """Wall time in ``save_kv_layer`` calls (streaming: the runtime's layer calls)."""
         self.cpu = ConnectorClock()
         self.cpu_at_done: dict[str, dict[str, float]] = {}
         """D: the connector's CPU from the mark to the step that received each request."""
@@ -439,11 +476,15 @@ class EnginePart:
             if not self.layerwise:
                 for rid in req_ids:
                     self._compute(rank, rid)
-            for name in self.layers:
+            # A step that schedules no tokens runs no forward, so no layers: vLLM's runner
+            # then makes only the connector's step calls (kv_connector_no_forward).
+            for name in self.layers if out.total_num_scheduled_tokens else ():
                 if self.layerwise:
                     self._layer(rank, name, req_ids, out.num_scheduled_tokens)
                 w.wait_for_layer_load(name)
+                began = time.perf_counter()
                 w.save_kv_layer(name, rank.caches[name], None)
+                self.save_s += time.perf_counter() - began
             w.wait_for_save()
             sending, recving = w.get_finished(out.finished_req_ids)
             invalid = w.get_block_ids_with_load_errors()
@@ -475,6 +516,8 @@ class EnginePart:
             for o in finished.outputs:
                 if o.finished:
                     self.outputs[o.request_id] = o.kv_transfer_params
+                    for key in [k for k in self.wants if k[0] == o.request_id]:
+                        del self.wants[key]
 
     def _compute(self, rank: Rank, rid: str) -> None:
         """The model's forward for this request on one rank: P writes its KV; D checks the
@@ -495,19 +538,64 @@ class EnginePart:
     def _layer(self, rank: Rank, name: str, req_ids: list[str], counts: dict[str, int]) -> None:
         """P, layerwise: the model's layer ``name`` for this step's batch on one rank. It
         first lets the rank's runtime settle (:meth:`_settle`), then writes the layer's
-        values of each request's chunk; the caller reports the layer after that."""
-        self._settle(rank, req_ids)
+        values of each request's chunk; the caller reports the layer after that. With a
+        compute set (:meth:`set_compute`) the layer then burns CPU until it has taken that
+        long, and P's writes are not waited for: they run beside the compute, as on a GPU."""
+        if self.compute is None:
+            self._settle(rank, req_ids)
+        elif self.pinned and self.pinned != set(os.listdir("/proc/self/task")):
+            self.pinned = pin(self.start_role)  # a thread started since inherited our CPU
         g, layer = self.layer_at[name]
         spec, kv = rank.groups[g]
+        chunks = []
         for rid in req_ids:
             req = self.scheduler.requests[rid]
             # schedule() already counted this step's tokens as computed.
             stop = min(int(req.num_computed_tokens), int(req.num_prompt_tokens))
             start = int(req.num_computed_tokens) - int(counts[rid])
             if start < stop:
-                blocks = self.scheduler.kv_cache_manager.get_block_ids(rid)[g]
-                seed = group_seed(self.index[rid], g)
-                fill_tokens(spec, kv, seed, expand(list(blocks), self.ratio), layer, start, stop)
+                chunks.append((rid, start, stop, self._want(rank, rid, g)))
+        if not chunks:
+            return
+        began = time.perf_counter()
+        for rid, start, stop, want in chunks:
+            blocks = expand(list(self.scheduler.kv_cache_manager.get_block_ids(rid)[g]), self.ratio)
+            fill_tokens(spec, kv, want, blocks, layer, start, stop)
+        if self.compute is not None:
+            burn, layer_s, row_s = self.compute
+            # Products until the layer has taken its time: a product runs faster or slower
+            # than its sizing beside the copies, so one is not enough to hit the time.
+            while (left := layer_s - (time.perf_counter() - began)) > 0:
+                burn.size(left, row_s)
+                if not burn.rows:
+                    break
+                burn()
+        ended = time.perf_counter()
+        self.layer_s.append(ended - began)
+        for rid, *_ in chunks:
+            self.computed_at.setdefault(rid, [began, ended])[1] = ended
+
+    def _want(self, rank: Rank, rid: str, group: int) -> Any:
+        """The values of ``rid``'s whole prompt in one group on one rank, made once per
+        request (before a layer's clock starts: making them is not the model's work)."""
+        key = (rid, self.ranks.index(rank), group)
+        if key not in self.wants:
+            spec = rank.groups[group][0]
+            prompt = int(self.scheduler.requests[rid].num_prompt_tokens)
+            blocks = -(-prompt // spec.block_tokens)
+            self.wants[key] = expected(spec, group_seed(self.index[rid], group), blocks)
+        return self.wants[key]
+
+    def set_compute(self, layer_s: float) -> dict[str, float]:
+        """The bench's model (interop/bench_layerwise.py): each layer of a step takes
+        ``layer_s`` on P's engine thread, its KV write then one matrix product sized to the
+        rest (``kvwire.bench.layerwise_peer.Burn``: one BLAS call, the GIL released)."""
+        from kvwire.bench.layerwise_peer import Burn
+
+        burn = self.compute[0] if self.compute is not None else Burn()
+        row_s = burn.row_s()
+        self.compute = (burn, float(layer_s), row_s)
+        return {"row_s": row_s}
 
     def _settle(self, rank: Rank, req_ids: list[str]) -> None:
         """Before a layer is computed: every write a streaming kvwire P posted has landed,
@@ -614,6 +702,28 @@ class EnginePart:
         if op == "cpu_mark":
             self.cpu.mark()
             return {}
+        if op == "compute":
+            return self.set_compute(float(cmd["seconds"]))
+        if op == "pin":
+            self.pinned = pin(self.start_role)
+            return {"pinned": bool(self.pinned)}
+        if op == "run_until":
+            # D, as an engine loop: step until ``rid``'s KV is in (the time it came is the
+            # end of the step that reported it: FetchClock).
+            deadline = time.monotonic() + float(cmd.get("timeout", 120))
+            while cmd["rid"] not in self.received:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{cmd['rid']} not received: {self.state()['invalid']}")
+                self.step()
+                time.sleep(IDLE_STEP_S)
+            return self.state()
+        if op == "clocks":
+            return {
+                "computed_at": self.computed_at,
+                "layer_s": self.layer_s,
+                "save_s": self.save_s,
+                "received_at": self.fetch.done,
+            }
         if op == "state":
             return self.state()
         raise ValueError(f"unknown op {op!r}")

@@ -24,6 +24,7 @@ import os
 import sys
 import time
 import traceback
+from dataclasses import replace
 from types import SimpleNamespace
 from typing import Any
 
@@ -63,8 +64,13 @@ RECORDS = _Records()
 
 
 def cache_spec(start: dict[str, Any]) -> CacheSpec:
+    """``kv_heads`` (when set) stands for one rank of a wider engine: the model with that many
+    KV heads in all, e.g. 1 for one TP-8 rank of Llama-3-70B."""
+    model = preset(start["model"])
+    if start.get("kv_heads"):
+        model = replace(model, kv_heads=int(start["kv_heads"]))
     return CacheSpec(
-        model=preset(start["model"]),
+        model=model,
         layers=int(start["layers"]),
         num_blocks=int(start["num_blocks"]),
         tp_rank=int(start.get("tp_rank", 0)),

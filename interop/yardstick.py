@@ -21,6 +21,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+IDLE_STEP_S = 0.001
+"""An engine loop's pause between steps while it only waits for KV: on 2 cores an engine
+spinning without one takes a core from the other engine's compute and the transfer, which
+a GPU engine's idle loop, on its own host, does not."""
 METADATA_FIELDS = ("to_recv", "reqs_to_recv", "push_registrations")
 """Where each connector's per-step metadata names the requests whose KV D starts to fetch:
 kvwire's, stock pull's and stock push's."""

@@ -67,10 +67,11 @@ class WorkerSide:
         geometry = layer_geometry(kv_caches, self.kv_cache_config, self.config, self.vllm_config)
         self.endpoint.register_kv_caches(geometry)
         if self.producer is not None and self.producer.streaming:
+            # The producer's calls go to a thread of their own, so the engine thread never
+            # waits while the runtime posts a round (on CPU too: about 1 ms a layer here).
             self.layers = frozenset(geometry.layer_ends())
             devices = {t.device for t in kv_caches.values()} - {torch.device("cpu")}
-            if devices:
-                self.device, self.in_order = devices.pop(), _InOrder()
+            self.device, self.in_order = (devices.pop() if devices else None), _InOrder()
 
     def handshake(self) -> KVWireHandshake:
         return KVWireHandshake(self.endpoint.handshake_payload())
@@ -112,10 +113,10 @@ class WorkerSide:
         producer = self.producer
         if not self.batch or producer is None or layer not in self.layers:
             return
-        if self.in_order is None or self.device is None:
+        event = None if self.device is None else _recorded_event(self.device)
+        if self.in_order is None:
             producer.layer_computed(layer, self.batch)
         else:
-            event = _recorded_event(self.device)
             self.in_order.put(event, producer.layer_computed, layer, self.batch)
 
     def _call(self, fn: Callable[..., object], *args: Any, **kwargs: Any) -> None:
