@@ -116,7 +116,8 @@ class Geometry:
     num_blocks: int = 32
     block_size: int = BLOCK
     kv_heads: int = 0
-    """KV heads in all (0: the model's); 1 with Llama-3-70B is one rank of a TP-8 engine."""
+    """KV heads in all (0: the model's); 1 with Llama-3-70B is one rank of a TP-8 engine.
+    Read by :class:`SchedulerEngine` only (the hash factors here are the model's)."""
 
 
 def factors(

@@ -8,8 +8,9 @@ Forked by interop/vllm_peer.py's zygote (``part: engine``). The KV cache is vLLM
 backing allocation for every layer, as on a GPU). Stood in for, and nothing else: the model
 facts (``model_config``), the attention-backend lookup (``CPU_ATTN``) and the model
 runner — which, each step, runs the connector's worker calls in vLLM's order
-(``bind_connector_metadata``, ``start_load_kv``, per layer ``wait_for_layer_load`` and
-``save_kv_layer``, ``wait_for_save``, ``get_finished``, ``get_block_ids_with_load_errors``,
+(``bind_connector_metadata``; per layer ``wait_for_layer_load`` and ``save_kv_layer``;
+``start_load_kv``, after the layers unless the step has a synchronous load, then before
+them; ``wait_for_save``, ``get_finished``, ``get_block_ids_with_load_errors``,
 ``clear_connector_metadata``), fills P's scheduled blocks with ``kvwire.demo.content``, checks
 D's blocks the moment D would first read them, and samples one token per request. With
 ``layerwise``, P computes as a model does: each layer's share of the step's chunk is written
@@ -468,11 +469,11 @@ class EnginePart:
         outputs = []
         for rank in self.ranks:
             w = rank.worker
-            if meta is not None:
-                w.bind_connector_metadata(meta)
-            if meta is not None and self.start_role == "D":
-                self.fetch.step_began(meta, time.perf_counter())
-            w.start_load_kv(None)
+            w.bind_connector_metadata(meta)
+            # vLLM starts the step's loads after the forward, off its critical path, unless
+            # a load must finish before it (has_sync_kv_loads).
+            if out.has_sync_kv_loads:
+                self._start_loads(w, meta)
             if not self.layerwise:
                 for rid in req_ids:
                     self._compute(rank, rid)
@@ -485,6 +486,8 @@ class EnginePart:
                 began = time.perf_counter()
                 w.save_kv_layer(name, rank.caches[name], None)
                 self.save_s += time.perf_counter() - began
+            if not out.has_sync_kv_loads:
+                self._start_loads(w, meta)
             w.wait_for_save()
             sending, recving = w.get_finished(out.finished_req_ids)
             invalid = w.get_block_ids_with_load_errors()
@@ -518,6 +521,11 @@ class EnginePart:
                     self.outputs[o.request_id] = o.kv_transfer_params
                     for key in [k for k in self.wants if k[0] == o.request_id]:
                         del self.wants[key]
+
+    def _start_loads(self, worker: Any, meta: Any) -> None:
+        if self.start_role == "D":
+            self.fetch.step_began(meta, time.perf_counter())
+        worker.start_load_kv(None)
 
     def _compute(self, rank: Rank, rid: str) -> None:
         """The model's forward for this request on one rank: P writes its KV; D checks the
@@ -588,8 +596,8 @@ class EnginePart:
 
     def set_compute(self, layer_s: float) -> dict[str, float]:
         """The bench's model (interop/bench_layerwise.py): each layer of a step takes
-        ``layer_s`` on P's engine thread, its KV write then one matrix product sized to the
-        rest (``kvwire.bench.layerwise_peer.Burn``: one BLAS call, the GIL released)."""
+        ``layer_s`` on P's engine thread, its KV write then matrix products for the rest
+        (``kvwire.bench.layerwise_peer.Burn``: each one BLAS call, the GIL released)."""
         from kvwire.bench.layerwise_peer import Burn
 
         burn = self.compute[0] if self.compute is not None else Burn()
@@ -604,9 +612,13 @@ class EnginePart:
         computed reads the scribble in P's blocks, and D's check finds it."""
         from kvwire.machine import ProducerState
 
-        producer = getattr(getattr(rank.worker, "_worker", None), "producer", None)
+        side = getattr(rank.worker, "_worker", None)
+        producer = getattr(side, "producer", None)
         if producer is None or not producer.streaming:
             return
+        # The connector hands its producer calls to a thread: they have all run first.
+        if side.in_order is not None and not side.in_order.drain():
+            raise TimeoutError("the connector's producer calls still queued after 30 s")
         driver = producer._driver
         deadline = time.monotonic() + 30
 
@@ -651,6 +663,8 @@ class EnginePart:
             from vllm.v1.request import RequestStatus
 
             self.scheduler.finish_requests([cmd["rid"]], RequestStatus.FINISHED_ABORTED)
+            for key in [k for k in self.wants if k[0] == cmd["rid"]]:
+                del self.wants[key]
             return {}
         if op == "step":
             for _ in range(int(cmd.get("n", 1))):

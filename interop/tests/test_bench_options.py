@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from types import ModuleType
 
 import bench_connector
 import bench_layerwise
@@ -24,7 +25,9 @@ CASES = [
 @pytest.mark.parametrize(
     "script, args, message", CASES, ids=[f"{s.__name__}:{'='.join(a)}" for s, a, _ in CASES]
 )
-def test_bad_options_are_one_line_and_exit_2(script: object, args: list[str], message: str) -> None:
+def test_bad_options_are_one_line_and_exit_2(
+    script: ModuleType, args: list[str], message: str
+) -> None:
     done = subprocess.run(
         [sys.executable, str(script.__file__), *args],
         capture_output=True,

@@ -156,6 +156,14 @@ class _Producer:
     def layer_computed(self, layer: str, rids: tuple[str, ...]) -> None:
         self.calls.append(("layer", layer, tuple(rids)))
 
+    def prefill_finished(self, rid: str, groups: Any, *, num_tokens: int) -> None:
+        self.calls.append(("finished", rid, num_tokens))
+        if rid == "bad":
+            raise ValueError("a final write that cannot start")
+
+    def get_finished(self) -> list[Any]:
+        return []
+
 
 def test_device_layers_are_reported_after_their_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
     """On a device vLLM's attention returns before its kernels ran, and a step may start
@@ -187,11 +195,11 @@ def test_device_layers_are_reported_after_their_kernels(monkeypatch: pytest.Monk
         return producer.calls
 
     try:
-        side.start(KVWireMetadata(chunks={"r": ([[1, 2]], 64, 150)}))  # event 0
+        side.bind(KVWireMetadata(chunks={"r": ([[1, 2]], 64, 150)}))  # event 0
         side.layer_saved("l0")  # event 1
         side.layer_saved("l1")  # event 2
         side.layer_saved("not-registered")  # no KV of ours: not reported
-        side.start(KVWireMetadata(chunks={"r": ([[1, 2, 3, 4]], 128, 150)}))  # event 3
+        side.bind(KVWireMetadata(chunks={"r": ([[1, 2, 3, 4]], 128, 150)}))  # event 3
         assert len(events) == 4 and producer.calls == []
         for done in range(4):
             events[done].done.set()
@@ -200,4 +208,27 @@ def test_device_layers_are_reported_after_their_kernels(monkeypatch: pytest.Monk
     finally:
         for event in events:
             event.done.set()
+        side.in_order.close()
+
+
+def test_a_final_write_that_cannot_start_gives_the_blocks_back() -> None:
+    """The worker's producer calls run on its own thread (vLLM's engine thread never waits
+    for the runtime), where a failure cannot reach vLLM: a prompt whose final write fails
+    to start has its blocks reported sent, so vLLM frees them (D's watchdog ends D's
+    side), and the thread goes on with the next call."""
+    from kvwire.integrations.vllm import worker
+
+    side = worker.WorkerSide.__new__(worker.WorkerSide)
+    producer = _Producer()
+    side.producer, side.consumer, side.in_order = producer, None, worker._InOrder()  # type: ignore[assignment]
+    side.device, side.sending, side.batch, side._after = None, set(), (), None
+    try:
+        side.bind(KVWireMetadata(to_send={"bad": ([[1]], 16), "good": ([[2]], 16)}))
+        assert side.in_order.drain()
+        assert producer.calls == [("finished", "bad", 16), ("finished", "good", 16)]
+        sent, received = side.finished()
+        assert sent == {"bad"} and received is None
+        assert side.sending == {"good"}  # still held: its write runs
+        assert side.finished() == (None, None)  # reported once
+    finally:
         side.in_order.close()

@@ -133,6 +133,15 @@ class KVWireConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
         return self._work().handshake()
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        """Before the step's forward: a P takes the step's chunks, preemptions and finished
+        prompts here, since vLLM calls ``start_load_kv`` after the forward (unless a load
+        must finish before it) and the forward's ``save_kv_layer`` calls report layers of
+        this step's chunks."""
+        super().bind_connector_metadata(connector_metadata)
+        assert isinstance(connector_metadata, KVWireMetadata)
+        self._work().bind(connector_metadata)
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVWireMetadata)

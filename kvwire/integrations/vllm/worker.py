@@ -8,6 +8,7 @@ import logging
 import queue
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -52,8 +53,9 @@ class WorkerSide:
         self.device: torch.device | None = None
         """P, streaming: the device the KV cache is on (None: host memory)."""
         self.in_order: _InOrder | None = None
-        """P, streaming on a device: where the producer's calls run, in the engine's order,
-        each after the kernels enqueued before it."""
+        """P, streaming: where the producer's calls run, in the engine's order (on a device
+        each after the kernels enqueued before it), so vLLM's engine thread never waits
+        for the runtime posting a round."""
         self._after: Any = None
         """P, streaming on a device: this step's start event, for its first call."""
 
@@ -68,7 +70,7 @@ class WorkerSide:
         self.endpoint.register_kv_caches(geometry)
         if self.producer is not None and self.producer.streaming:
             # The producer's calls go to a thread of their own, so the engine thread never
-            # waits while the runtime posts a round (on CPU too: about 1 ms a layer here).
+            # waits while the runtime posts a round (on CPU too).
             self.layers = frozenset(geometry.layer_ends())
             devices = {t.device for t in kv_caches.values()} - {torch.device("cpu")}
             self.device, self.in_order = (devices.pop() if devices else None), _InOrder()
@@ -76,28 +78,36 @@ class WorkerSide:
     def handshake(self) -> KVWireHandshake:
         return KVWireHandshake(self.endpoint.handshake_payload())
 
-    def start(self, meta: KVWireMetadata) -> None:
+    def bind(self, meta: KVWireMetadata) -> None:
+        """P: the step's facts, before its forward (vLLM binds the metadata first; it calls
+        ``start_load_kv`` after the forward unless a load must finish before it), so the
+        layers the forward reports belong to this step's chunks."""
         producer = self.producer
-        if producer is not None:
-            # On a device vLLM may start a step before the last one's kernels ran (async
-            # scheduling; a full CUDA graph's replay reports no layers), and a chunk tells
-            # the runtime that the one before is computed: this step's calls wait for them.
-            self._after = None if self.device is None else _recorded_event(self.device)
-            call = self._call
-            for rid in meta.started:
-                # A streamed prompt is known from its chunk, which names its length.
-                if rid not in meta.to_send and rid not in meta.chunks:
-                    call(producer.request_started, rid)
-            for rid in meta.preempted:
-                call(producer.preempted, rid)
-            for rid, (groups, end, length) in meta.chunks.items():
-                call(producer.chunk_scheduled, rid, groups, num_tokens=end, prompt_tokens=length)
-            self.batch = tuple(meta.chunks)
-            for rid, (groups, num_tokens) in meta.to_send.items():
-                call(producer.prefill_finished, rid, groups, num_tokens=num_tokens)
-                self.sending.add(rid)
-            for rid in meta.to_abort:
-                call(producer.abort, rid)
+        if producer is None:
+            return
+        # On a device vLLM may start a step before the last one's kernels ran (async
+        # scheduling; a full CUDA graph's replay reports no layers), and a chunk tells the
+        # runtime that the one before is computed: this step's calls wait for them.
+        self._after = None if self.device is None else _recorded_event(self.device)
+        call = self._call
+        for rid in meta.started:
+            # A streamed prompt is known from its chunk, which names its length.
+            if rid not in meta.to_send and rid not in meta.chunks:
+                call(producer.request_started, rid)
+        for rid in meta.preempted:
+            call(producer.preempted, rid)
+        for rid, (groups, end, length) in meta.chunks.items():
+            call(producer.chunk_scheduled, rid, groups, num_tokens=end, prompt_tokens=length)
+        self.batch = tuple(meta.chunks)
+        for rid, (groups, num_tokens) in meta.to_send.items():
+            self.sending.add(rid)
+            call(producer.prefill_finished, rid, groups, num_tokens=num_tokens, unsent=rid)
+        for rid in meta.to_abort:
+            call(producer.abort, rid)
+
+    def start(self, meta: KVWireMetadata) -> None:
+        """D: the step's loads (vLLM starts them after the forward: they run between
+        steps)."""
         if self.consumer is not None:
             for rid, (params, local, prompt) in meta.to_recv.items():
                 self.consumer.add_request(rid, params, local, num_tokens=prompt)
@@ -113,25 +123,31 @@ class WorkerSide:
         producer = self.producer
         if not self.batch or producer is None or layer not in self.layers:
             return
+        assert self.in_order is not None  # made with the layers, at registration
         event = None if self.device is None else _recorded_event(self.device)
-        if self.in_order is None:
-            producer.layer_computed(layer, self.batch)
-        else:
-            self.in_order.put(event, producer.layer_computed, layer, self.batch)
+        self.in_order.put(event, None, producer.layer_computed, layer, self.batch)
 
-    def _call(self, fn: Callable[..., object], *args: Any, **kwargs: Any) -> None:
-        """A producer call now, or on a device after the kernels enqueued before it."""
+    def _call(
+        self, fn: Callable[..., object], *args: Any, unsent: str | None = None, **kwargs: Any
+    ) -> None:
+        """A producer call now, or (streaming) on the producer's thread, after the kernels
+        enqueued before it. There a failure cannot reach vLLM: for a request's final
+        write (``unsent``), its blocks go back to vLLM as if sent, and D's watchdog ends
+        its side, rather than held forever."""
         if self.in_order is None:
             fn(*args, **kwargs)
         else:
             event, self._after = self._after, None
-            self.in_order.put(event, fn, *args, **kwargs)
+            self.in_order.put(event, unsent, fn, *args, **kwargs)
 
     def finished(self) -> tuple[set[str] | None, set[str] | None]:
         sent: set[str] = set()
         received: set[str] = set()
         if self.producer is not None:
-            sent = {f.request_id for f in self.producer.get_finished()} & self.sending
+            sent = {f.request_id for f in self.producer.get_finished()}
+            if self.in_order is not None:
+                sent |= self.in_order.take_unsent()
+            sent &= self.sending
             self.sending -= sent
         if self.consumer is not None:
             got = self.consumer.get_finished()
@@ -173,24 +189,59 @@ class _InOrder:
     layer of the earlier one is computed), while the forward goes on launching layers."""
 
     def __init__(self) -> None:
-        self._queue: queue.SimpleQueue[tuple[Any, Callable[..., object], Any, Any] | None]
-        self._queue = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[_Call | threading.Event | None] = queue.SimpleQueue()
+        self._unsent: queue.SimpleQueue[str] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="kvwire-layers", daemon=True)
         self._thread.start()
 
-    def put(self, event: Any, fn: Callable[..., object], *args: Any, **kwargs: Any) -> None:
-        self._queue.put((event, fn, args, kwargs))
+    def put(
+        self,
+        event: Any,
+        unsent: str | None,
+        fn: Callable[..., object],
+        *args: Any,
+        **kwargs: Any,
+    ) -> None:
+        """``fn`` after ``event``; should it fail, ``unsent`` (a request id) is handed back
+        by :meth:`take_unsent`."""
+        self._queue.put(_Call(event, unsent, fn, args, kwargs))
+
+    def take_unsent(self) -> set[str]:
+        """The requests whose final write failed to start since the last call."""
+        out = set()
+        while not self._unsent.empty():
+            out.add(self._unsent.get_nowait())
+        return out
+
+    def drain(self, timeout: float = 30.0) -> bool:
+        """Wait until every call put so far has run (False: not within ``timeout``)."""
+        done = threading.Event()
+        self._queue.put(done)
+        return done.wait(timeout)
 
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
-            event, fn, args, kwargs = item
+            if isinstance(item, threading.Event):
+                item.set()
+                continue
             try:
-                if event is not None:
-                    event.synchronize()
-                fn(*args, **kwargs)
+                if item.event is not None:
+                    item.event.synchronize()
+                item.fn(*item.args, **item.kwargs)
             except Exception:  # the engine's step has moved on: say what failed
-                log.exception("kvwire: %s failed", getattr(fn, "__name__", fn))
+                log.exception("kvwire: %s failed", getattr(item.fn, "__name__", item.fn))
+                if item.unsent is not None:
+                    self._unsent.put(item.unsent)
 
     def close(self, timeout: float = 10.0) -> None:
         self._queue.put(None)
         self._thread.join(timeout)
+
+
+@dataclass(frozen=True)
+class _Call:
+    event: Any
+    unsent: str | None
+    fn: Callable[..., object]
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
