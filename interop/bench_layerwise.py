@@ -59,7 +59,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import Geometry, SchedulerEngine, Zygote, engines, params_ahead, wait_until
 from yardstick import IDLE_STEP_S
 
+from kvwire.bench.e2e import label
 from kvwire.bench.layerwise_peer import BLAS_THREADS
+from kvwire.demo.models import preset
 
 MODES = ("pull", "push", "stream")
 BLOCK = 32
@@ -186,9 +188,9 @@ def posting(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
 
 
 def layers_bytes(p: SchedulerEngine) -> int:
-    """KV bytes per prompt token on the engine's one rank: K and V of one 128-value bf16
-    head per layer."""
-    return p.geo.layers * p.geo.kv_heads * 2 * 128 * 2
+    """KV bytes per prompt token on the engine's one rank, every layer and head."""
+    model = preset(p.geo.model)
+    return p.geo.layers * (p.geo.kv_heads or model.kv_heads) * model.content_bytes
 
 
 def prefill(p: SchedulerEngine, rid: str) -> None:
@@ -244,10 +246,6 @@ def measure(
                         f"bytes {'ok' if row['bytes_ok'] else 'WRONG'}"
                     )
     return {"plan": plan, "rows": rows, "sizing": sizing}
-
-
-def label(tokens: int) -> str:
-    return f"{tokens // 1024}k" if tokens % 1024 == 0 else str(tokens)
 
 
 def _med(rows: list[dict[str, Any]], mode: str, tokens: int, what: str) -> float:

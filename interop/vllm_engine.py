@@ -519,8 +519,7 @@ class EnginePart:
             for o in finished.outputs:
                 if o.finished:
                     self.outputs[o.request_id] = o.kv_transfer_params
-                    for key in [k for k in self.wants if k[0] == o.request_id]:
-                        del self.wants[key]
+                    self._forget_values(o.request_id)
 
     def _start_loads(self, worker: Any, meta: Any) -> None:
         if self.start_role == "D":
@@ -594,6 +593,11 @@ class EnginePart:
             self.wants[key] = expected(spec, group_seed(self.index[rid], group), blocks)
         return self.wants[key]
 
+    def _forget_values(self, rid: str) -> None:
+        """The request ended (finished or aborted): its values are not needed again."""
+        for key in [k for k in self.wants if k[0] == rid]:
+            del self.wants[key]
+
     def set_compute(self, layer_s: float) -> dict[str, float]:
         """The bench's model (interop/bench_layerwise.py): each layer of a step takes
         ``layer_s`` on P's engine thread, its KV write then matrix products for the rest
@@ -663,8 +667,7 @@ class EnginePart:
             from vllm.v1.request import RequestStatus
 
             self.scheduler.finish_requests([cmd["rid"]], RequestStatus.FINISHED_ABORTED)
-            for key in [k for k in self.wants if k[0] == cmd["rid"]]:
-                del self.wants[key]
+            self._forget_values(cmd["rid"])
             return {}
         if op == "step":
             for _ in range(int(cmd.get("n", 1))):

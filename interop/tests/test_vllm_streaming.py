@@ -232,3 +232,51 @@ def test_a_final_write_that_cannot_start_gives_the_blocks_back() -> None:
         assert side.finished() == (None, None)  # reported once
     finally:
         side.in_order.close()
+
+
+@pytest.mark.parametrize("sync", [False, True], ids=["async-loads", "sync-load"])
+def test_vllm_binds_before_the_forward_and_starts_loads_after_it(
+    monkeypatch: pytest.MonkeyPatch, sync: bool
+) -> None:
+    """The rule the connector (chunks taken in ``bind_connector_metadata``) and the harness
+    (``start_load_kv`` after the layers unless ``has_sync_kv_loads``) rely on, from vLLM's
+    own model runner code: the context its runner wraps the forward in."""
+    from types import SimpleNamespace
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+    from vllm.v1.worker import kv_connector_model_runner_mixin as mixin
+
+    calls: list[str] = []
+
+    class Recorder(KVConnectorBase_V1):  # type: ignore[misc]
+        def __init__(self) -> None:  # none of the base's set-up: only the step's calls
+            pass
+
+        def bind_connector_metadata(self, metadata: Any) -> None:
+            calls.append("bind")
+
+        def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+            calls.append("start_load_kv")
+
+        def wait_for_save(self) -> None:
+            calls.append("wait_for_save")
+
+        def get_finished(self, finished_req_ids: set[str]) -> tuple[None, None]:
+            return None, None
+
+        def get_block_ids_with_load_errors(self) -> set[int]:
+            return set()
+
+        def clear_connector_metadata(self) -> None:
+            calls.append("clear")
+
+    Recorder.__abstractmethods__ = frozenset()  # the scheduler half is not called here
+    monkeypatch.setattr(mixin, "get_kv_transfer_group", Recorder)
+    monkeypatch.setattr(mixin, "get_forward_context", lambda: None)
+    out = SimpleNamespace(
+        kv_connector_metadata=KVWireMetadata(), has_sync_kv_loads=sync, finished_req_ids=set()
+    )
+    with mixin.KVConnectorModelRunnerMixin._get_kv_connector_output(out):
+        calls.append("forward")
+    forward = ["forward", "start_load_kv"] if not sync else ["start_load_kv", "forward"]
+    assert calls == ["bind", *forward, "wait_for_save", "clear"]
