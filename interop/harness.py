@@ -326,6 +326,7 @@ class SchedulerEngine:
         tp: int = 1,
         hma: bool | None = None,
         window: int = 0,
+        mamba: int = 0,
         kernel_block: int = 0,
         layerwise: bool = False,
         prefix_caching: bool = True,
@@ -336,7 +337,8 @@ class SchedulerEngine:
         layout (the engine checks bytes only in LBHNC); ``tp``: workers in the engine, each
         with its share of the heads, finished by vLLM's output aggregator; ``hma``: vLLM's
         hybrid KV cache manager on or off (``None``: as vLLM resolves it); ``window``:
-        every odd layer sliding-window attention over that many tokens; ``kernel_block``:
+        every odd layer sliding-window attention over that many tokens; ``mamba``: after
+        each attention layer that many Mamba2 layers; ``kernel_block``:
         the attention backend runs only kernel blocks of that many tokens (vLLM splits each
         block into several); ``layerwise``: P computes each step's chunk layer by layer,
         each layer's share written just before its ``save_kv_layer`` (for streaming);
@@ -357,13 +359,15 @@ class SchedulerEngine:
             "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
             "VLLM_NIXL_SIDE_CHANNEL_PORT": str(self.port),
             "UCX_NET_DEVICES": os.environ.get("UCX_NET_DEVICES", "lo"),
+            # Mamba's conv state dim-first: stock's transfer refuses any other layout.
+            "VLLM_SSM_CONV_STATE_LAYOUT": "DS",
         }
         start = {
             "part": "engine", "role": role, "connector": connector,
             "engine_id": self.engine_id, "tp_size": tp, "model": self.geo.model,
             "layers": self.geo.layers, "num_blocks": self.geo.num_blocks,
             "block_size": self.geo.block_size, "kv_heads": self.geo.kv_heads, "lease": lease,
-            "hma": hma, "window": window,
+            "hma": hma, "window": window, "mamba": mamba,
             "mode": mode, "extra_config": extra_config, "layout": layout,
             "kernel_block": kernel_block, "layerwise": layerwise, "prefix_caching": prefix_caching,
             **(scheduler or {}),

@@ -107,12 +107,47 @@ def build_vllm_config(start: dict[str, Any]) -> Any:
     vllm_config.cache_config.num_gpu_blocks = spec.num_blocks
     vllm_config.cache_config.num_gpu_blocks_override = spec.num_blocks
     vllm_config.cache_config.kv_cache_layout = start.get("layout", "LBHNC")
+    if start.get("mamba"):
+        # What vLLM's hybrid-model config makes of its defaults: with prefix caching a state
+        # per block boundary ("align"), a Mamba block as long as an attention block.
+        cache = vllm_config.cache_config
+        cache.mamba_cache_mode = "align" if cache.enable_prefix_caching else "none"
+        cache.mamba_block_size = spec.block_tokens if cache.enable_prefix_caching else max_len
     return vllm_config
+
+
+MAMBA_HEADS, MAMBA_HEAD_DIM, MAMBA_STATE, MAMBA_GROUPS, MAMBA_CONV = 8, 16, 16, 32, 4
+"""A Mamba2 mixer's sizes (Nemotron-H's shape, scaled down): heads x head dim make the
+intermediate size, ``MAMBA_GROUPS`` B and C columns each, a conv kernel of 4."""
+
+
+def mamba_spec(start: dict[str, Any], page: int) -> Any:
+    """vLLM's spec of one Mamba2 layer on this rank, as its mixer makes it: the conv state
+    dim-first (``VLLM_SSM_CONV_STATE_LAYOUT=DS``, which stock's transfer needs), both
+    states sharded by TP, the page padded to the attention page so they share the slabs."""
+    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    tp = int(start["tp_size"])
+    intermediate = MAMBA_HEADS * MAMBA_HEAD_DIM
+    return MambaSpec(
+        block_size=int(start["block_size"]),
+        shapes=(
+            ((intermediate + 2 * MAMBA_GROUPS) // tp, MAMBA_CONV - 1),
+            (MAMBA_HEADS // tp, MAMBA_HEAD_DIM, MAMBA_STATE),
+        ),
+        dtypes=(torch.bfloat16, torch.float32),
+        page_size_padded=page,
+        mamba_type=MambaAttentionBackendEnum.MAMBA2,
+        mamba_cache_mode="align" if start.get("prefix_caching", True) else "none",
+    )
 
 
 def layer_specs(start: dict[str, Any]) -> dict[str, Any]:
     """vLLM's spec of each layer: full attention, or with ``window`` (tokens) every odd
-    layer a sliding-window one (Gemma's and gpt-oss's interleaving)."""
+    layer a sliding-window one (Gemma's and gpt-oss's interleaving), or with ``mamba``
+    (``k``) one attention layer then ``k`` Mamba2 ones, over and over (Jamba's and
+    Nemotron-H's interleaving)."""
     from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 
     spec = vllm_peer.cache_spec(start)
@@ -123,12 +158,25 @@ def layer_specs(start: dict[str, Any]) -> dict[str, Any]:
         "head_size": spec.model.head_dim,
         "dtype": torch.bfloat16,
     }
-    return {
-        name: SlidingWindowSpec(**common, sliding_window=window)
-        if window and i % 2
-        else FullAttentionSpec(**common)
-        for i, name in enumerate(vllm_peer.layer_names(start))
-    }
+    mamba = int(start.get("mamba") or 0)
+    full = FullAttentionSpec(**common)
+    specs = {}
+    for i, name in enumerate(vllm_peer.layer_names(start)):
+        if mamba and i % (mamba + 1):
+            specs[name] = mamba_spec(start, full.page_size_bytes)
+        elif window and i % 2:
+            specs[name] = SlidingWindowSpec(**common, sliding_window=window)
+        else:
+            specs[name] = full
+    return specs
+
+
+def state_groups(kv_cache_config: Any) -> list[bool]:
+    """Per KV-cache group, whether it holds Mamba state (no tokens: one state per
+    request, the harness's own content)."""
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    return [isinstance(g.kv_cache_spec, MambaSpec) for g in kv_cache_config.kv_cache_groups]
 
 
 def windows(kv_cache_config: Any) -> list[int]:
@@ -152,7 +200,7 @@ def allocate(vllm_config: Any, start: dict[str, Any]) -> tuple[Any, dict[str, to
     from vllm.v1.worker.utils import allocate_kv_cache
 
     spec = vllm_peer.cache_spec(start)
-    if start.get("window"):
+    if start.get("window") or start.get("mamba"):
         groups = get_kv_cache_groups(vllm_config, layer_specs(start))
     else:
         groups = vllm_peer.build_configs(start)[1].kv_cache_groups
@@ -160,7 +208,11 @@ def allocate(vllm_config: Any, start: dict[str, Any]) -> tuple[Any, dict[str, to
     memory = spec.num_blocks * page * spec.layers
     kv_cache_config = get_kv_cache_config_from_groups(vllm_config, groups, memory)
     layout = vllm_config.cache_config.get_resolved_kv_cache_layout()
-    sizes = [kernel_size(start)] * len(groups)
+    # A Mamba group's blocks are never split (vLLM's prepare_kernel_block_sizes).
+    sizes = [
+        spec.block_tokens if state else kernel_size(start)
+        for state in state_groups(kv_cache_config)
+    ]
     caches = allocate_kv_cache(kv_cache_config, torch.device("cpu"), layout, sizes)
     return kv_cache_config, caches
 
@@ -243,12 +295,80 @@ def group_views(
 ) -> list[tuple[Any, Any]]:
     """One content view per KV-cache group: a group's layers are filled and checked at its
     own block ids (a block id names one group's page at a time in a shared slab)."""
-    out = []
-    for group in kv_cache_config.kv_cache_groups:
+    out: list[tuple[Any, Any]] = []
+    for group, state in zip(
+        kv_cache_config.kv_cache_groups, state_groups(kv_cache_config), strict=True
+    ):
         names = list(group.layer_names)
+        if state:
+            out.append((None, state_view([caches[n] for n in names], buffer)))
+            continue
         view = kv_view({n: caches[n] for n in names}, buffer)
         out.append((replace(spec, layers=len(names)), view))
     return out
+
+
+def state_view(views: list[torch.Tensor], buffer: np.ndarray[Any, Any]) -> Any:
+    """A Mamba group's states as one ``[layers, blocks, state bytes]`` uint8 array over
+    ``buffer``, through vLLM's own per-layer views of them (``[B, 1, 1, state bytes]``)."""
+    base = buffer.ctypes.data
+    first = views[0]
+    offsets = [v.data_ptr() - base for v in views]
+    step = offsets[1] - offsets[0] if len(offsets) > 1 else 0
+    assert offsets == [offsets[0] + i * step for i in range(len(views))], "layers not evenly spaced"
+    shape = (len(views), first.shape[0], first[0].numel())
+    flat = buffer[offsets[0] :]
+    return np.lib.stride_tricks.as_strided(flat, shape, (step, first.stride(0), 1), writeable=True)
+
+
+def mamba_parts() -> tuple[int, ...]:
+    """The whole model's bytes of each part of one Mamba2 layer's state, in a rank's page
+    order: the conv state's x, B and C columns (bf16, dim-first), the temporal state
+    (fp32). A TP rank holds its slice of each."""
+    rows = (MAMBA_CONV - 1) * 2
+    x, groups = MAMBA_HEADS * MAMBA_HEAD_DIM, MAMBA_GROUPS
+    return (x * rows, groups * rows, groups * rows, x * MAMBA_STATE * 4)
+
+
+def state_values(seed: int, layer: int, tokens: int, rank: int, tp: int) -> np.ndarray[Any, Any]:
+    """One rank's page of one layer's Mamba state after a prompt's first ``tokens``
+    tokens: the model's state names the request, the group, the layer and the token count
+    (a state of another request, group, layer or length fails the check), and the rank
+    holds its slice of each part, as a Mamba2 mixer shards it."""
+    pages = []
+    for k, size in enumerate(mamba_parts()):
+        whole = np.random.default_rng((seed, layer, tokens, k)).integers(0, 256, size, np.uint8)
+        pages.append(whole[rank * size // tp : (rank + 1) * size // tp])
+    return np.concatenate(pages)
+
+
+def state_block(blocks: list[int], tokens: int, block_tokens: int) -> int:
+    """Where vLLM keeps the state after ``tokens`` tokens (``mamba_cache_mode`` "align",
+    its default with prefix caching): in the block of the last of them."""
+    return blocks[-(-tokens // block_tokens) - 1]
+
+
+def fill_state(
+    kv: Any, seed: int, blocks: list[int], tokens: int, block_tokens: int, rank: tuple[int, int]
+) -> None:
+    """P's Mamba layers on one rank (``rank``: its index and the TP size) after computing
+    ``tokens`` of the prompt: each layer's state."""
+    block = state_block(blocks, tokens, block_tokens)
+    for layer in range(kv.shape[0]):
+        kv[layer, block] = state_values(seed, layer, tokens, *rank)
+
+
+def check_state(
+    kv: Any, seed: int, blocks: list[int], tokens: int, block_tokens: int, rank: tuple[int, int]
+) -> tuple[int, int]:
+    """(wrong, checked) bytes of the states D's next token starts from on one rank: every
+    layer's state after the ``tokens`` D loaded, in the block vLLM reads it from."""
+    block = state_block(blocks, tokens, block_tokens)
+    wrong = 0
+    for layer in range(kv.shape[0]):
+        want = state_values(seed, layer, tokens, *rank)
+        wrong += int(np.count_nonzero(kv[layer, block] != want))
+    return wrong, kv.shape[0] * kv.shape[2]
 
 
 def group_seed(index: int, group: int) -> int:
@@ -370,13 +490,21 @@ class EnginePart:
             groups = group_views(rank_spec, kv_cache_config, caches, buffer)
             rank = Rank(rank_spec, buffer, caches, groups, worker)
             for group_spec, kv in groups:
-                scribble(group_spec, kv, list(range(rank_spec.num_blocks)))
+                if group_spec is None:  # a Mamba group's states
+                    kv[...] = 0xA5
+                else:
+                    scribble(group_spec, kv, list(range(rank_spec.num_blocks)))
             worker.register_kv_caches(caches)
             self.ranks.append(rank)
         self.kv_cache_config = kv_cache_config
         self.windows = windows(kv_cache_config)
+        self.states = state_groups(kv_cache_config)
+        self.backoff = 1 if any(self.states) else 0
+        """The prompt's last tokens D computes itself: a Mamba layer's next token starts
+        from the state before the last prompt token (vLLM's rule; both connectors follow
+        it, and so P never computes that token)."""
         self.layerwise = bool(start.get("layerwise")) and self.start_role == "P"
-        assert not (self.layerwise and any(self.windows)), "layerwise: full attention only"
+        assert not (self.layerwise and any(self.windows + self.states)), "layerwise: dense"
         self.layer_at = {
             name: (g, j)
             for g, group in enumerate(kv_cache_config.kv_cache_groups)
@@ -420,6 +548,8 @@ class EnginePart:
         self.sent: set[str] = set()
         self.received: set[str] = set()
         self.invalid: set[int] = set()
+        self.failed: set[str] = set()
+        """D: requests whose load failed, as vLLM's output aggregator reported them."""
         self.connector_class = type(sched_connector).__name__
         self.requests: dict[str, Any] = {}
         self.fetch = FetchClock()
@@ -489,7 +619,9 @@ class EnginePart:
             if not out.has_sync_kv_loads:
                 self._start_loads(w, meta)
             w.wait_for_save()
-            sending, recving = w.get_finished(out.finished_req_ids)
+            # vLLM's model-runner mixin: completions and failed loads together, then the
+            # blocks that failed to load.
+            transfer = w.get_transfer_results(out.finished_req_ids)
             invalid = w.get_block_ids_with_load_errors()
             w.clear_connector_metadata()
             outputs.append(
@@ -498,8 +630,9 @@ class EnginePart:
                     req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
                     sampled_token_ids=sampled,
                     kv_connector_output=KVConnectorOutput(
-                        finished_sending=sending,
-                        finished_recving=recving,
+                        finished_sending=transfer.finished_sending or None,
+                        finished_recving=transfer.finished_recving or None,
+                        failed_recving=transfer.failed_recving,
                         invalid_block_ids=invalid,
                     ),
                 )
@@ -512,6 +645,7 @@ class EnginePart:
         self.sent |= set(kv.finished_sending or ())
         self.received |= set(kv.finished_recving or ())
         self.invalid |= kv.invalid_block_ids
+        self.failed |= kv.failed_recving
         self.checked.update(self.pending_checks)
         self.pending_checks = {}
         results = self.scheduler.update_from_output(out, runner)
@@ -531,13 +665,27 @@ class EnginePart:
         KV it was given (prefix hits included) the first time it reads it."""
         all_blocks = self.scheduler.kv_cache_manager.get_block_ids(rid)
         index = self.index[rid]
+        request = self.scheduler.requests[rid]
+        block_tokens = self.spec.block_tokens
         for g, (spec, kv) in enumerate(rank.groups):
+            seed = group_seed(index, g)
+            if spec is None:  # Mamba: the state after the tokens computed (P) or loaded (D)
+                at = (next(i for i, r in enumerate(self.ranks) if r is rank), len(self.ranks))
+                if self.start_role == "P":
+                    done = min(int(request.num_computed_tokens), int(request.num_prompt_tokens))
+                    fill_state(kv, seed, list(all_blocks[g]), done, block_tokens, at)
+                elif rid not in self.checked:
+                    loaded = int(request.num_prompt_tokens) - self.backoff
+                    ids = list(all_blocks[g])
+                    wrong, checked = check_state(kv, seed, ids, loaded, block_tokens, at)
+                    before = self.pending_checks.get(rid, (0, 0))
+                    self.pending_checks[rid] = (before[0] + wrong, before[1] + checked)
+                continue
             blocks = expand(list(all_blocks[g]), self.ratio)
             if self.start_role == "P":
-                fill_group(spec, kv, group_seed(index, g), blocks)
+                fill_group(spec, kv, seed, blocks)
             elif rid not in self.checked:
-                prompt = self.scheduler.requests[rid].num_prompt_tokens
-                seed = group_seed(index, g)
+                prompt = int(request.num_prompt_tokens) - self.backoff
                 wrong, checked = check_group(spec, kv, seed, blocks, prompt, self.windows[g])
                 before = self.pending_checks.get(rid, (0, 0))
                 self.pending_checks[rid] = (before[0] + wrong, before[1] + checked)
@@ -697,6 +845,7 @@ class EnginePart:
                 "groups": self.region_groups(),
                 "layout": self.layout,
                 "blocks": self.advertised_blocks(),
+                "ssm_sizes": self.ssm_sizes(),
             }
         if op == "fragment":
             # A long-running engine's pool: free blocks come back in no particular order.
@@ -792,6 +941,13 @@ class EnginePart:
         g = self.worker._worker.endpoint._driver.geometry
         return [g.kernel_block_size, g.physical_blocks_per_logical, g.advertised_num_blocks()]
 
+    def ssm_sizes(self) -> list[int]:
+        """(conv, temporal) state bytes per layer as the worker advertises them."""
+        w = getattr(self.worker, "connector_worker", None)
+        if w is not None:
+            return list(w._mamba_ssm_size)
+        return list(self.worker._worker.endpoint._driver.geometry.ssm_sizes)
+
     def region_groups(self) -> list[int]:
         """The KV-cache group each registered region advertises (-1: every group's), to
         compare a kvwire worker's registration with a stock one's."""
@@ -810,6 +966,7 @@ class EnginePart:
             "sent": sorted(self.sent),
             "received": sorted(self.received),
             "invalid": sorted(self.invalid),
+            "failed": sorted(self.failed),
             "waiting": len(self.scheduler.waiting),
             "running": len(self.scheduler.running),
             "free_blocks": self.scheduler.kv_cache_manager.block_pool.get_num_free_blocks(),

@@ -7,10 +7,11 @@ test asserts how many bytes that is: a window left unmoved fails it."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
-from harness import Geometry, SchedulerEngine, Zygote, transfer_many
+from harness import Geometry, SchedulerEngine, Zygote, transfer_many, wait_until
 
 from kvwire.demo.models import CacheSpec, preset
 
@@ -73,6 +74,28 @@ def test_regions_and_groups_are_what_stock_registers(zygote: Zygote) -> None:
     assert ours["groups"] == stock["groups"] == [-1] * (GEO.layers // 2)
 
 
+@pytest.mark.parametrize("tp", [1, 2])
+def test_mamba_regions_are_what_stock_registers(zygote: Zygote, tp: int) -> None:
+    """With Mamba groups each slab holds an attention page or a padded state: stock
+    registers it once, shared (-1), and advertises one layer's state sizes on this rank."""
+    found = {}
+    for connector in ("NixlConnector", "KVWireConnector"):
+        engine = SchedulerEngine(
+            "P", connector, zygote, geo=MAMBA_GEO, hma=True, mamba=MAMBA, tp=tp,
+            extra_config={"transport": "nixl"},
+        )  # fmt: skip
+        try:
+            answer = engine.peer.call({"op": "regions"})
+            found[connector] = {k: answer[k] for k in ("regions", "groups", "blocks", "ssm_sizes")}
+        finally:
+            engine.close()
+    stock, ours = found["NixlConnector"], found["KVWireConnector"]
+    assert ours == stock
+    slabs = MAMBA_GEO.layers // (MAMBA + 1)
+    assert len(ours["regions"]) == slabs and ours["groups"] == [-1] * slabs
+    assert ours["ssm_sizes"] == [s // tp for s in _mamba_sizes()]
+
+
 @pytest.mark.parametrize("tp", ["1-1", "1-2", "2-1"])
 @pytest.mark.parametrize("mode", ["pull", "push"])
 @pytest.mark.parametrize("pair", sorted(PAIRS))
@@ -112,6 +135,151 @@ def _window_pair(
         p.close()
 
 
+MAMBA = 3
+"""Mamba2 layers after each attention layer (Jamba's 1:7 and Nemotron-H's ratios, in
+small): vLLM makes a group of each kind's ``j``-th layers, so every slab holds one
+attention page and three states."""
+MAMBA_GEO = Geometry(layers=8)
+MAMBA_REQUESTS = {"req-boundary": (7, 257), "req-partial": (8, 300)}
+"""Prompt lengths, each its own content: D loads all but the last token (P never computes
+it), so 257 tokens load exactly 8 blocks and D's state is the 8th block's; 300 load 299
+into a partial block."""
+
+
+def _mamba_sizes() -> tuple[int, int]:
+    """(conv, temporal) state bytes of one of the harness's Mamba2 layers at TP 1, from
+    the mixer's sizes (bf16 conv state, fp32 temporal state)."""
+    from vllm_engine import MAMBA_CONV, MAMBA_GROUPS, MAMBA_HEAD_DIM, MAMBA_HEADS, MAMBA_STATE
+
+    conv = (MAMBA_HEADS * MAMBA_HEAD_DIM + 2 * MAMBA_GROUPS) * (MAMBA_CONV - 1) * 2
+    return conv, MAMBA_HEADS * MAMBA_HEAD_DIM * MAMBA_STATE * 4
+
+
+def mamba_checked_bytes(tokens: int) -> int:
+    """What D must check of one prompt: every loaded token (all but the last) of the
+    attention layers, and every Mamba layer's state after them."""
+    spec = CacheSpec(preset(MAMBA_GEO.model), MAMBA_GEO.layers, MAMBA_GEO.num_blocks, 0, 1, 32)
+    per_token = spec.block_len // MAMBA_GEO.block_size
+    attention = MAMBA_GEO.layers // (MAMBA + 1)
+    state = sum(_mamba_sizes())
+    return per_token * attention * (tokens - 1) + state * (MAMBA_GEO.layers - attention)
+
+
+@pytest.mark.parametrize("tp", ["1-1", "1-2", "2-1"])
+@pytest.mark.parametrize("mode", ["pull", "push"])
+@pytest.mark.parametrize("pair", sorted(PAIRS))
+def test_mamba(zygote: Zygote, pair: str, mode: str, tp: str) -> None:
+    """A hybrid Mamba2 model on vLLM's defaults (hybrid manager, prefix caching: states at
+    block boundaries), its groups planned and allocated by vLLM: P computes all but the
+    last token, and D holds, the moment its model would first read them, every loaded
+    token's KV and every Mamba layer's state after them, each group with its own content.
+    Between unequal TP sizes each D rank holds its slice of every part of the state."""
+    _mamba_pair(zygote, pair, mode, tp)
+
+
+@pytest.mark.parametrize("tp", ["1-1", "1-2", "2-1"])
+@pytest.mark.parametrize("mode", ["pull", "push"])
+@pytest.mark.parametrize("pair", ["stock-P-kvwire-D", "kvwire-P-stock-D"])
+def test_mamba_on_vllm_032(zygote_032: Zygote, pair: str, mode: str, tp: str) -> None:
+    """The same model on vLLM 0.32.0's manager and connector (version 14)."""
+    _mamba_pair(zygote_032, pair, mode, tp)
+
+
+@pytest.mark.parametrize("mode", ["pull", "push"])
+@pytest.mark.parametrize("blocks", ["32-64", "64-32"])
+def test_mamba_unequal_block_sizes(zygote: Zygote, blocks: str, mode: str) -> None:
+    """kvwire on both sides with unequal block sizes (stock: not supported for hybrid
+    models): the attention pages move by token and the state after the loaded tokens lands
+    in the block D's model reads it from, wherever D's blocks end."""
+    _mamba_pair(zygote, "kvwire-nixl", mode, "1-1", blocks)
+
+
+def test_a_hybrid_models_failed_load_is_reported_by_request(zygote: Zygote) -> None:
+    """A block id names a page of one KV-cache group only, so vLLM stops an engine of
+    several groups that reports failed loads by block: kvwire's D reports the request
+    (``failed_recving``), vLLM ends it by its policy (the default fails it), and D goes on
+    serving. P dies after its prefill; D's next request, from a new P, checks."""
+
+    def engine(role: str, **kw: Any) -> SchedulerEngine:
+        return SchedulerEngine(
+            role, "KVWireConnector", zygote, geo=MAMBA_GEO, hma=True, mamba=MAMBA,
+            extra_config={"transport": "nixl"}, **kw,
+        )  # fmt: skip
+
+    d = engine("D")
+    try:
+        p = engine("P")
+        try:
+            p.add("req-lost", 7, 257)
+            wait_until(lambda: "req-lost" in p.state.get("outputs", {}), p.step, 30, "P")
+            params = p.state["outputs"]["req-lost"]
+        finally:
+            p.close()
+        d.add("req-lost", 7, 257, params)
+        wait_until(lambda: "req-lost" in d.state.get("outputs", {}), d.step, 60, "D to end it")
+        assert d.state["failed"] == ["req-lost"] and d.state["invalid"] == []
+        assert "req-lost" not in d.state["checked"]
+        p = engine("P")
+        try:
+            p.add("req-next", 8, 300)
+            wait_until(lambda: "req-next" in p.state.get("outputs", {}), p.step, 30, "P")
+            d.add("req-next", 8, 300, p.state["outputs"]["req-next"])
+
+            def both() -> None:
+                d.step()
+                p.step()
+
+            wait_until(lambda: "req-next" in d.state["checked"], both, 60, "D to check it")
+            assert d.state["checked"]["req-next"] == [0, mamba_checked_bytes(300)]
+        finally:
+            p.close()
+    finally:
+        d.close()
+
+
+def _mamba_pair(zygote: Zygote, pair: str, mode: str, tp: str, blocks: str = "32-32") -> None:
+    p_conn, d_conn, transport = PAIRS[pair]
+    engines = []
+    sides = zip("PD", (p_conn, d_conn), tp.split("-"), blocks.split("-"), strict=True)
+    try:
+        for role, connector, size, block in sides:
+            engines.append(
+                SchedulerEngine(
+                    role, connector, zygote, geo=replace(MAMBA_GEO, block_size=int(block)),
+                    mode=mode, hma=True, mamba=MAMBA, extra_config={"transport": transport},
+                    tp=int(size),
+                )
+            )  # fmt: skip
+        p, d = engines
+        p_block = int(blocks.split("-")[0])
+        for rid, (index, tokens) in MAMBA_REQUESTS.items():
+            p.add(rid, index, tokens)
+            wait_until(lambda r=rid: r in p.state.get("outputs", {}), p.step, 30, f"P: {rid}")
+            params = p.state["outputs"][rid]
+            assert params["remote_num_tokens"] == tokens - 1, params
+            lengths = [len(g) for g in params["remote_block_ids"]]
+            assert lengths == [-(-(tokens - 1) // p_block), 1, 1, 1], params
+        for rid, (index, tokens) in MAMBA_REQUESTS.items():
+            d.add(rid, index, tokens, p.state["outputs"][rid])
+
+        def both() -> None:
+            d.step()
+            p.step()
+
+        def done() -> bool:
+            return set(MAMBA_REQUESTS) <= set(d.state.get("checked", {})) & set(
+                p.state.get("sent", [])
+            )
+
+        wait_until(done, both, 60, "D to check every request and P to free them")
+        for rid, (_, tokens) in MAMBA_REQUESTS.items():
+            checked = mamba_checked_bytes(tokens)
+            assert d.state["checked"][rid] == [0, checked], rid
+    finally:
+        for engine in reversed(engines):
+            engine.close()
+
+
 def _spec(kind: str) -> Any:
     import torch
     from vllm.v1.kv_cache_interface import (
@@ -129,18 +297,33 @@ def _spec(kind: str) -> Any:
         "chunked": lambda: ChunkedLocalAttentionSpec(
             block_size=32, attention_chunk_size=128, **page
         ),
-        "mamba": lambda: MambaSpec(
+        "mamba-unpadded": lambda: MambaSpec(
             block_size=32, shapes=((4, 64), (8, 16)), dtypes=(torch.bfloat16,) * 2
         ),
-    }
+        "mamba": lambda: MambaSpec(
+            block_size=32, shapes=((4, 64), (8, 16)), dtypes=(torch.bfloat16,) * 2,
+            page_size_padded=131072,
+        ),
+        "mamba-replicated": lambda: MambaSpec(
+            block_size=32, shapes=((4, 64), (8, 16)), dtypes=(torch.bfloat16,) * 2,
+            page_size_padded=131072, tp_replicated=True,
+        ),
+        "mamba-3-states": lambda: MambaSpec(
+            block_size=32, shapes=((4, 64), (8, 16), (2,)), dtypes=(torch.bfloat16,) * 3,
+            page_size_padded=131072,
+        ),
+    }  # fmt: skip
     return specs[kind]()
 
 
 REFUSED = {
-    "mamba": (["full", "mamba"], "KV-cache group 1 is MambaSpec"),
+    "mamba-unpadded": (["full", "mamba-unpadded"], "group 1's state pages are 768 bytes"),
+    "mamba-replicated": (["full", "mamba-replicated"], "group 1 is a TP-replicated MambaSpec"),
+    "mamba-3-states": (["full", "mamba-3-states"], "group 1's MambaSpec has 3 state arrays"),
     "chunked-local": (["full", "chunked"], "KV-cache group 1 is ChunkedLocalAttentionSpec"),
     "unequal-pages": (["full", "full-64"], "KV-cache group 1's pages"),
-    "windows-only": (["window"], "every KV-cache group has a sliding window"),
+    "windows-only": (["window"], "no KV-cache group is full attention"),
+    "states-only": (["mamba"], "no KV-cache group is full attention"),
 }
 
 
@@ -159,6 +342,6 @@ def test_groups_kvwire_cannot_move_are_refused_by_name(case: str) -> None:
     config = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=groups)
     with pytest.raises(ConfigError, match=message):
         group_kinds(config, 32)
-    accepted = [KVCacheGroupSpec(["a"], _spec("full")), KVCacheGroupSpec(["b"], _spec("window"))]
+    accepted = [KVCacheGroupSpec([k], _spec(k)) for k in ("full", "window", "mamba")]
     ok = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=accepted)
-    assert len(group_kinds(ok, 32)) == 2
+    assert [k.value for k in group_kinds(ok, 32)] == ["attention", "attention", "ssm"]

@@ -311,11 +311,8 @@ def _check_globals(
         # vLLM accepts sizes that divide; moving between them is a token gather kvwire's
         # planner does not do, so the side that plans the transfer refuses by name.
         problems.add("dcp_size", ld, rd, "kvwire plans DCP transfers only between equal sizes")
-    if local.has_ssm:
-        if rt != lt:
-            problems.add("tp_size", lt, rt, "SSM state moves only between equal TP sizes")
-        if tuple(remote.ssm_sizes) != tuple(local.ssm_sizes):
-            problems.add("ssm_sizes", tuple(local.ssm_sizes), tuple(remote.ssm_sizes))
+    if local.has_ssm and tp_ok:
+        _check_state_shards(local, remote, problems)
     if not policy.vllm_strict or remote_layout is None or not tp_ok:
         return
     split = any(local.kind_of(i) is RegionKind.ATTENTION for i in range(len(local.regions)))
@@ -344,6 +341,25 @@ def _check_globals(
             f"{producer_k} vs {consumer_k}",
             "vLLM rule",
         )
+
+
+def _check_state_shards(local: KVGeometry, remote: RemoteGeometry, problems: _Problems) -> None:
+    """A peer's state sizes are ours scaled by the TP sizes (each part sharded evenly);
+    between unequal sizes only states in slabs move (a region of states alone holds
+    whole pages, which do not slice)."""
+    lt, rt = local.tp_size, remote.tp_size
+    wanted = tuple(size * lt / rt for size in local.ssm_sizes)
+    uneven = [part for part in local.state_parts if (part * lt) % rt]
+    if uneven or tuple(remote.ssm_sizes) != wanted:
+        problems.add(
+            "ssm_sizes",
+            f"{tuple(int(x) for x in wanted)} (ours {tuple(local.ssm_sizes)} at TP {lt}, "
+            f"the peer's at TP {rt})",
+            tuple(remote.ssm_sizes),
+            "each part of a state shards evenly across TP ranks" if uneven else "",
+        )
+    if lt != rt and any(local.kind_of(i) is RegionKind.SSM for i in range(len(local.regions))):
+        problems.add("tp_size", lt, rt, "a region of whole SSM pages moves only between equal TP")
 
 
 def _check_pair(

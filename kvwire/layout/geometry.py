@@ -203,6 +203,11 @@ class KVGeometry:
     """Every attention region is replicated (the model uses MLA)."""
     ssm_sizes: tuple[int, int] = (0, 0)
     """(conv state bytes, SSM state bytes) per logical block, advertised for SSM models."""
+    ssm_parts: tuple[int, ...] = ()
+    """This rank's bytes of each part of a layer's state, in page order, each sharded across
+    TP ranks in rank order (so unequal TP sizes move a rank's slice of every part): vLLM's
+    conv state dim-first, its sub-projections (Mamba2 x, B, C; GDN q, k, v; Mamba1 x), then
+    the temporal state. Empty: the conv state and the temporal state are one part each."""
     group_kinds: tuple[RegionKind, ...] = ()
     """What each KV-cache group stores, by group index. It matters for *shared* regions
     (``group_id`` -1), which hold a page of every group, as vLLM's hybrid KV cache manager
@@ -221,6 +226,16 @@ class KVGeometry:
         object.__setattr__(self, "group_kinds", tuple(RegionKind(k) for k in self.group_kinds))
         if RegionKind.SSM in self.group_kinds and sum(self.ssm_sizes) <= 0:
             raise ConfigError("a geometry with an SSM group needs its ssm_sizes")
+        parts = tuple(int(p) for p in self.ssm_parts)
+        object.__setattr__(self, "ssm_parts", parts)
+        ends = np.cumsum(parts).tolist()
+        if parts and (min(parts) <= 0 or ends[-1] != sum(self.ssm_sizes) or (
+            self.ssm_sizes[0] not in ends
+        )):  # fmt: skip
+            raise ConfigError(
+                f"ssm_parts {parts} must be positive and split ssm_sizes "
+                f"{tuple(self.ssm_sizes)} (conv, temporal) into consecutive parts"
+            )
         if not self.regions:
             raise ConfigError("a KV geometry needs at least one region")
         if self.block_size <= 0 or self.physical_blocks_per_logical <= 0:
@@ -299,6 +314,11 @@ class KVGeometry:
         if group < len(self.group_kinds) and self.group_kinds[group] is RegionKind.SSM:
             return RegionKind.SSM
         return self.kind_of(index)
+
+    @property
+    def state_parts(self) -> tuple[int, ...]:
+        """:attr:`ssm_parts`, or the conv and temporal states as one part each."""
+        return self.ssm_parts or tuple(int(x) for x in self.ssm_sizes if x)
 
     @property
     def has_ssm(self) -> bool:

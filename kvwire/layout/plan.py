@@ -206,6 +206,45 @@ def _whole_block_pattern(length: int) -> _Pattern:
     )
 
 
+@lru_cache(maxsize=256)
+def _sharded_state_pattern(
+    p_parts: tuple[int, ...],
+    c_parts: tuple[int, ...],
+    p_rank: int,
+    p_tp: int,
+    c_rank: int,
+    c_tp: int,
+) -> _Pattern:
+    """One producer rank's share of one consumer rank's state, part by part (each part
+    TP-sharded in rank order); no segments when the two hold no slice in common."""
+    p_offsets = np.concatenate([[0], np.cumsum(p_parts)[:-1]]).astype(np.int64)
+    c_offsets = np.concatenate([[0], np.cumsum(c_parts)[:-1]]).astype(np.int64)
+    rows = []
+    if c_tp >= p_tp:
+        ratio = c_tp // p_tp
+        if c_rank // ratio == p_rank:
+            at = c_rank % ratio
+            rows = [
+                [po + at * cl, co, cl]
+                for po, co, cl in zip(p_offsets, c_offsets, c_parts, strict=True)
+            ]
+    else:
+        ratio = p_tp // c_tp
+        if p_rank // ratio == c_rank:
+            at = p_rank % ratio
+            rows = [
+                [po, co + at * pl, pl]
+                for po, co, pl in zip(p_offsets, c_offsets, p_parts, strict=True)
+            ]
+    segments = np.array(rows, dtype=np.int64).reshape(-1, 3)
+    return _Pattern(
+        segments=segments,
+        producer_shift=0,
+        consumer_shift=0,
+        zero_segments=segments[:, 1:].copy(),
+    )
+
+
 # ---------------------------------------------------------------------------------------
 # Chunks: which (producer block, consumer block, sub-position) pairs a request covers
 # ---------------------------------------------------------------------------------------
@@ -520,8 +559,19 @@ class PeerLayout:
 
     def _slab_state_pattern(self) -> _Pattern:
         """An SSM group's page in a slab: the states at its start, then padding up to the
-        attention page (vLLM pads the state page to it); only the states move."""
-        return _whole_block_pattern(int(sum(self.local.ssm_sizes)))
+        attention page (vLLM pads the state page to it); only the states move. Between
+        unequal TP sizes each part of the state (:attr:`KVGeometry.ssm_parts`) is sharded
+        in rank order, so a consumer rank holding a fraction of a producer's shard reads
+        its slice of every part, and one holding several producers' shards takes each
+        producer's parts at its place among them."""
+        p, c = self._producer, self._consumer
+        if p.tp_size == c.tp_size:
+            return _whole_block_pattern(int(sum(self.local.ssm_sizes)))
+        local = self.local.state_parts
+        scaled = tuple(part * self.local.tp_size // self.remote.tp_size for part in local)
+        remote_is_producer = self.mode == "pull"
+        p_parts, c_parts = (scaled, local) if remote_is_producer else (local, scaled)
+        return _sharded_state_pattern(p_parts, c_parts, p.tp_rank, p.tp_size, c.tp_rank, c.tp_size)
 
     def _clusters(
         self, num_groups: int, regions: tuple[int, int] | None = None

@@ -12,6 +12,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
@@ -70,6 +71,9 @@ class KVWireConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     def _sched(self) -> SchedulerSide:
         assert self._scheduler is not None, "a scheduler-side call on a worker connector"
         return self._scheduler
+
+    def on_new_request(self, request: Request) -> None:
+        self._sched().on_new_request(request)
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
@@ -174,6 +178,19 @@ class KVWireConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return self._work().finished()
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """Failed loads of a model with several KV-cache groups go by request (vLLM
+        recomputes or fails the request, by its ``kv_load_failure_policy``); with one
+        group by block (:meth:`get_block_ids_with_load_errors`), so vLLM recomputes only
+        the blocks that did not arrive. A failed request is reported received too, which
+        releases it from waiting for its KV."""
+        sent, received = self._work().finished()
+        return KVConnectorTransferResults(
+            finished_sending=set(sent or ()),
+            finished_recving=set(received or ()),
+            failed_recving=self._work().take_failed(),
+        )
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._work().take_invalid()

@@ -8,7 +8,9 @@ calls :func:`layer_geometry`.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -98,6 +100,7 @@ def layer_regions(
     num_blocks: int,
     layout: str,
     group_of: Mapping[str, int] | None = None,
+    state_layers: frozenset[str] = frozenset(),
 ) -> list[BlockRegion]:
     """The worker's regions, read from each layer's own view of ``num_blocks`` region
     blocks (kernel blocks: :func:`kernel_ratio` times vLLM's block count).
@@ -112,11 +115,20 @@ def layer_regions(
     hybrid manager layer ``j`` of every group lives in the same slab, so views of
     different groups start at one address: that region is every group's (group -1), as
     stock advertises it, and a block id there belongs to whichever group holds it.
+
+    ``state_layers`` (Mamba) only mark the slab they live in as theirs too: vLLM pads
+    their state to the attention page, so the slab is registered once, by its attention
+    layer, as stock registers it.
     """
     spans: dict[int, tuple[str, int, int, torch.Tensor]] = {}
     rows: dict[int, dict[str, tuple[int, int]]] = {}
     groups: dict[int, int] = {}
+    states: dict[int, str] = {}
     for name, view in kv_caches.items():
+        group = group_of.get(name, 0) if group_of is not None else 0
+        if name in state_layers:
+            states.setdefault(int(view.data_ptr()), name)
+            continue
         if view.dim() < 2 or view.shape[0] != num_blocks:
             raise ConfigError(
                 f"layer {name}: its view {tuple(view.shape)} has not {num_blocks} blocks first"
@@ -126,13 +138,19 @@ def layer_regions(
         except ConfigError as exc:
             raise ConfigError(f"layer {name}: in KV cache layout {layout}, {exc}") from None
         page = int(view[0].nbytes)
-        group = group_of.get(name, 0) if group_of is not None else 0
         for base, block_len, stride in found:
             spans.setdefault(base, (name, block_len, stride, view))
             if groups.setdefault(base, group) != group:
                 groups[base] = SHARED_GROUP_ID
             if block_len > page:
                 rows.setdefault(base, {})[name] = (int(view.data_ptr()) - base, page)
+    for base, name in states.items():
+        if base not in spans:
+            raise ConfigError(
+                f"layer {name}: its state is in a slab no attention layer shares: "
+                "KVWireConnector moves state groups only beside attention so far"
+            )
+        groups[base] = SHARED_GROUP_ID
     regions = []
     for base, (name, block_len, stride, view) in spans.items():
         on_device = view.device.type != "cpu"
@@ -163,26 +181,39 @@ def transfer_groups(kv_cache_config: Any) -> tuple[Any, ...]:
 def group_kinds(kv_cache_config: Any, block_size: int) -> tuple[RegionKind, ...]:
     """What each transfer group stores, refusing by name what kvwire does not move yet.
 
-    A :class:`KVGeometry` describes one page for every group (one block size, one head
-    count and head size), which is what vLLM's hybrid manager makes of attention layers
-    that differ only in their window. Anything else (state-space groups, rings, chunked
-    local attention, groups whose pages vLLM resized or padded to share a pool) would be
+    A :class:`KVGeometry` describes one attention page for every attention group (one block
+    size, one head count and head size), which is what vLLM's hybrid manager makes of
+    attention layers that differ only in their window. A state-space (Mamba) group's page
+    is its state, padded by vLLM to the attention page so both share the slabs: it moves as
+    one state of ``sum(ssm_sizes)`` bytes (:func:`ssm_sizes`). Anything else (rings,
+    chunked local attention, groups whose pages vLLM resized or padded otherwise) would be
     planned with the wrong page, so it fails the engine's startup instead. So does a model
-    whose every group has a window: no list then holds the whole prompt, which is where
-    the planner places the others.
+    whose every attention group has a window: no list then holds the whole prompt, which is
+    where the planner places the others.
     """
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        MambaSpec,
+        MLAAttentionSpec,
+        SlidingWindowSpec,
+    )
 
     moved = (FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec)
     groups = transfer_groups(kv_cache_config)
     ids = getattr(kv_cache_config, "transfer_group_ids", range(len(groups)))
     first: tuple[Any, ...] | None = None
+    kinds = []
+    attention_page = 0
     for group_id, group in zip(ids, groups, strict=True):
         spec = group.kv_cache_spec
+        if type(spec) is MambaSpec:
+            _check_state_group(group_id, spec)
+            kinds.append(RegionKind.SSM)
+            continue
         if type(spec) not in moved:
             raise ConfigError(
                 f"KV-cache group {group_id} is {type(spec).__name__}: KVWireConnector moves "
-                "full-attention, MLA and sliding-window groups so far"
+                "full-attention, MLA, sliding-window and Mamba groups so far"
             )
         page = (spec.block_size, spec.num_kv_heads, spec.head_size, spec.dtype)
         padded = getattr(spec, "page_size_padded", None)
@@ -194,33 +225,164 @@ def group_kinds(kv_cache_config: Any, block_size: int) -> tuple[RegionKind, ...]
                 "KVWireConnector moves groups of one page shape so far"
             )
         first = page
-    if groups and all(type(g.kv_cache_spec) is SlidingWindowSpec for g in groups):
+        attention_page = int(spec.page_size_bytes)
+        kinds.append(RegionKind.ATTENTION)
+    attention = [g for g, k in zip(groups, kinds, strict=True) if k is RegionKind.ATTENTION]
+    if not attention or all(type(g.kv_cache_spec) is SlidingWindowSpec for g in attention):
         raise ConfigError(
-            "every KV-cache group has a sliding window: KVWireConnector needs a group that "
-            "holds the whole prompt so far"
+            "no KV-cache group is full attention: KVWireConnector needs a group that "
+            "holds the whole prompt so far (every group has a sliding window or a state)"
         )
-    return tuple(RegionKind.ATTENTION for _ in groups)
+    for group_id, group, kind in zip(ids, groups, kinds, strict=True):
+        state_page = int(group.kv_cache_spec.page_size_bytes)
+        if kind is RegionKind.SSM and state_page != attention_page:
+            raise ConfigError(
+                f"KV-cache group {group_id}'s state pages are {state_page} bytes and the "
+                f"attention pages {attention_page}: KVWireConnector moves state groups only "
+                "in slabs they share with attention (vLLM's hybrid manager pads them to one page)"
+            )
+    return tuple(kinds)
 
 
-def exchanged_tails(kv_cache_config: Any) -> tuple[int, ...]:
-    """Per transfer group, how many of a request's last blocks cross between engines; 0 is
-    all of them.
+def _check_state_group(group_id: int, spec: Any) -> None:
+    """A Mamba group kvwire moves as stock does: one state sharded by TP (a replicated
+    one is CSA-linear's), made of the conv state and the temporal state, which stock
+    advertises as ``ssm_sizes``; a third array would be left behind."""
+    if getattr(spec, "tp_replicated", False):
+        raise ConfigError(
+            f"KV-cache group {group_id} is a TP-replicated MambaSpec (CSA-linear's): "
+            "KVWireConnector moves TP-sharded state so far"
+        )
+    if len(spec.shapes) != 2:
+        raise ConfigError(
+            f"KV-cache group {group_id}'s MambaSpec has {len(spec.shapes)} state arrays: "
+            "KVWireConnector (as stock's ssm_sizes) moves a conv and a temporal state"
+        )
+    kind = getattr(spec.mamba_type, "name", str(spec.mamba_type))
+    if kind not in _CONV_SPLITS:
+        raise ConfigError(
+            f"KV-cache group {group_id} is a {kind} MambaSpec: KVWireConnector moves "
+            f"{', '.join(sorted(_CONV_SPLITS))} state (a stock engine the same)"
+        )
+
+
+def _mamba2_split(conv_columns: int, temporal: tuple[int, ...]) -> tuple[int, ...]:
+    """x (heads x head dim), then B and C of equal width."""
+    x = temporal[0] * temporal[1]
+    return (x, (conv_columns - x) // 2, (conv_columns - x) // 2)
+
+
+def _gdn_split(conv_columns: int, temporal: tuple[int, ...]) -> tuple[int, ...]:
+    """q and k of equal width, then v (value heads x value dim)."""
+    v = temporal[0] * temporal[1]
+    return ((conv_columns - v) // 2, (conv_columns - v) // 2, v)
+
+
+_CONV_SPLITS: dict[str, Any] = {
+    "MAMBA1": lambda conv_columns, _temporal: (conv_columns,),
+    "MAMBA2": _mamba2_split,
+    "GDN_ATTN": _gdn_split,
+}
+"""Per Mamba kind, the column widths of its conv state's sub-projections on one rank,
+from the rank's conv columns and temporal state shape: each is sharded by TP on its own,
+so a rank of another TP size takes its slice of each."""
+
+
+def ssm_parts(kv_cache_config: Any) -> tuple[int, ...]:
+    """This rank's bytes of each TP-sharded part of one Mamba layer's state, in page order
+    (``KVGeometry.ssm_parts``): the conv state dim-first (``VLLM_SSM_CONV_STATE_LAYOUT=DS``,
+    as stock's transfer requires), so each sub-projection's columns are one run, then the
+    temporal state, sharded by its first (heads) axis."""
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    for group in transfer_groups(kv_cache_config):
+        spec = group.kv_cache_spec
+        if type(spec) is MambaSpec:
+            conv_shape, temporal = tuple(spec.shapes[0]), tuple(spec.shapes[1])
+            split = _CONV_SPLITS[getattr(spec.mamba_type, "name", "")]
+            row = math.prod(conv_shape[1:]) * torch.empty((), dtype=spec.dtypes[0]).element_size()
+            columns = split(conv_shape[0], temporal)
+            if sum(columns) != conv_shape[0] or min(columns) <= 0:
+                raise ConfigError(
+                    f"a MambaSpec's conv state of {conv_shape[0]} columns does not split into "
+                    f"its sub-projections ({columns}) as its kind's do"
+                )
+            return (*(c * row for c in columns), ssm_sizes(kv_cache_config)[1])
+    return ()
+
+
+def ssm_sizes(kv_cache_config: Any) -> tuple[int, int]:
+    """(conv state bytes, temporal state bytes) of one layer's Mamba state on this rank,
+    as a stock engine advertises them (0, 0 without a Mamba group). vLLM's spec already
+    holds this rank's shard, so the sizes are its arrays' bytes."""
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    for group in transfer_groups(kv_cache_config):
+        spec = group.kv_cache_spec
+        if type(spec) is MambaSpec:
+            conv, temporal = (
+                math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+                for shape, dtype in zip(spec.shapes, spec.dtypes, strict=True)
+            )
+            return int(conv), int(temporal)
+    return (0, 0)
+
+
+@dataclass(frozen=True)
+class Exchanged:
+    """Which of a request's blocks in one transfer group cross between engines, as a stock
+    engine exchanges them (so a stock peer reads what it expects).
 
     A sliding-window group's attention reaches back ``W`` tokens from the prompt's end, so
-    only its last ``cdiv(W, block_size) + 1`` blocks matter (the extra one for a window
-    that starts inside a block); vLLM's manager has already swapped older ones for its null
-    block. A stock peer exchanges exactly that tail, so kvwire does too.
-    """
-    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+    only its last ``cdiv(W, block_size) + 1`` blocks matter (the extra one for a window that
+    starts inside a block); vLLM's manager has already swapped older ones for its null
+    block. A Mamba group's list ends in ``spec_slots`` scratch slots for speculative
+    decoding, which never cross; of the rest only the running state (the last) does,
+    unless vLLM keeps a state per block position (``mamba_cache_mode`` "all")."""
 
-    tails = []
+    tail: int = 0
+    """The last blocks that cross; 0: all."""
+    spec_slots: int | None = None
+    """A Mamba group's trailing scratch slots (``None``: not a Mamba group)."""
+    positional: bool = False
+
+    def __call__(self, blocks: list[int]) -> list[int]:
+        if self.tail:
+            return blocks[-self.tail :]
+        if self.spec_slots is None or not blocks:
+            return blocks
+        if scratch := min(self.spec_slots, len(blocks) - 1):
+            blocks = blocks[:-scratch]
+        return blocks if self.positional else blocks[-1:]
+
+
+def exchanged(kv_cache_config: Any, vllm_config: Any) -> tuple[Exchanged, ...]:
+    """Per transfer group, which of a request's blocks cross (:class:`Exchanged`)."""
+    from vllm.v1.kv_cache_interface import MambaSpec, SlidingWindowSpec
+
+    positional = getattr(vllm_config.cache_config, "mamba_cache_mode", "none") == "all"
+    rules = []
     for group in transfer_groups(kv_cache_config):
         spec = group.kv_cache_spec
         if isinstance(spec, SlidingWindowSpec):
-            tails.append(-(-int(spec.sliding_window) // int(spec.block_size)) + 1)
+            rules.append(Exchanged(tail=-(-int(spec.sliding_window) // int(spec.block_size)) + 1))
+        elif isinstance(spec, MambaSpec):
+            rules.append(
+                Exchanged(spec_slots=int(spec.num_speculative_blocks), positional=positional)
+            )
         else:
-            tails.append(0)
-    return tuple(tails)
+            rules.append(Exchanged())
+    return tuple(rules)
+
+
+def prefill_backoff(kv_cache_config: Any, vllm_config: Any) -> int:
+    """The prompt's trailing tokens P leaves for D to compute, as stock decides them: a
+    Mamba layer's D needs the state before the last token to compute the last one itself,
+    and a multi-token drafter's lookahead must not reach P's cache (its drafts there would
+    never be verified)."""
+    mamba = bool(getattr(kv_cache_config, "has_mamba_layers", False))
+    lookahead = int(getattr(vllm_config, "num_prefill_lookahead_tokens", 0) or 0)
+    return max(1 if mamba else 0, lookahead - 1)
 
 
 def layer_geometry(
@@ -240,12 +402,16 @@ def layer_geometry(
         for index, group in enumerate(transfer_groups(kv_cache_config))
         for name in group.layer_names
     }
+    kinds = group_kinds(kv_cache_config, int(vllm_config.cache_config.block_size))
     moved = {name: view for name, view in kv_caches.items() if name in group_of}
-    ratio = kernel_ratio(moved, num_blocks)
+    states = frozenset(n for n in moved if kinds[group_of[n]] is RegionKind.SSM)
+    ratio = kernel_ratio({n: v for n, v in moved.items() if n not in states}, num_blocks)
     return KVGeometry(
-        regions=layer_regions(moved, num_blocks * ratio, layout_name, group_of),
+        regions=layer_regions(moved, num_blocks * ratio, layout_name, group_of, states),
         physical_blocks_per_logical=ratio,
-        group_kinds=group_kinds(kv_cache_config, int(vllm_config.cache_config.block_size)),
+        group_kinds=kinds,
+        ssm_sizes=ssm_sizes(kv_cache_config),
+        ssm_parts=ssm_parts(kv_cache_config),
         kv_cache_layout=layout_name,
         block_size=int(vllm_config.cache_config.block_size),
         total_kv_heads=1 if model.use_mla else model.get_total_num_kv_heads(),

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvwire.config import KVWireConfig
 from kvwire.errors import ConfigError
-from kvwire.integrations.vllm.geometry import exchanged_tails
+from kvwire.integrations.vllm.geometry import exchanged, prefill_backoff
 from kvwire.integrations.vllm.messages import BlockIds, KVWireHandshake, KVWireMetadata
 from kvwire.sidechannel import HandshakeListener
 from kvwire.sidechannel.advertise import advertised_host
@@ -32,8 +32,10 @@ class SchedulerSide:
         self.config = config
         self.vllm_config = vllm_config
         self.kv_cache_config = kv_cache_config
-        self.tails = exchanged_tails(kv_cache_config)
-        """Per transfer group, the trailing blocks a request exchanges (0: all)."""
+        self.rules = exchanged(kv_cache_config, vllm_config)
+        """Per transfer group, which of a request's blocks cross."""
+        self.backoff = prefill_backoff(kv_cache_config, vllm_config)
+        """The prompt's last tokens D computes itself (P leaves them out)."""
         self.listener = HandshakeListener(
             {}, host=config.side_channel_host, port=config.side_channel_port, secret=config.secret
         ).start()
@@ -64,10 +66,40 @@ class SchedulerSide:
             payloads[(0, int(rank))] = meta.payload
         self.listener.set_payloads(payloads)
 
+    def on_new_request(self, request: Request) -> None:
+        """P: a prompt whose last tokens D computes itself (:func:`prefill_backoff`) is
+        cut to the rest before vLLM schedules it, as a stock P cuts it, so P computes and
+        sends exactly what D loads and D reads no token P never computed. Once: vLLM may
+        hand a preempted request back, and it stays cut."""
+        params = request.kv_transfer_params
+        backoff = self.backoff
+        if (
+            not backoff
+            or not params
+            or not params.get("do_remote_decode")
+            or params.get("_p_side_truncated")
+            or request.num_prompt_tokens <= backoff
+        ):
+            return
+        if request.prompt_token_ids is not None:
+            del request.prompt_token_ids[-backoff:]
+        elif request.prompt_embeds is not None:
+            request.prompt_embeds = request.prompt_embeds[:-backoff]
+        else:
+            return
+        del request._all_token_ids[-backoff:]
+        request.num_prompt_tokens -= backoff
+        request.max_tokens = 1
+        params["_p_side_truncated"] = True
+
+    def loaded_tokens(self, prompt: int) -> int:
+        """D: how many of a prompt's tokens come from P (the rest D computes)."""
+        return prompt - self.backoff if self.backoff and prompt > self.backoff else prompt
+
     def get_num_new_matched_tokens(self, request: Request, computed: int) -> tuple[int, bool]:
         params = request.kv_transfer_params
         if params and params.get("do_remote_prefill"):
-            count = len(request.prompt_token_ids or []) - computed
+            count = self.loaded_tokens(len(request.prompt_token_ids or [])) - computed
             if count > 0:
                 return count, True
         return 0, False
@@ -89,7 +121,7 @@ class SchedulerSide:
         if num_external_tokens > 0:
             local = self.exchanged(blocks.get_unhashed_block_ids_all_groups())
             self.loading.add(request.request_id)
-        prompt = int(request.num_prompt_tokens) or None
+        prompt = self.loaded_tokens(int(request.num_prompt_tokens)) or None
         self.meta.to_recv[request.request_id] = (dict(params), local, prompt)
         params["do_remote_prefill"] = False  # one transfer per request
 
@@ -161,12 +193,13 @@ class SchedulerSide:
 
     def exchanged(self, block_ids: Any) -> BlockIds:
         """A request's block lists as stock engines exchange them (so a stock peer reads
-        what it expects): one per transfer group, a sliding-window group's cut to its
-        tail (see :func:`exchanged_tails`), which may still begin with the null block."""
+        what it expects): one per transfer group, each cut by its rule
+        (:class:`~kvwire.integrations.vllm.geometry.Exchanged`); a sliding window's tail may
+        still begin with the null block."""
         groups = _groups(block_ids)
         if len(groups) == len(self.kv_cache_config.kv_cache_groups):
             groups = [list(g) for g in self.kv_cache_config.select_transfer_block_ids(groups)]
-        return [g[-tail:] if tail else g for g, tail in zip(groups, self.tails, strict=True)]
+        return [rule(g) for g, rule in zip(groups, self.rules, strict=True)]
 
     def build_meta(self, scheduler_output: SchedulerOutput) -> KVWireMetadata:
         meta, self.meta = self.meta, KVWireMetadata()

@@ -46,6 +46,12 @@ class WorkerSide:
         self.recving: set[str] = set()
         self.sending: set[str] = set()
         self.invalid: set[int] = set()
+        self.failed: set[str] = set()
+        """D: requests whose KV did not all arrive, reported as requests (``by_request``)."""
+        self.by_request = len(kv_cache_config.kv_cache_groups) > 1
+        """A block id names a page in one KV-cache group only, so with several groups vLLM
+        takes failed loads by request (``failed_recving``), never by block: it stops the
+        engine on a block-level report."""
         self.batch: tuple[str, ...] = ()
         """P, streaming: the requests this step computes prompt tokens of."""
         self.layers: frozenset[str] = frozenset()
@@ -155,14 +161,22 @@ class WorkerSide:
             for rid, failure in got.failed.items():
                 log.warning("KV of %s not received (%s): %s", rid, failure.reason, failure.detail)
                 received.add(rid)
+                if self.by_request:
+                    self.failed.add(rid)
+                    continue
                 for group in failure.invalid_block_ids:
                     self.invalid.update(group)
             received &= self.recving
             self.recving -= received
+            self.failed &= received
         return sent or None, received or None
 
     def take_invalid(self) -> set[int]:
         out, self.invalid = self.invalid, set()
+        return out
+
+    def take_failed(self) -> set[str]:
+        out, self.failed = self.failed, set()
         return out
 
     def stats(self) -> KVWireStats:

@@ -1,0 +1,114 @@
+"""Which of a request's blocks cross between engines, per KV-cache group, as kvwire's
+scheduler side cuts them and as stock's own scheduler (``get_exchange_clipped_blocks``) cuts
+them, on the same vLLM configs: a stock peer reads or writes exactly its cut, so kvwire's
+must be the same list. Hypothesis draws the groups (full attention, a sliding window,
+Mamba groups with speculative scratch slots), vLLM's Mamba cache mode and the lists; the
+prompt's tokens D computes itself are compared with stock's too."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvwire.integrations.vllm.config import kvwire_config
+from kvwire.integrations.vllm.geometry import prefill_backoff
+from kvwire.integrations.vllm.scheduler import SchedulerSide
+
+BLOCK = 16
+PAGE = {"num_kv_heads": 2, "head_size": 64, "dtype": torch.bfloat16}
+
+
+def _config(kinds: tuple[str, ...], spec_slots: int) -> Any:
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        MambaSpec,
+        SlidingWindowSpec,
+    )
+
+    page = FullAttentionSpec(block_size=BLOCK, **PAGE).page_size_bytes
+    specs = {
+        "full": lambda: FullAttentionSpec(block_size=BLOCK, **PAGE),
+        "swa": lambda: SlidingWindowSpec(block_size=BLOCK, sliding_window=40, **PAGE),
+        "mamba": lambda: MambaSpec(
+            block_size=BLOCK, shapes=((96, 3), (4, 16, 16)), dtypes=(torch.bfloat16,) * 2,
+            page_size_padded=page, num_speculative_blocks=spec_slots,
+        ),
+    }  # fmt: skip
+    groups = [KVCacheGroupSpec([f"layer{i}"], specs[k]()) for i, k in enumerate(kinds)]
+    return KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=groups)
+
+
+def _vllm_config(mode: str) -> Any:
+    from vllm_engine import build_vllm_config
+
+    start = {
+        "role": "P", "connector": "KVWireConnector", "engine_id": "rules", "model": "llama-3-8b",
+        "layers": 2, "num_blocks": 64, "block_size": BLOCK, "tp_size": 1, "hma": True,
+        "mamba": 1, "extra_config": {"transfer_mode": "pull", "transport": "shm"},
+    }  # fmt: skip
+    config = build_vllm_config(start)
+    config.cache_config.mamba_cache_mode = mode
+    return config
+
+
+@pytest.fixture(scope="module")
+def sides() -> Any:
+    """One pair of scheduler sides per (groups, scratch slots, cache mode), kept for the
+    module: building a stock scheduler side is the slow part."""
+    from vllm.distributed.kv_transfer.kv_connector import utils
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import (
+        NixlPullConnectorScheduler,
+    )
+    from vllm_peer import _backend
+
+    patch = pytest.MonkeyPatch()
+    # No model runs here: the backend a CPU engine picks, as the harness's engines have it.
+    patch.setattr(utils, "get_current_attn_backends", lambda *_a, **_k: [_backend(False)])
+    patch.setenv("VLLM_NIXL_SIDE_CHANNEL_PORT", "0")  # kvwire's listener on any free port
+    built: dict[tuple[Any, ...], tuple[Any, SchedulerSide, Any, Any]] = {}
+
+    def get(kinds: tuple[str, ...], spec_slots: int, mode: str) -> tuple[Any, ...]:
+        key = (kinds, spec_slots, mode)
+        if key not in built:
+            vllm_config, kv_cache_config = _vllm_config(mode), _config(kinds, spec_slots)
+            stock = NixlPullConnectorScheduler(vllm_config, "rules", kv_cache_config)
+            ours = SchedulerSide(vllm_config, kvwire_config(vllm_config), kv_cache_config)
+            built[key] = (stock, ours, vllm_config, kv_cache_config)
+        return built[key]
+
+    yield get
+    for _, ours, _, _ in built.values():
+        ours.close()
+    patch.undo()
+
+
+@st.composite
+def requests(draw: st.DrawFn) -> tuple[Any, ...]:
+    kinds = ("full", *draw(st.sampled_from([(), ("swa",), ("mamba",), ("swa", "mamba"),
+                                            ("mamba", "mamba")])))  # fmt: skip
+    lists = [
+        draw(st.lists(st.integers(0, 63), min_size=0 if k == "full" else 1, max_size=12))
+        for k in kinds
+    ]
+    return (
+        kinds,
+        draw(st.integers(0, 3)),
+        draw(st.sampled_from(["none", "align", "all"])),
+        lists,
+    )
+
+
+@settings(max_examples=120, deadline=None, derandomize=True)
+@given(request=requests())
+def test_kvwire_cuts_every_list_as_stock_does(sides: Any, request: tuple[Any, ...]) -> None:
+    kinds, spec_slots, mode, lists = request
+    stock, ours, vllm_config, kv_cache_config = sides(kinds, spec_slots, mode)
+    want = [list(g) for g in stock.get_exchange_clipped_blocks(tuple(lists))]
+    assert ours.exchanged([list(g) for g in lists]) == want, (kinds, spec_slots, mode)
+    assert prefill_backoff(kv_cache_config, vllm_config) == stock._prefill_backoff()
