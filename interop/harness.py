@@ -452,6 +452,25 @@ def wait_until(
         time.sleep(0.005)
 
 
+def prefill(p: SchedulerEngine, rid: str, index: int, tokens: int) -> dict[str, Any]:
+    """P prefills ``rid`` to its end; its params for D."""
+    p.add(rid, index, tokens)
+    wait_until(lambda: rid in p.state.get("outputs", {}), p.step, 30, f"P to finish {rid}")
+    return dict(p.state["outputs"][rid])
+
+
+def step_both(
+    p: SchedulerEngine, d: SchedulerEngine, done: Callable[[], bool], what: str, timeout: float = 60
+) -> None:
+    """D then P step, over and over, until ``done``."""
+
+    def both() -> None:
+        d.step()
+        p.step()
+
+    wait_until(done, both, timeout, what)
+
+
 def transfer(
     p: SchedulerEngine, d: SchedulerEngine, rid: str, index: int, tokens: int
 ) -> dict[str, Any]:
@@ -542,6 +561,8 @@ __all__ = [
     "factors",
     "kvwire_options",
     "params_ahead",
+    "prefill",
+    "step_both",
     "streamed",
     "transfer",
     "transfer_many",

@@ -513,6 +513,7 @@ def serve(reader: Any, writer: Any) -> int:
     """Answer one peer's frames until ``exit`` or end of stream."""
     logging.getLogger("vllm").addHandler(RECORDS)
     logging.getLogger("vllm").setLevel(min(RECORDS.level, logging.INFO))
+    logging.getLogger("kvwire").addHandler(RECORDS)  # the runtime's own (a refused peer)
     out = FrameWriter(writer)
     start = read_frame(reader)
     if start is None:

@@ -18,6 +18,8 @@ from harness import (
     assert_moved,
     engines,
     free_port,
+    prefill,
+    step_both,
     transfer,
     transfer_many,
     wait_until,
@@ -313,6 +315,26 @@ def test_unequal_block_sizes(zygote: Zygote, pair: str, mode: str) -> None:
         hma=None if d_conn == p_conn else False,
     ) as (p, d):  # fmt: skip
         assert_moved(p, d, "req-b", 3, 150)
+
+
+def test_a_stock_d_of_another_block_size_is_refused_by_a_pushing_p(zygote: Zygote) -> None:
+    """vLLM 0.31.0's push consumer rearranges blocks of another size by its own rule and,
+    written to by a kvwire producer, stops on an index error (measured here before the
+    refusal). kvwire's P refuses it at the handshake, naming both block sizes, before any
+    write, and frees the prompt's blocks; the stock D keeps serving and checks nothing."""
+    with engines(
+        zygote, "KVWireConnector", "NixlConnector",
+        {"geo": Geometry(layers=2, num_blocks=32, block_size=32)},
+        {"geo": Geometry(layers=2, num_blocks=32, block_size=64)},
+        extra_config={"transport": "nixl"}, mode="push", hma=False,
+    ) as (p, d):  # fmt: skip
+        d.add("req-bs", 3, 150, prefill(p, "req-bs", 3, 150))
+        step_both(p, d, lambda: "req-bs" in p.state.get("sent", []), "P to free it", 30)
+        refusal = "with blocks of 64 tokens, and this producer's hold 32"
+        assert any(refusal in line for line in p.state["log"] + p.peer.log), p.peer.log[-3:]
+        assert p.peer.call({"op": "stats"})["stats"]["bytes"] == 0  # nothing written
+        d.step()  # D still serves
+        assert "req-bs" not in d.state["checked"]
 
 
 def test_kernel_blocks_are_advertised_as_stock_advertises_them(zygote: Zygote) -> None:

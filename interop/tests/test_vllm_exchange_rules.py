@@ -105,10 +105,78 @@ def requests(draw: st.DrawFn) -> tuple[Any, ...]:
 
 
 @settings(max_examples=120, deadline=None, derandomize=True)
-@given(request=requests())
-def test_kvwire_cuts_every_list_as_stock_does(sides: Any, request: tuple[Any, ...]) -> None:
+@given(request=requests(), lookahead=st.integers(0, 4))
+def test_kvwire_cuts_every_list_as_stock_does(
+    sides: Any, request: tuple[Any, ...], lookahead: int
+) -> None:
+    """...and cuts the prompt by as many tokens, with a drafter's lookahead of any length
+    (vLLM's own property, set here: no drafter is loaded)."""
+    from vllm.config import VllmConfig
+
     kinds, spec_slots, mode, lists = request
     stock, ours, vllm_config, kv_cache_config = sides(kinds, spec_slots, mode)
     want = [list(g) for g in stock.get_exchange_clipped_blocks(tuple(lists))]
     assert ours.exchanged([list(g) for g in lists]) == want, (kinds, spec_slots, mode)
-    assert prefill_backoff(kv_cache_config, vllm_config) == stock._prefill_backoff()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(VllmConfig, "num_prefill_lookahead_tokens", property(lambda _: lookahead))
+        assert prefill_backoff(kv_cache_config, vllm_config) == stock._prefill_backoff()
+
+
+MAMBA_KINDS = ("MAMBA1", "MAMBA2", "GDN_ATTN")
+
+
+def _mamba_spec(kind: str, tp: int, a: int, b: int, rows: int) -> Any:
+    """A Mamba spec of one rank of a TP-``tp`` model, shaped as that kind's mixer shapes
+    it (sizes in whole-model units ``a`` and ``b``, each split over the ranks)."""
+    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    if kind == "MAMBA1":  # x columns, then (x, state)
+        conv, temporal = (a * tp * 4 // tp, rows), (a * tp * 4 // tp, b)
+    elif kind == "MAMBA2":  # x + 2 x groups columns, then (heads, head dim, state)
+        heads, head_dim, groups = 2 * tp, a, b * tp
+        conv = ((heads * head_dim + 2 * groups) // tp, rows)
+        temporal = (heads // tp, head_dim, 16)
+    else:  # GDN: 2 x key + value columns, then (value heads, value dim, key dim)
+        key, v_heads, v_dim = a * tp, 2 * tp, b
+        conv = ((2 * key + v_heads * v_dim) // tp, rows)
+        temporal = (v_heads // tp, v_dim, 8)
+    return MambaSpec(
+        block_size=16, shapes=(conv, temporal), dtypes=(torch.bfloat16, torch.float32),
+        mamba_type=MambaAttentionBackendEnum[kind],
+    )  # fmt: skip
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(
+    kind=st.sampled_from(MAMBA_KINDS),
+    tp=st.sampled_from([1, 2, 4]),
+    a=st.integers(1, 24),
+    b=st.integers(1, 24),
+    rows=st.integers(1, 4),
+)
+def test_state_parts_are_stocks_conv_split(kind: str, tp: int, a: int, b: int, rows: int) -> None:
+    """kvwire's parts of a Mamba state (what moves between unequal TP sizes) are the
+    sub-projections stock's own ``derive_mamba_conv_split`` finds, then the temporal
+    state, and its ``ssm_sizes`` are stock's, for each kind stock moves."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.ssm_conv_transfer_utils import (
+        derive_mamba_conv_split,
+    )
+    from vllm.model_executor.layers.mamba import mamba_utils
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
+
+    from kvwire.integrations.vllm.geometry import ssm_parts, ssm_sizes
+
+    spec = _mamba_spec(kind, tp, a, b, rows)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("VLLM_SSM_CONV_STATE_LAYOUT", "DS")
+        mamba_utils.get_conv_state_layout.cache_clear()
+        try:
+            split = derive_mamba_conv_split(spec, tp)
+        finally:
+            mamba_utils.get_conv_state_layout.cache_clear()
+    config = KVCacheConfig(
+        num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["m"], spec)]
+    )
+    assert ssm_sizes(config) == tuple(split.ssm_sizes)
+    assert ssm_parts(config) == (*split.proj_bytes, split.ssm_sizes[1])

@@ -353,13 +353,19 @@ def _check_state_shards(local: KVGeometry, remote: RemoteGeometry, problems: _Pr
     if uneven or tuple(remote.ssm_sizes) != wanted:
         problems.add(
             "ssm_sizes",
-            f"{tuple(int(x) for x in wanted)} (ours {tuple(local.ssm_sizes)} at TP {lt}, "
-            f"the peer's at TP {rt})",
+            f"{tuple(f'{x:g}' for x in wanted)} (ours {tuple(local.ssm_sizes)} at TP {lt}, "
+            f"scaled to the peer's TP {rt})",
             tuple(remote.ssm_sizes),
-            "each part of a state shards evenly across TP ranks" if uneven else "",
+            "every part of a state must shard evenly across TP ranks; a model that "
+            "replicates part of its state on every rank does not scale",
         )
     if lt != rt and any(local.kind_of(i) is RegionKind.SSM for i in range(len(local.regions))):
         problems.add("tp_size", lt, rt, "a region of whole SSM pages moves only between equal TP")
+    elif lt != rt and not local.ssm_parts:
+        problems.add(
+            "tp_size", lt, rt,
+            "a state moves between unequal TP sizes only with its TP-sharded parts (ssm_parts)",
+        )  # fmt: skip
 
 
 def _check_pair(

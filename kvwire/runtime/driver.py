@@ -10,7 +10,7 @@ so the machine sees a clock that never runs backwards.
 Actions are executed in order; their outcomes become events queued behind the current
 one (never re-entering ``handle``), exactly as :mod:`kvwire.machine.actions` prescribes.
 
-Why one module of ~920 lines: it is the one place the sans-IO machine meets threads,
+Why one module of ~980 lines: it is the one place the sans-IO machine meets threads,
 sockets and a transport (the executor of every action and the source of every event), so
 its locking can be read in one file.
 """
@@ -25,7 +25,7 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -621,6 +621,7 @@ class Driver:
                 result, used = self._fetch_peer(action, ranks)
                 self._check_peer_lease(action.engine_id, result)
                 layouts = self._peer_layouts(action, result)
+                self._check_vllm_consumer(action.engine_id, result, layouts)
                 if not used or self._store_unchanged(action.engine_id, used):
                     break
         except KVWireError as exc:
@@ -696,6 +697,31 @@ class Driver:
                 f"our expiry_margin_s {margin:g}: every READ would start inside the margin and "
                 "be declined (lower expiry_margin_s here, or raise lease_s there)"
             )
+
+    def _check_vllm_consumer(
+        self,
+        engine_id: str,
+        result: PeerHandshake,
+        layouts: Mapping[RemoteRank, PeerLayout | None],
+    ) -> None:
+        """A vLLM consumer (its ranks announce no kvwire features) that a producer writes to
+        rearranges what lands in blocks of another size by its own rule, written for a
+        vLLM producer's placement, not kvwire's final one: vLLM 0.31.0's consumer then
+        stops on an index error. So a push producer refuses such a consumer here, naming
+        both block sizes, before any write; the consumer's own watchdog ends its side."""
+        if result.features or self.role != "producer" or self.config.mode != "push":
+            return
+        assert self.geometry is not None
+        ours = self.geometry.block_size
+        for layout in layouts.values():
+            if layout is not None and layout.remote.block_size != ours:
+                raise IncompatiblePeerError(
+                    f"engine {engine_id!r} is a vLLM NixlConnector consumer (it announces no "
+                    f"kvwire features) with blocks of {layout.remote.block_size} tokens, and "
+                    f"this producer's hold {ours}: vLLM's consumer rearranges pushed blocks of "
+                    "another size by its own rule, which kvwire's writes do not follow; give "
+                    "both engines one block size"
+                )
 
     def _fetch_peer(
         self, action: StartHandshake, ranks: Sequence[RemoteRank]

@@ -184,3 +184,26 @@ def test_a_peer_whose_state_does_not_scale_with_tp_is_refused_by_name() -> None:
     )
     with pytest.raises(IncompatiblePeerError, match="ssm_sizes: expected"):
         PeerLayout(d.geometry, wrong, mode="pull")
+
+
+def test_a_state_without_its_parts_or_that_does_not_shard_evenly_is_refused() -> None:
+    """Between unequal TP sizes a state moves part by part, so a geometry that does not
+    name its parts is refused, naming ssm_parts; so is a part that does not split evenly
+    across the peer's ranks."""
+    case = Case((24, 24, 24, 48), 1, 2, "pull", 0, 0, 1)
+    d, p = make_rank(case, 1, 0), make_rank(case, 0, 0)
+    remote = RemoteGeometry.from_local(p.geometry)
+    bare = KVGeometry(
+        d.geometry.regions,
+        block_size=BLOCK,
+        total_kv_heads=HEADS,
+        tp_size=2,
+        ssm_sizes=d.geometry.ssm_sizes,
+        group_kinds=d.geometry.group_kinds,
+    )
+    with pytest.raises(IncompatiblePeerError, match="only with its TP-sharded parts"):
+        PeerLayout(bare, remote, mode="pull")
+    odd = make_rank(Case((6, 6, 6, 12), 1, 4, "push", 0, 0, 1), 0, 0)  # 6 B: not in 4
+    four = make_rank(Case((24, 24, 24, 48), 1, 4, "push", 0, 0, 1), 1, 0)
+    with pytest.raises(IncompatiblePeerError, match="must shard evenly"):
+        PeerLayout(odd.geometry, RemoteGeometry.from_local(four.geometry), mode="push")

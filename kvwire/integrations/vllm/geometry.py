@@ -258,6 +258,15 @@ def _check_state_group(group_id: int, spec: Any) -> None:
             f"KV-cache group {group_id}'s MambaSpec has {len(spec.shapes)} state arrays: "
             "KVWireConnector (as stock's ssm_sizes) moves a conv and a temporal state"
         )
+    from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
+
+    if not is_conv_state_dim_first():
+        raise ConfigError(
+            f"KV-cache group {group_id}'s conv state is stored state-first (vLLM's default, "
+            "VLLM_SSM_CONV_STATE_LAYOUT=SD): KVWireConnector, as stock, moves it only "
+            "dim-first, where each TP rank's columns are one run; set "
+            "VLLM_SSM_CONV_STATE_LAYOUT=DS on every engine of the deployment"
+        )
     kind = getattr(spec.mamba_type, "name", str(spec.mamba_type))
     if kind not in _CONV_SPLITS:
         raise ConfigError(

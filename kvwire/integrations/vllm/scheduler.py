@@ -70,7 +70,9 @@ class SchedulerSide:
         """P: a prompt whose last tokens D computes itself (:func:`prefill_backoff`) is
         cut to the rest before vLLM schedules it, as a stock P cuts it, so P computes and
         sends exactly what D loads and D reads no token P never computed. Once: vLLM may
-        hand a preempted request back, and it stays cut."""
+        hand a preempted request back, and it stays cut. Not a request that skips reading
+        the prefix cache (prompt logprobs): vLLM loads nothing for it on D, which computes
+        the whole prompt, and P must answer for every prompt token (stock 0.32 too)."""
         params = request.kv_transfer_params
         backoff = self.backoff
         if (
@@ -79,6 +81,7 @@ class SchedulerSide:
             or not params.get("do_remote_decode")
             or params.get("_p_side_truncated")
             or request.num_prompt_tokens <= backoff
+            or request.get_skip_reading_prefix_cache()
         ):
             return
         if request.prompt_token_ids is not None:

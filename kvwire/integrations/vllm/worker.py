@@ -49,6 +49,7 @@ class WorkerSide:
         self.failed: set[str] = set()
         """D: requests whose KV did not all arrive, reported as requests (``by_request``)."""
         self.by_request = len(kv_cache_config.kv_cache_groups) > 1
+        self.has_state = bool(getattr(kv_cache_config, "has_mamba_layers", False))
         """A block id names a page in one KV-cache group only, so with several groups vLLM
         takes failed loads by request (``failed_recving``), never by block: it stops the
         engine on a block-level report."""
@@ -116,11 +117,33 @@ class WorkerSide:
         steps)."""
         if self.consumer is not None:
             for rid, (params, local, prompt) in meta.to_recv.items():
+                if local and not self._counts_agree(rid, params, prompt):
+                    # Nothing read; P frees its blocks as for a request D never allocated.
+                    self.consumer.add_request(rid, params, [], num_tokens=prompt)
+                    self.recving.add(rid)
+                    self.failed.add(rid)
+                    continue
                 self.consumer.add_request(rid, params, local, num_tokens=prompt)
                 if local:
                     self.recving.add(rid)
             for rid in meta.to_abort:
                 self.consumer.abort(rid)
+
+    def _counts_agree(self, rid: str, params: dict[str, Any], loaded: int | None) -> bool:
+        """D of a model with state (Mamba): P computed exactly the tokens D loads, or the
+        state D gets is for another count and D's model would apply a token twice or skip
+        one. The two engines decide the count apart (each cuts the prompt by its own
+        rule), so a mismatch, such as a drafter's lookahead on one side only, fails the
+        request, naming both counts."""
+        sent = params.get("remote_num_tokens")
+        if not self.has_state or sent is None or loaded is None or int(sent) == loaded:
+            return True
+        log.warning(
+            "KV of %s not loaded: P computed %s of its tokens and this engine loads %s; a "
+            "Mamba state is for one count (do both engines cut the prompt alike?)",
+            rid, sent, loaded,
+        )  # fmt: skip
+        return False
 
     def layer_saved(self, layer: str) -> None:
         """P, streaming: vLLM ran ``layer``'s attention for this step's batch, whose
@@ -166,6 +189,7 @@ class WorkerSide:
                     continue
                 for group in failure.invalid_block_ids:
                     self.invalid.update(group)
+            received |= self.failed  # refused before any read (see _counts_agree)
             received &= self.recving
             self.recving -= received
             self.failed &= received
