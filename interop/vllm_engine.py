@@ -977,5 +977,12 @@ class EnginePart:
     def close(self) -> None:
         for rank in self.ranks:
             rank.worker.shutdown()
-        if self.scheduler.connector is not None:
-            self.scheduler.connector.shutdown()
+        connector = self.scheduler.connector
+        if connector is None:
+            return
+        if self.connector_class == "KVWireConnector":
+            connector.shutdown()
+        else:
+            # Stock's joins its listener thread, which wakes once a second; the process
+            # exits right after this, so a test need not wait out that poll.
+            threading.Thread(target=connector.shutdown, daemon=True).start()

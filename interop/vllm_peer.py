@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import threading
 import time
 import traceback
 from dataclasses import replace
@@ -437,7 +438,9 @@ class SchedulerPart:
         raise ValueError(f"unknown op {op!r}")
 
     def close(self) -> None:
-        self.sched.shutdown()
+        # Stock's shutdown joins its listener thread, which wakes once a second; the process
+        # exits right after this, so a test need not wait out that poll.
+        threading.Thread(target=self.sched.shutdown, daemon=True).start()
 
 
 def _empty_output() -> Any:
