@@ -252,16 +252,22 @@ def kv_view(caches: dict[str, torch.Tensor], buffer: np.ndarray[Any, Any]) -> An
     views = list(caches.values())
     first = views[0]
     item = first.element_size()
-    base = buffer.ctypes.data
-    offsets = [view.data_ptr() - base for view in views]
-    step = offsets[1] - offsets[0] if len(offsets) > 1 else 0
-    assert offsets == [offsets[0] + i * step for i in range(len(views))], "layers not evenly spaced"
+    start, step = layer_spacing(views, buffer)
     assert all(v.stride() == first.stride() and v.shape == first.shape for v in views)
     assert first.dim() == 4 and first.stride(3) == 1 and (first.shape[3] * item) % 2 == 0
     shape = (len(views), *first.shape[:3], first.shape[3] * item // 2)
     strides = (step, *(s * item for s in first.stride()[:3]), 2)
-    flat = buffer.view(np.uint16)[offsets[0] // 2 :]
+    flat = buffer.view(np.uint16)[start // 2 :]
     return np.lib.stride_tricks.as_strided(flat, shape, strides, writeable=True)
+
+
+def layer_spacing(views: list[torch.Tensor], buffer: np.ndarray[Any, Any]) -> tuple[int, int]:
+    """(offset of the first layer's view in ``buffer``, bytes from one layer to the next):
+    vLLM places a group's layers evenly in its allocation."""
+    offsets = [view.data_ptr() - buffer.ctypes.data for view in views]
+    step = offsets[1] - offsets[0] if len(offsets) > 1 else 0
+    assert offsets == [offsets[0] + i * step for i in range(len(views))], "layers not evenly spaced"
+    return offsets[0], step
 
 
 class _NoGrammar:
@@ -311,13 +317,10 @@ def group_views(
 def state_view(views: list[torch.Tensor], buffer: np.ndarray[Any, Any]) -> Any:
     """A Mamba group's states as one ``[layers, blocks, state bytes]`` uint8 array over
     ``buffer``, through vLLM's own per-layer views of them (``[B, 1, 1, state bytes]``)."""
-    base = buffer.ctypes.data
     first = views[0]
-    offsets = [v.data_ptr() - base for v in views]
-    step = offsets[1] - offsets[0] if len(offsets) > 1 else 0
-    assert offsets == [offsets[0] + i * step for i in range(len(views))], "layers not evenly spaced"
+    start, step = layer_spacing(views, buffer)
     shape = (len(views), first.shape[0], first[0].numel())
-    flat = buffer[offsets[0] :]
+    flat = buffer[start:]
     return np.lib.stride_tricks.as_strided(flat, shape, (step, first.stride(0), 1), writeable=True)
 
 

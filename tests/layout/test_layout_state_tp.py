@@ -17,7 +17,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvwire.errors import IncompatiblePeerError
+from kvwire.errors import ConfigError, IncompatiblePeerError
 from kvwire.layout import PeerLayout
 from kvwire.layout.geometry import (
     SHARED_GROUP_ID,
@@ -207,3 +207,32 @@ def test_a_state_without_its_parts_or_that_does_not_shard_evenly_is_refused() ->
     four = make_rank(Case((24, 24, 24, 48), 1, 4, "push", 0, 0, 1), 1, 0)
     with pytest.raises(IncompatiblePeerError, match="must shard evenly"):
         PeerLayout(odd.geometry, RemoteGeometry.from_local(four.geometry), mode="push")
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(
+    parts=st.lists(st.integers(-4, 40), min_size=1, max_size=5),
+    conv=st.integers(1, 80),
+    temporal=st.integers(1, 80),
+)
+def test_ssm_parts_are_accepted_exactly_when_they_split_the_sizes(
+    parts: list[int], conv: int, temporal: int
+) -> None:
+    """A geometry takes ``ssm_parts`` only when every part is positive, they add up to the
+    state and a part ends where the conv state does; anything else is a ConfigError that
+    names them."""
+    ends = list(np.cumsum(parts))
+    valid = min(parts) > 0 and ends[-1] == conv + temporal and conv in ends
+    region = BlockRegion(base_addr=SPACE, block_len=4096, num_blocks=4, mem_kind="DRAM")
+
+    def build() -> KVGeometry:
+        return KVGeometry(
+            [region], block_size=BLOCK, total_kv_heads=HEADS, ssm_sizes=(conv, temporal),
+            ssm_parts=tuple(parts), group_kinds=(RegionKind.ATTENTION, RegionKind.SSM),
+        )  # fmt: skip
+
+    if valid:
+        assert build().state_parts == tuple(parts)
+    else:
+        with pytest.raises(ConfigError, match="ssm_parts"):
+            build()

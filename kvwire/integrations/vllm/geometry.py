@@ -297,44 +297,51 @@ from the rank's conv columns and temporal state shape: each is sharded by TP on 
 so a rank of another TP size takes its slice of each."""
 
 
+def _mamba_spec(kv_cache_config: Any) -> Any | None:
+    """The first transfer group's MambaSpec (every Mamba layer of a model has one state
+    shape, which stock advertises once), or None."""
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    specs = (g.kv_cache_spec for g in transfer_groups(kv_cache_config))
+    return next((s for s in specs if type(s) is MambaSpec), None)
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return int(torch.empty((), dtype=dtype).element_size())
+
+
 def ssm_parts(kv_cache_config: Any) -> tuple[int, ...]:
     """This rank's bytes of each TP-sharded part of one Mamba layer's state, in page order
     (``KVGeometry.ssm_parts``): the conv state dim-first (``VLLM_SSM_CONV_STATE_LAYOUT=DS``,
     as stock's transfer requires), so each sub-projection's columns are one run, then the
     temporal state, sharded by its first (heads) axis."""
-    from vllm.v1.kv_cache_interface import MambaSpec
-
-    for group in transfer_groups(kv_cache_config):
-        spec = group.kv_cache_spec
-        if type(spec) is MambaSpec:
-            conv_shape, temporal = tuple(spec.shapes[0]), tuple(spec.shapes[1])
-            split = _CONV_SPLITS[getattr(spec.mamba_type, "name", "")]
-            row = math.prod(conv_shape[1:]) * torch.empty((), dtype=spec.dtypes[0]).element_size()
-            columns = split(conv_shape[0], temporal)
-            if sum(columns) != conv_shape[0] or min(columns) <= 0:
-                raise ConfigError(
-                    f"a MambaSpec's conv state of {conv_shape[0]} columns does not split into "
-                    f"its sub-projections ({columns}) as its kind's do"
-                )
-            return (*(c * row for c in columns), ssm_sizes(kv_cache_config)[1])
-    return ()
+    spec = _mamba_spec(kv_cache_config)
+    if spec is None:
+        return ()
+    conv_shape, temporal = tuple(spec.shapes[0]), tuple(spec.shapes[1])
+    split = _CONV_SPLITS[getattr(spec.mamba_type, "name", "")]
+    row = math.prod(conv_shape[1:]) * _itemsize(spec.dtypes[0])
+    columns = split(conv_shape[0], temporal)
+    if sum(columns) != conv_shape[0] or min(columns) <= 0:
+        raise ConfigError(
+            f"a MambaSpec's conv state of {conv_shape[0]} columns does not split into "
+            f"its sub-projections ({columns}) as its kind's do"
+        )
+    return (*(c * row for c in columns), ssm_sizes(kv_cache_config)[1])
 
 
 def ssm_sizes(kv_cache_config: Any) -> tuple[int, int]:
     """(conv state bytes, temporal state bytes) of one layer's Mamba state on this rank,
     as a stock engine advertises them (0, 0 without a Mamba group). vLLM's spec already
     holds this rank's shard, so the sizes are its arrays' bytes."""
-    from vllm.v1.kv_cache_interface import MambaSpec
-
-    for group in transfer_groups(kv_cache_config):
-        spec = group.kv_cache_spec
-        if type(spec) is MambaSpec:
-            conv, temporal = (
-                math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-                for shape, dtype in zip(spec.shapes, spec.dtypes, strict=True)
-            )
-            return int(conv), int(temporal)
-    return (0, 0)
+    spec = _mamba_spec(kv_cache_config)
+    if spec is None:
+        return (0, 0)
+    conv, temporal = (
+        math.prod(shape) * _itemsize(dtype)
+        for shape, dtype in zip(spec.shapes, spec.dtypes, strict=True)
+    )
+    return int(conv), int(temporal)
 
 
 @dataclass(frozen=True)

@@ -49,10 +49,11 @@ class WorkerSide:
         self.failed: set[str] = set()
         """D: requests whose KV did not all arrive, reported as requests (``by_request``)."""
         self.by_request = len(kv_cache_config.kv_cache_groups) > 1
-        self.has_state = bool(getattr(kv_cache_config, "has_mamba_layers", False))
         """A block id names a page in one KV-cache group only, so with several groups vLLM
         takes failed loads by request (``failed_recving``), never by block: it stops the
         engine on a block-level report."""
+        self.has_state = bool(getattr(kv_cache_config, "has_mamba_layers", False))
+        """D checks that P computed the token count it loads (:meth:`_counts_agree`)."""
         self.batch: tuple[str, ...] = ()
         """P, streaming: the requests this step computes prompt tokens of."""
         self.layers: frozenset[str] = frozenset()
