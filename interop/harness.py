@@ -327,6 +327,7 @@ class SchedulerEngine:
         hma: bool | None = None,
         window: int = 0,
         mamba: int = 0,
+        indexer: bool = False,
         kernel_block: int = 0,
         layerwise: bool = False,
         prefix_caching: bool = True,
@@ -338,7 +339,8 @@ class SchedulerEngine:
         with its share of the heads, finished by vLLM's output aggregator; ``hma``: vLLM's
         hybrid KV cache manager on or off (``None``: as vLLM resolves it); ``window``:
         every odd layer sliding-window attention over that many tokens; ``mamba``: after
-        each attention layer that many Mamba2 layers; ``kernel_block``:
+        each attention layer that many Mamba2 layers; ``indexer`` (an MLA model): each
+        layer also holds DeepSeek-V3.2's indexer keys (sparse MLA); ``kernel_block``:
         the attention backend runs only kernel blocks of that many tokens (vLLM splits each
         block into several); ``layerwise``: P computes each step's chunk layer by layer,
         each layer's share written just before its ``save_kv_layer`` (for streaming);
@@ -367,7 +369,7 @@ class SchedulerEngine:
             "engine_id": self.engine_id, "tp_size": tp, "model": self.geo.model,
             "layers": self.geo.layers, "num_blocks": self.geo.num_blocks,
             "block_size": self.geo.block_size, "kv_heads": self.geo.kv_heads, "lease": lease,
-            "hma": hma, "window": window, "mamba": mamba,
+            "hma": hma, "window": window, "mamba": mamba, "indexer": indexer,
             "mode": mode, "extra_config": extra_config, "layout": layout,
             "kernel_block": kernel_block, "layerwise": layerwise, "prefix_caching": prefix_caching,
             **(scheduler or {}),

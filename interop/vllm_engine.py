@@ -147,8 +147,12 @@ def layer_specs(start: dict[str, Any]) -> dict[str, Any]:
     """vLLM's spec of each layer: full attention, or with ``window`` (tokens) every odd
     layer a sliding-window one (Gemma's and gpt-oss's interleaving), or with ``mamba``
     (``k``) one attention layer then ``k`` Mamba2 ones, over and over (Jamba's and
-    Nemotron-H's interleaving)."""
+    Nemotron-H's interleaving). With ``indexer`` (an MLA model) each layer also has
+    DeepSeek-V3.2's indexer cache beside its latent (:func:`indexer_spec`)."""
     from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    if start.get("indexer"):
+        return sparse_mla_specs(start)
 
     spec = vllm_peer.cache_spec(start)
     window = int(start.get("window") or 0)
@@ -168,6 +172,36 @@ def layer_specs(start: dict[str, Any]) -> dict[str, Any]:
             specs[name] = SlidingWindowSpec(**common, sliding_window=window)
         else:
             specs[name] = full
+    return specs
+
+
+INDEXER_BYTES = 132
+"""Bytes per token of DeepSeek-V3.2's indexer key cache: 128 fp8 values and one fp32
+scale, stored as uint8 in one head, the same on every TP rank."""
+
+
+def sparse_mla_specs(start: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's specs of a sparse MLA model's layers, as DeepSeek-V3.2's modules make them:
+    per layer the MLA latent (``...self_attn.attn``) and the indexer's key cache
+    (``...self_attn.indexer.k_cache``), both MLA specs of one block size and other pages,
+    which vLLM's grouping puts in one group of per-layer specs."""
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec, SparseCacheRole
+
+    spec = vllm_peer.cache_spec(start)
+    block = spec.block_tokens
+    specs = {}
+    for name in vllm_peer.layer_names(start):
+        specs[name] = MLAAttentionSpec(
+            block_size=block, num_kv_heads=1, head_size=spec.model.latent_dim, dtype=torch.bfloat16
+        )
+        specs[name.replace(".attn", ".indexer.k_cache")] = MLAAttentionSpec(
+            block_size=block,
+            num_kv_heads=1,
+            max_tp_shards=1,
+            head_size=INDEXER_BYTES,
+            dtype=torch.uint8,
+            cache_role=SparseCacheRole.INDEXER,
+        )
     return specs
 
 
@@ -200,7 +234,7 @@ def allocate(vllm_config: Any, start: dict[str, Any]) -> tuple[Any, dict[str, to
     from vllm.v1.worker.utils import allocate_kv_cache
 
     spec = vllm_peer.cache_spec(start)
-    if start.get("window") or start.get("mamba"):
+    if start.get("window") or start.get("mamba") or start.get("indexer"):
         groups = get_kv_cache_groups(vllm_config, layer_specs(start))
     else:
         groups = vllm_peer.build_configs(start)[1].kv_cache_groups
@@ -290,27 +324,54 @@ class Rank:
     spec: Any
     buffer: np.ndarray[Any, Any]
     caches: dict[str, torch.Tensor]
-    groups: list[tuple[Any, Any]]
-    """Per KV-cache group: its layers' content spec and their KV as ``kvwire.demo.content``
-    reads it (:func:`kv_view`)."""
+    groups: list[Content]
+    """What the rank's layers hold, filled and checked content by content."""
     worker: Any
+
+
+@dataclass
+class Content:
+    """Layers of one KV-cache group and one page shape, filled and checked as one: at the
+    group's own block ids (a block id names one group's page at a time in a shared slab),
+    with a seed of their own (:func:`group_seed`)."""
+
+    group: int
+    names: list[str]
+    spec: Any
+    """``kvwire.demo.content``'s spec of these layers (None: a Mamba group's states)."""
+    kv: Any
+    """Their KV (:func:`kv_view`) or states (:func:`state_view`)."""
 
 
 def group_views(
     spec: Any, kv_cache_config: Any, caches: dict[str, torch.Tensor], buffer: Any
-) -> list[tuple[Any, Any]]:
-    """One content view per KV-cache group: a group's layers are filled and checked at its
-    own block ids (a block id names one group's page at a time in a shared slab)."""
-    out: list[tuple[Any, Any]] = []
-    for group, state in zip(
-        kv_cache_config.kv_cache_groups, state_groups(kv_cache_config), strict=True
+) -> list[Content]:
+    """The rank's contents: one per KV-cache group, or per page shape in a group of
+    per-layer specs (a sparse MLA model's latents and indexer keys)."""
+    from vllm.v1.kv_cache_interface import UniformTypeKVCacheSpecs
+
+    out: list[Content] = []
+    for g, (group, state) in enumerate(
+        zip(kv_cache_config.kv_cache_groups, state_groups(kv_cache_config), strict=True)
     ):
         names = list(group.layer_names)
         if state:
-            out.append((None, state_view([caches[n] for n in names], buffer)))
+            out.append(Content(g, names, None, state_view([caches[n] for n in names], buffer)))
             continue
-        view = kv_view({n: caches[n] for n in names}, buffer)
-        out.append((replace(spec, layers=len(names)), view))
+        per_layer = group.kv_cache_spec
+        if not isinstance(per_layer, UniformTypeKVCacheSpecs):
+            view = kv_view({n: caches[n] for n in names}, buffer)
+            out.append(Content(g, names, replace(spec, layers=len(names)), view))
+            continue
+        shapes: dict[Any, list[str]] = {}
+        for n in names:
+            shapes.setdefault(per_layer.kv_cache_specs[n].page_size_bytes, []).append(n)
+        for layers in shapes.values():
+            layer = per_layer.kv_cache_specs[layers[0]]
+            content = layer.head_size * layer.dtype.itemsize  # one head: MLA
+            model = replace(spec.model, latent_dim=content // 2)
+            view = kv_view({n: caches[n] for n in layers}, buffer)
+            out.append(Content(g, layers, replace(spec, layers=len(layers), model=model), view))
     return out
 
 
@@ -460,7 +521,11 @@ class EnginePart:
         from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
         from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+        from vllm.v1.core.kv_cache_utils import (
+            generate_scheduler_kv_cache_config,
+            get_request_block_hasher,
+            init_none_hash,
+        )
         from vllm.v1.core.sched.scheduler import Scheduler
 
         start = {"layout": "LBHNC", "tp_size": 1, **start, "tp_rank": 0}
@@ -492,11 +557,11 @@ class EnginePart:
                 )
             groups = group_views(rank_spec, kv_cache_config, caches, buffer)
             rank = Rank(rank_spec, buffer, caches, groups, worker)
-            for group_spec, kv in groups:
-                if group_spec is None:  # a Mamba group's states
-                    kv[...] = 0xA5
+            for content in groups:
+                if content.spec is None:  # a Mamba group's states
+                    content.kv[...] = 0xA5
                 else:
-                    scribble(group_spec, kv, list(range(rank_spec.num_blocks)))
+                    scribble(content.spec, content.kv, list(range(rank_spec.num_blocks)))
             worker.register_kv_caches(caches)
             self.ranks.append(rank)
         self.kv_cache_config = kv_cache_config
@@ -509,11 +574,11 @@ class EnginePart:
         self.layerwise = bool(start.get("layerwise")) and self.start_role == "P"
         assert not (self.layerwise and any(self.windows + self.states)), "layerwise: dense"
         self.layer_at = {
-            name: (g, j)
-            for g, group in enumerate(kv_cache_config.kv_cache_groups)
-            for j, name in enumerate(group.layer_names)
+            name: (c, j)
+            for c, content in enumerate(self.ranks[0].groups)
+            for j, name in enumerate(content.names)
         }
-        """Per layer name: its KV-cache group and its index among the group's layers."""
+        """Per layer name: its content and its index among the content's layers."""
         self.worker = self.ranks[0].worker
         self.caches = self.ranks[0].caches
         self.buffer = self.ranks[0].buffer
@@ -524,7 +589,9 @@ class EnginePart:
         self.hasher = get_request_block_hasher(self.spec.block_tokens, sha256)
         self.scheduler = Scheduler(
             vllm_config=self.vllm_config,
-            kv_cache_config=kv_cache_config,
+            # vLLM's engine core hands its scheduler one spec per group (a group of
+            # per-layer specs, by its first layer's).
+            kv_cache_config=generate_scheduler_kv_cache_config([kv_cache_config]),
             structured_output_manager=_NoGrammar(),
             block_size=self.spec.block_tokens,
         )
@@ -670,8 +737,9 @@ class EnginePart:
         index = self.index[rid]
         request = self.scheduler.requests[rid]
         block_tokens = self.spec.block_tokens
-        for g, (spec, kv) in enumerate(rank.groups):
-            seed = group_seed(index, g)
+        for c, content in enumerate(rank.groups):
+            g, spec, kv = content.group, content.spec, content.kv
+            seed = group_seed(index, c)
             if spec is None:  # Mamba: the state after the tokens computed (P) or loaded (D)
                 at = (next(i for i, r in enumerate(self.ranks) if r is rank), len(self.ranks))
                 if self.start_role == "P":
@@ -703,8 +771,8 @@ class EnginePart:
             self._settle(rank, req_ids)
         elif self.pinned and self.pinned != set(os.listdir("/proc/self/task")):
             self.pinned = pin(self.start_role)  # a thread started since inherited our CPU
-        g, layer = self.layer_at[name]
-        spec, kv = rank.groups[g]
+        c, layer = self.layer_at[name]
+        g, spec, kv = rank.groups[c].group, rank.groups[c].spec, rank.groups[c].kv
         chunks = []
         for rid in req_ids:
             req = self.scheduler.requests[rid]
@@ -712,7 +780,7 @@ class EnginePart:
             stop = min(int(req.num_computed_tokens), int(req.num_prompt_tokens))
             start = int(req.num_computed_tokens) - int(counts[rid])
             if start < stop:
-                chunks.append((rid, start, stop, self._want(rank, rid, g)))
+                chunks.append((rid, start, stop, self._want(rank, rid, c)))
         if not chunks:
             return
         began = time.perf_counter()
@@ -733,15 +801,15 @@ class EnginePart:
         for rid, *_ in chunks:
             self.computed_at.setdefault(rid, [began, ended])[1] = ended
 
-    def _want(self, rank: Rank, rid: str, group: int) -> Any:
-        """The values of ``rid``'s whole prompt in one group on one rank, made once per
+    def _want(self, rank: Rank, rid: str, content: int) -> Any:
+        """The values of ``rid``'s whole prompt in one content on one rank, made once per
         request (before a layer's clock starts: making them is not the model's work)."""
-        key = (rid, self.ranks.index(rank), group)
+        key = (rid, self.ranks.index(rank), content)
         if key not in self.wants:
-            spec = rank.groups[group][0]
+            spec = rank.groups[content].spec
             prompt = int(self.scheduler.requests[rid].num_prompt_tokens)
             blocks = -(-prompt // spec.block_tokens)
-            self.wants[key] = expected(spec, group_seed(self.index[rid], group), blocks)
+            self.wants[key] = expected(spec, group_seed(self.index[rid], content), blocks)
         return self.wants[key]
 
     def _forget_values(self, rid: str) -> None:

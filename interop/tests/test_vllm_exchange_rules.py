@@ -180,3 +180,38 @@ def test_state_parts_are_stocks_conv_split(kind: str, tp: int, a: int, b: int, r
     )
     assert ssm_sizes(config) == tuple(split.ssm_sizes)
     assert ssm_parts(config) == (*split.proj_bytes, split.ssm_sizes[1])
+
+
+NAME_PARTS = st.sampled_from(
+    [
+        "model.layers.",
+        "draft_model.layers.",
+        "mtp.",
+        ".self_attn.attn",
+        ".self_attn.indexer.k_cache",
+        ".mixer",
+        "_",
+        "a",
+        "Z",
+        ".",
+    ]
+)
+NAMES = st.lists(
+    st.lists(NAME_PARTS | st.integers(0, 200).map(str), min_size=1, max_size=6).map("".join),
+    min_size=1,
+    max_size=12,
+    unique=True,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(names=NAMES)
+def test_regions_are_ordered_as_stock_orders_them(names: list[str]) -> None:
+    """A stock peer pairs regions by index, in the order its worker sorts the layer names
+    (``_region_sort_key``); kvwire's order, on drawn names in any allocation order, is
+    that one (numbers compared as numbers: ``layers.2`` before ``layers.10``)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker import _region_sort_key
+
+    from kvwire.integrations.vllm.geometry import layer_order
+
+    assert sorted(names, key=layer_order) == sorted(names, key=_region_sort_key)

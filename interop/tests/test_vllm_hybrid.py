@@ -319,6 +319,7 @@ def _spec(kind: str) -> Any:
         FullAttentionSpec,
         MambaSpec,
         SlidingWindowSpec,
+        UniformTypeKVCacheSpecs,
     )
 
     page = {"num_kv_heads": 8, "head_size": 128, "dtype": torch.bfloat16}
@@ -344,6 +345,12 @@ def _spec(kind: str) -> Any:
             block_size=32, shapes=((4, 64), (8, 16)), dtypes=(torch.bfloat16,) * 2,
             page_size_padded=131072, mamba_type=MambaAttentionBackendEnum.SHORT_CONV,
         ),
+        "per-layer-heads": lambda: UniformTypeKVCacheSpecs(
+            block_size=32, kv_cache_specs={
+                "a": FullAttentionSpec(block_size=32, **page),
+                "b": FullAttentionSpec(block_size=32, **{**page, "head_size": 64}),
+            },
+        ),
         "mamba-3-states": lambda: MambaSpec(
             block_size=32, shapes=((4, 64), (8, 16), (2,)), dtypes=(torch.bfloat16,) * 3,
             page_size_padded=131072,
@@ -358,6 +365,7 @@ REFUSED = {
     "mamba-3-states": (["full", "mamba-3-states"], "group 1's MambaSpec has 3 state arrays"),
     "chunked-local": (["full", "chunked"], "KV-cache group 1 is ChunkedLocalAttentionSpec"),
     "unequal-pages": (["full", "full-64"], "KV-cache group 1's pages"),
+    "per-layer-heads": (["per-layer-heads"], "holds layers of several page shapes"),
     "windows-only": (["window"], "no KV-cache group is full attention"),
     "states-only": (["mamba"], "no KV-cache group is full attention"),
     "mamba-state-first": (["full", "mamba"], "set VLLM_SSM_CONV_STATE_LAYOUT=DS on every"),

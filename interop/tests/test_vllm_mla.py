@@ -2,12 +2,18 @@
 token and layer, no heads), planned and allocated by vLLM's own code with vLLM's CPU MLA
 backend (which runs 16-token kernel blocks, so each 32-token block is two). The latent is
 the same on every TP rank, so unequal TP sizes move whole pages: every D rank reads its
-copy from one P rank."""
+copy from one P rank.
+
+Sparse MLA (DeepSeek-V3.2) adds per layer its indexer's key cache (132 bytes a token, the
+same on every rank). vLLM 0.31.0 does not give it a group of its own: both caches are MLA
+specs of one block size, so its grouping makes one group of per-layer specs
+(``UniformTypeKVCacheSpecs``), each layer's tensor with its own page, all the latents
+allocated before the first indexer cache."""
 
 from __future__ import annotations
 
 import pytest
-from harness import Geometry, Zygote, assert_moved, engines
+from harness import Geometry, SchedulerEngine, Zygote, assert_moved, engines
 
 from kvwire.demo.models import preset
 
@@ -49,3 +55,55 @@ def test_mla(zygote: Zygote, pair: str, mode: str, tp: str) -> None:
         checked = assert_moved(p, d, "req-m", 23, TOKENS)
     latent = preset(GEO.model).latent_dim * 2  # bfloat16
     assert checked == TOKENS * latent * GEO.layers * d_tp
+
+
+INDEXER = 132
+"""Bytes a token of the indexer's keys (interop/vllm_engine.py's INDEXER_BYTES)."""
+SPARSE_CASES = [case for case in CASES if case[0] != "kvwire-shm"]
+"""The shared-memory pair plans what NIXL's does (one region per layer, moved whole)."""
+
+
+@pytest.mark.parametrize(("pair", "mode", "tp"), SPARSE_CASES)
+def test_sparse_mla(zygote: Zygote, pair: str, mode: str, tp: str) -> None:
+    """Every D rank holds every prompt token's latent and indexer keys in every layer,
+    byte for byte, each from its own layer's cache (their pages differ, and so do their
+    bytes)."""
+    p_conn, d_conn, transport = PAIRS[pair]
+    p_tp, d_tp = (int(n) for n in tp.split("-"))
+    with engines(
+        zygote, p_conn, d_conn, {"tp": p_tp}, {"tp": d_tp}, geo=GEO,
+        extra_config={"transport": transport}, mode=mode, indexer=True,
+    ) as (p, d):  # fmt: skip
+        checked = assert_moved(p, d, "req-s", 29, TOKENS)
+    latent = preset(GEO.model).latent_dim * 2  # bfloat16
+    assert checked == TOKENS * (latent + INDEXER) * GEO.layers * d_tp
+
+
+@pytest.mark.parametrize(("pair", "mode", "tp"), [
+    (pair, mode, tp) for pair in ("stock-P-kvwire-D", "kvwire-P-stock-D")
+    for mode in ("pull", "push") for tp in ("1-1", "2-1")
+])  # fmt: skip
+def test_sparse_mla_on_vllm_032(zygote_032: Zygote, pair: str, mode: str, tp: str) -> None:
+    """The same model on vLLM 0.32.0's grouping and connector (version 14), stock on one
+    side."""
+    test_sparse_mla(zygote_032, pair, mode, tp)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_sparse_mla_regions_are_what_stock_registers(zygote: Zygote, tp: int) -> None:
+    """Stock registers a region per cache, in model-layer order (each layer's latent, then
+    its indexer keys), not in vLLM's allocation order; kvwire the same, so a mixed pair
+    pairs region for region."""
+    found = {}
+    for connector in ("NixlConnector", "KVWireConnector"):
+        engine = SchedulerEngine(
+            "P", connector, zygote, geo=GEO, tp=tp, indexer=True, extra_config={"transport": "nixl"}
+        )
+        try:
+            found[connector] = engine.peer.call({"op": "regions"})
+        finally:
+            engine.close()
+    stock, ours = found["NixlConnector"], found["KVWireConnector"]
+    for key in ("regions", "groups", "layout", "blocks"):
+        assert ours[key] == stock[key], key
+    assert len(ours["regions"]) == 2 * GEO.layers

@@ -85,6 +85,28 @@ def test_streaming_p_to_kvwire_d(zygote: Zygote, tp: tuple[int, int]) -> None:
         assert_streamed(p, d, "req-s", 43)
 
 
+def test_sparse_mla_streams_nothing_early(zygote: Zygote) -> None:
+    """A sparse MLA model's regions, in stock's model-layer order (each latent, then its
+    indexer keys), are not in the order vLLM allocated and this stand-in computes them
+    (every latent, then every indexer cache): a reported latent does not complete the
+    regions before it, so P reports no layer and writes only what a later chunk proves
+    computed (the blocks of chunks before it), every byte right (streaming by layers in
+    region order wrote layer 0's indexer keys before they were computed)."""
+    geo = Geometry(model="mla", layers=2, num_blocks=32)
+    p_options = {
+        "extra_config": {"transport": "nixl", "stream_layers": True},
+        "layerwise": True,
+        "scheduler": CHUNKS,
+        "indexer": True,
+    }
+    d_options = {"extra_config": {"transport": "nixl"}, "indexer": True}
+    with engines(
+        zygote, "KVWireConnector", "KVWireConnector", p_options, d_options, geo=geo, mode="push"
+    ) as (p, d):
+        state = streamed(p, d, "req-i", 43, TOKENS)
+        assert tuple(state["checked"]["req-i"]) == (0, TOKENS * 2 * (576 * 2 + 132))
+
+
 def test_streaming_p_to_stock_push_d_on_vllm_032(zygote_032: Zygote) -> None:
     with streaming_pair(zygote_032, "NixlConnector", (1, 1)) as (p, d):
         assert_streamed(p, d, "req-s", 47)

@@ -9,6 +9,7 @@ calls :func:`layer_geometry`.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -74,6 +75,17 @@ def _spans(view: torch.Tensor, num_blocks: int) -> list[tuple[int, int, int]]:
     raise ConfigError("a block's page is not one span")
 
 
+def layer_order(name: str) -> tuple[tuple[int, int | str], ...]:
+    """Where a layer's region goes in the list a worker registers: model-layer order, the
+    digits of a name compared as numbers (``layers.2`` before ``layers.10``), then by cache
+    name, as a stock engine orders them. vLLM's allocation order may differ (a sparse MLA
+    model allocates every latent before the first indexer cache), and a stock peer pairs
+    regions by index."""
+    return tuple(
+        (0, int(part)) if part.isdigit() else (1, part) for part in re.split(r"(\d+)", name)
+    )
+
+
 def kernel_ratio(kv_caches: Mapping[str, torch.Tensor], num_blocks: int) -> int:
     """Kernel blocks per block vLLM hands out ids for: an attention backend that cannot use
     the engine's block size gets the largest it supports that divides it, and every layer's
@@ -124,7 +136,8 @@ def layer_regions(
     rows: dict[int, dict[str, tuple[int, int]]] = {}
     groups: dict[int, int] = {}
     states: dict[int, str] = {}
-    for name, view in kv_caches.items():
+    for name in sorted(kv_caches, key=layer_order):
+        view = kv_caches[name]
         group = group_of.get(name, 0) if group_of is not None else 0
         if name in state_layers:
             states.setdefault(int(view.data_ptr()), name)
@@ -183,7 +196,10 @@ def group_kinds(kv_cache_config: Any, block_size: int) -> tuple[RegionKind, ...]
 
     A :class:`KVGeometry` describes one attention page for every attention group (one block
     size, one head count and head size), which is what vLLM's hybrid manager makes of
-    attention layers that differ only in their window. A state-space (Mamba) group's page
+    attention layers that differ only in their window. The exception is MLA, whose pages
+    are never sliced: a sparse MLA model (DeepSeek-V3.2) keeps its indexer's keys beside
+    its latents in one group of per-layer specs (vLLM's ``UniformTypeKVCacheSpecs``), each
+    layer its own page size, and every region moves whole. A state-space (Mamba) group's page
     is its state, padded by vLLM to the attention page so both share the slabs: it moves as
     one state of ``sum(ssm_sizes)`` bytes (:func:`ssm_sizes`). Anything else (rings,
     chunked local attention, groups whose pages vLLM resized or padded otherwise) would be
@@ -196,6 +212,7 @@ def group_kinds(kv_cache_config: Any, block_size: int) -> tuple[RegionKind, ...]
         MambaSpec,
         MLAAttentionSpec,
         SlidingWindowSpec,
+        UniformTypeKVCacheSpecs,
     )
 
     moved = (FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec)
@@ -206,6 +223,8 @@ def group_kinds(kv_cache_config: Any, block_size: int) -> tuple[RegionKind, ...]
     attention_page = 0
     for group_id, group in zip(ids, groups, strict=True):
         spec = group.kv_cache_spec
+        if type(spec) is UniformTypeKVCacheSpecs:
+            spec = _replicated_pages(group_id, spec)
         if type(spec) is MambaSpec:
             _check_state_group(group_id, spec)
             kinds.append(RegionKind.SSM)
@@ -242,6 +261,30 @@ def group_kinds(kv_cache_config: Any, block_size: int) -> tuple[RegionKind, ...]
                 "in slabs they share with attention (vLLM's hybrid manager pads them to one page)"
             )
     return tuple(kinds)
+
+
+def _replicated_pages(group_id: int, spec: Any) -> Any:
+    """The spec a group of per-layer specs is checked as: its first layer's, when every
+    layer is MLA (a page moved whole, whatever its size; the regions carry each layer's own
+    page). Layers of one kind but other heads or head sizes would need each its own slicing
+    between unequal TP sizes, which one geometry does not describe."""
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+    layers = spec.kv_cache_specs
+    others = sorted({type(s).__name__ for s in layers.values() if type(s) is not MLAAttentionSpec})
+    if others:
+        raise ConfigError(
+            f"KV-cache group {group_id} holds layers of several page shapes ({', '.join(others)}): "
+            "KVWireConnector moves such a group only when every layer is MLA (pages moved whole)"
+        )
+    sizes = {int(s.block_size) for s in layers.values()}
+    padded = {s.page_size_padded for s in layers.values()}
+    if len(sizes) > 1 or padded != {None}:
+        raise ConfigError(
+            f"KV-cache group {group_id}'s MLA layers have block sizes {sorted(sizes)} and "
+            f"padding {sorted(map(str, padded))}: KVWireConnector moves one block size, unpadded"
+        )
+    return next(iter(layers.values()))
 
 
 def _check_state_group(group_id: int, spec: Any) -> None:

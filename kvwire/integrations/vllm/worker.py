@@ -15,8 +15,9 @@ import torch
 
 from kvwire.config import KVWireConfig
 from kvwire.integrations.vllm.config import is_producer
-from kvwire.integrations.vllm.geometry import layer_geometry
+from kvwire.integrations.vllm.geometry import layer_geometry, layer_order
 from kvwire.integrations.vllm.messages import KVWireHandshake, KVWireMetadata, KVWireStats
+from kvwire.layout.geometry import KVGeometry
 from kvwire.runtime import Consumer, Producer
 
 if TYPE_CHECKING:
@@ -79,9 +80,26 @@ class WorkerSide:
         if self.producer is not None and self.producer.streaming:
             # The producer's calls go to a thread of their own, so the engine thread never
             # waits while the runtime posts a round (on CPU too).
-            self.layers = frozenset(geometry.layer_ends())
+            self.layers = self._streamed_layers(kv_caches, geometry)
             devices = {t.device for t in kv_caches.values()} - {torch.device("cpu")}
             self.device, self.in_order = (devices.pop() if devices else None), _InOrder()
+
+    @staticmethod
+    def _streamed_layers(
+        kv_caches: dict[str, torch.Tensor], geometry: KVGeometry
+    ) -> frozenset[str]:
+        """The layers whose computing a streaming P reports: every registered one, when the
+        regions (in stock's name order) are in the order vLLM allocated the layers. A
+        reported layer completes the regions before it, which holds only if that order is
+        the order they compute in; where the two orders differ (a sparse MLA model's
+        indexer caches, a drafter whose names sort first) no layer is reported and each
+        request goes out whole with its completion."""
+        ends = geometry.layer_ends()
+        allocated = [name for name in kv_caches if name in ends]
+        if allocated == sorted(allocated, key=layer_order):
+            return frozenset(ends)
+        log.info("stream_layers: regions are not in vLLM's allocation order; pushing whole")
+        return frozenset()
 
     def handshake(self) -> KVWireHandshake:
         return KVWireHandshake(self.endpoint.handshake_payload())
