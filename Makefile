@@ -6,7 +6,8 @@ STAMP  := $(VENV)/.kvwire-installed
 
 export UCX_NET_DEVICES ?= lo
 
-.PHONY: demo test lint typecheck unit venv clean fuzz docs interop interop-venv interop-venvs
+.PHONY: demo test lint typecheck unit venv clean fuzz docs interop interop-0.31 interop-0.32 \
+	interop-venv interop-venvs
 
 # The transports' C helpers are compiled by the editable install (hatch_build.py), so a
 # change to one of them reinstalls; KVWIRE_NO_NATIVE=1 installs without them.
@@ -48,7 +49,13 @@ docs: $(STAMP)
 	$(BIN)/python scripts/gen_docs.py
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
 
-test: lint typecheck docs unit interop
+# The unit suite and the interop suites share nothing (ports come from the kernel, shared
+# memory and etcd are each test's own), so on CI's two cores two of them run side by side,
+# each one's output printed whole when it ends. The interop venvs are built first: their editable installs
+# compile the transports' helpers next to the sources, which the unit suite loads.
+test: lint typecheck docs interop-venvs
+	@echo "make test: unit and interop run side by side; each prints its output when it ends"
+	@$(MAKE) --no-print-directory -j2 --output-sync=target unit interop-0.31 interop-0.32
 
 # Interop with vLLM's own NIXL connector code (interop/, docs/interop.md). Each venv: torch
 # pinned first (the CPU wheel on disk), vLLM without its dependencies (CUDA kernels, model
@@ -75,8 +82,13 @@ $(eval $(call interop_venv,$(VLLM_VENV)-0.32,0.32.0))
 interop-venv: $(VLLM_VENV)/.interop-installed
 interop-venvs: interop-venv $(VLLM_VENV)-0.32/.interop-installed
 
-interop: interop-venvs
+# The whole interop suite runs against each release, in its venv: the harness's kvwire
+# engines speak the release's protocol, and the connector runs on whichever vLLM it finds.
+interop: interop-0.31 interop-0.32
+interop-0.31: interop-venv
 	VLLM_TARGET_DEVICE=cpu $(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider interop/tests
+interop-0.32: $(VLLM_VENV)-0.32/.interop-installed
+	VLLM_TARGET_DEVICE=cpu $(VLLM_VENV)-0.32/bin/python -m pytest -q -p no:cacheprovider interop/tests
 
 # Fuzz every wire decoder for FUZZ_SECONDS (FUZZ_TARGET=all, or one name from
 # `fuzz/fuzz_decoders.py --list`). atheris (prebuilt wheel) is installed on first use; where

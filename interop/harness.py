@@ -9,6 +9,7 @@ metadata, every worker runs ``start_load_kv`` and ``get_finished``) as vLLM's en
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
 import os
 import socket
 import subprocess
@@ -25,10 +26,14 @@ from kvwire.demo.models import preset
 from kvwire.framing import FrameWriter, read_frame, wait_or_kill
 from kvwire.testing.ports import free_port
 from kvwire.wire.compat import CompatFactors
+from kvwire.wire.versions import VLLM_RELEASES
 
 PEER = Path(__file__).with_name("vllm_peer.py")
 BLOCK = 32  # CPU_ATTN kernel blocks are multiples of 32 tokens
-VLLM_VERSION = "0.31.0"
+VLLM_VERSION = importlib.metadata.version("vllm")
+"""The vLLM this suite runs in (``make interop`` runs it in each interop venv): the
+kvwire engines here say what an engine of that release says."""
+PROTOCOL_VERSION = {v: k for k, v in VLLM_RELEASES.items()}[VLLM_VERSION]
 
 
 class PeerError(RuntimeError):
@@ -123,8 +128,8 @@ class Geometry:
 def factors(
     geo: Geometry, mode: str, *, backend: str | None = None, hma: bool | None = True
 ) -> dict[str, Any]:
-    """The compatibility factors a vLLM 0.31.0 engine with the NIXL connector hashes for
-    this model, as a dict a kvwire rank turns into ``CompatFactors``.
+    """The compatibility factors a vLLM engine (this suite's release) with the NIXL
+    connector hashes for this model, as a dict a kvwire rank turns into ``CompatFactors``.
 
     ``is_hma_enabled`` is true there, on CPU too: ``CpuPlatform.support_hybrid_kv_cache()``
     returns True (vllm/platforms/cpu.py:604) and NixlConnector supports HMA, so VllmConfig
@@ -132,6 +137,7 @@ def factors(
     m = preset(geo.model)
     kwargs: dict[str, Any] = dict(
         vllm_version=VLLM_VERSION,
+        connector_version=PROTOCOL_VERSION,
         model=m.hf_name,
         dtype="bfloat16",
         num_kv_heads=1 if m.mla else m.kv_heads,
@@ -328,6 +334,7 @@ class SchedulerEngine:
         window: int = 0,
         mamba: int = 0,
         indexer: bool = False,
+        host_buffer: bool = False,
         kernel_block: int = 0,
         layerwise: bool = False,
         prefix_caching: bool = True,
@@ -340,7 +347,9 @@ class SchedulerEngine:
         hybrid KV cache manager on or off (``None``: as vLLM resolves it); ``window``:
         every odd layer sliding-window attention over that many tokens; ``mamba``: after
         each attention layer that many Mamba2 layers; ``indexer`` (an MLA model): each
-        layer also holds DeepSeek-V3.2's indexer keys (sparse MLA); ``kernel_block``:
+        layer also holds DeepSeek-V3.2's indexer keys (sparse MLA); ``host_buffer``: a
+        kvwire engine stages its KV through a host copy as on a device platform with
+        ``kv_buffer_device: "cpu"`` (the CPU cache stands for the device's); ``kernel_block``:
         the attention backend runs only kernel blocks of that many tokens (vLLM splits each
         block into several); ``layerwise``: P computes each step's chunk layer by layer,
         each layer's share written just before its ``save_kv_layer`` (for streaming);
@@ -370,6 +379,7 @@ class SchedulerEngine:
             "layers": self.geo.layers, "num_blocks": self.geo.num_blocks,
             "block_size": self.geo.block_size, "kv_heads": self.geo.kv_heads, "lease": lease,
             "hma": hma, "window": window, "mamba": mamba, "indexer": indexer,
+            "host_buffer": host_buffer,
             "mode": mode, "extra_config": extra_config, "layout": layout,
             "kernel_block": kernel_block, "layerwise": layerwise, "prefix_caching": prefix_caching,
             **(scheduler or {}),
@@ -426,8 +436,9 @@ def kvwire_options(
 
 
 def vllm_compatible_extra(geo: Geometry, mode: str, names: list[str]) -> dict[str, Any]:
-    """What a kvwire engine must say to match a vLLM 0.31.0 CPU engine of this model:
-    vLLM's layout name, its layer names as region names, its backend and hash factors."""
+    """What a kvwire engine must say to match a vLLM CPU engine of this model (this
+    suite's release): vLLM's layout name, its layer names as region names, its backend,
+    protocol version and hash factors."""
     m = preset(geo.model)
     backend = "CPU_MLA" if m.mla else "CPU_ATTN"
     extra: dict[str, Any] = {
@@ -435,6 +446,7 @@ def vllm_compatible_extra(geo: Geometry, mode: str, names: list[str]) -> dict[st
         "region_names": names,
         "attn_backend": backend,
         "compat": factors(geo, mode, backend=backend),
+        "version": PROTOCOL_VERSION,
     }
     if mode == "push":
         # vLLM's agents keep UCX's peer error handling; in push mode both sides open an

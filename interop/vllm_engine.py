@@ -529,6 +529,12 @@ class EnginePart:
         from vllm.v1.core.sched.scheduler import Scheduler
 
         start = {"layout": "LBHNC", "tp_size": 1, **start, "tp_rank": 0}
+        if start.get("host_buffer"):
+            from kvwire.integrations.vllm import staging
+
+            # A CPU platform stages nothing (stock's rule); here its cache stands for a
+            # device's, so a kvwire engine stages through a host copy as on a GPU.
+            staging.wants_host_buffer = lambda _vllm_config: True
         tp = int(start["tp_size"])
         kernel = int(start.get("kernel_block") or 0)
         mla = preset(start["model"]).mla

@@ -12,25 +12,28 @@ import pytest
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
-from harness import Zygote  # noqa: E402
+from harness import VLLM_VERSION, Zygote  # noqa: E402
 
 ROOT = HERE.parent.parent
-VENV_032 = ROOT / ".venv-vllm-0.32" / "bin" / "python"
+VENVS = {"0.31.0": ROOT / ".venv-vllm", "0.32.0": ROOT / ".venv-vllm-0.32"}
+"""The interop venvs (`make interop-venvs`): `make interop` runs this suite in each."""
 
 
 @pytest.fixture(scope="session")
 def zygote() -> Iterator[Zygote]:
-    """vLLM 0.31.0 (this venv's), imported once."""
+    """The vLLM of this venv (the release the suite runs against), imported once."""
     z = Zygote(sys.executable)
     yield z
     z.close()
 
 
 @pytest.fixture(scope="session")
-def zygote_032() -> Iterator[Zygote]:
-    """vLLM 0.32.0 (protocol v14) from .venv-vllm-0.32 (built by `make interop-venvs`)."""
-    assert VENV_032.exists(), f"{VENV_032} missing: run `make interop-venvs`"
-    z = Zygote(str(VENV_032))
+def zygote_other() -> Iterator[Zygote]:
+    """The other interop venv's vLLM, for the tests of engines of two releases."""
+    (venv,) = (path for version, path in VENVS.items() if version != VLLM_VERSION)
+    python = venv / "bin" / "python"
+    assert python.exists(), f"{python} missing: run `make interop-venvs`"
+    z = Zygote(str(python))
     yield z
     z.close()
 

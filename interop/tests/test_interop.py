@@ -273,9 +273,12 @@ def test_vllm_d_heartbeats_extend_kvwire_p_lease(zygote: Zygote) -> None:
 # -- protocol versions ------------------------------------------------------------------
 
 
-def test_vllm_032_peer_refused_naming_both_versions(zygote_032: Zygote) -> None:
-    """vLLM 0.32.0 speaks v14: kvwire (v13) refuses its handshake and names both."""
-    p = VllmEngine("P", "pull", 1, MLA, zygote=zygote_032)
+def test_a_vllm_peer_of_another_release_is_refused_naming_both_versions(
+    zygote_other: Zygote,
+) -> None:
+    """vLLM 0.31.0 speaks v13 and 0.32.0 v14: a kvwire D speaking this suite's release's
+    version refuses the other release's P at its handshake and names both."""
+    p = VllmEngine("P", "pull", 1, MLA, zygote=zygote_other)
     d = KvwireD("pull", 1, MLA, p.layer_names)
     try:
         params = p.prefill("req-x-aaaaaaaa", 2, TOKENS)
@@ -293,7 +296,7 @@ def test_vllm_032_peer_refused_naming_both_versions(zygote_032: Zygote) -> None:
         d.close()
         p.close()
     detail = " ".join(result.details)
-    assert "13" in detail and "14" in detail, detail
+    assert "version 13" in detail and "version 14" in detail, detail
 
 
 def test_kvwire_default_factors_match_a_vllm_engine(zygote: Zygote) -> None:

@@ -123,15 +123,6 @@ def test_sliding_window(zygote: Zygote, pair: str, mode: str, tp: str) -> None:
         assert state["checked"][rid] == [0, checked_bytes(tokens)], rid
 
 
-@pytest.mark.parametrize("mode", ["pull", "push"])
-@pytest.mark.parametrize("pair", ["stock-P-kvwire-D", "kvwire-P-stock-D"])
-def test_sliding_window_on_vllm_032(zygote_032: Zygote, pair: str, mode: str) -> None:
-    """The same groups on vLLM 0.32.0's manager and connector (version 14)."""
-    state, _ = _window_pair(zygote_032, pair, mode, 1, 1)
-    for rid, tokens in REQUESTS.items():
-        assert state["checked"][rid] == [0, checked_bytes(tokens)], rid
-
-
 def _window_pair(
     zygote: Zygote, pair: str, mode: str, p_tp: int, d_tp: int
 ) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -190,14 +181,6 @@ def test_mamba(zygote: Zygote, pair: str, mode: str, tp: str) -> None:
     token's KV and every Mamba layer's state after them, each group with its own content.
     Between unequal TP sizes each D rank holds its slice of every part of the state."""
     _mamba_pair(zygote, pair, mode, tp)
-
-
-@pytest.mark.parametrize("tp", ["1-1", "1-2"])
-@pytest.mark.parametrize("mode", ["pull", "push"])
-@pytest.mark.parametrize("pair", ["stock-P-kvwire-D", "kvwire-P-stock-D"])
-def test_mamba_on_vllm_032(zygote_032: Zygote, pair: str, mode: str, tp: str) -> None:
-    """The same model on vLLM 0.32.0's manager and connector (version 14)."""
-    _mamba_pair(zygote_032, pair, mode, tp)
 
 
 @pytest.mark.parametrize("mode", ["pull", "push"])

@@ -79,16 +79,6 @@ def test_sparse_mla(zygote: Zygote, pair: str, mode: str, tp: str) -> None:
     assert checked == TOKENS * (latent + INDEXER) * GEO.layers * d_tp
 
 
-@pytest.mark.parametrize(("pair", "mode", "tp"), [
-    (pair, mode, tp) for pair in ("stock-P-kvwire-D", "kvwire-P-stock-D")
-    for mode in ("pull", "push") for tp in ("1-1", "2-1")
-])  # fmt: skip
-def test_sparse_mla_on_vllm_032(zygote_032: Zygote, pair: str, mode: str, tp: str) -> None:
-    """The same model on vLLM 0.32.0's grouping and connector (version 14), stock on one
-    side."""
-    test_sparse_mla(zygote_032, pair, mode, tp)
-
-
 @pytest.mark.parametrize("tp", [1, 2])
 def test_sparse_mla_regions_are_what_stock_registers(zygote: Zygote, tp: int) -> None:
     """Stock registers a region per cache, in model-layer order (each layer's latent, then

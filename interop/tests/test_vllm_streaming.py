@@ -107,11 +107,6 @@ def test_sparse_mla_streams_nothing_early(zygote: Zygote) -> None:
         assert tuple(state["checked"]["req-i"]) == (0, TOKENS * 2 * (576 * 2 + 132))
 
 
-def test_streaming_p_to_stock_push_d_on_vllm_032(zygote_032: Zygote) -> None:
-    with streaming_pair(zygote_032, "NixlConnector", (1, 1)) as (p, d):
-        assert_streamed(p, d, "req-s", 47)
-
-
 def test_streaming_through_a_preemption(zygote: Zygote) -> None:
     """vLLM preempts a streaming prompt (two prompts prefill in 32-token chunks on a P with
     five usable blocks; the second loses its blocks, then waits for those the first holds

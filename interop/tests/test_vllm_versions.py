@@ -10,30 +10,10 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from harness import Zygote, assert_moved, engines
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvwire.errors import ConfigError
-
-TOKENS = 100  # 3 full blocks + a partial one (32-token blocks)
-
-PAIRS = {
-    "kvwire-nixl": ("KVWireConnector", "KVWireConnector"),
-    "stock-P-kvwire-D": ("NixlConnector", "KVWireConnector"),
-    "kvwire-P-stock-D": ("KVWireConnector", "NixlConnector"),
-}
-
-
-@pytest.mark.parametrize("mode", ["pull", "push"])
-@pytest.mark.parametrize("pair", sorted(PAIRS))
-def test_pairs_on_vllm_032(zygote_032: Zygote, pair: str, mode: str) -> None:
-    """vLLM 0.32.0 (connector version 14, a field added inside its agent metadata): each
-    kind of engine pairs with the other, bytes checked on D."""
-    p_conn, d_conn = PAIRS[pair]
-    extra = {"transport": "nixl"}
-    with engines(zygote_032, p_conn, d_conn, extra_config=extra, mode=mode) as (p, d):
-        assert_moved(p, d, "req-v", 13, TOKENS)
 
 
 def test_the_version_is_the_engines_vllms(monkeypatch: pytest.MonkeyPatch) -> None:

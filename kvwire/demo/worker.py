@@ -93,6 +93,8 @@ def _compat(init: dict[str, Any], spec: CacheSpec) -> CompatFactors:
 def _config(init: dict[str, Any], spec: CacheSpec) -> KVWireConfig:
     """This rank's configuration: what the scheduler decided, explicitly; everything else
     (handshake timeouts, ...) from the ``KVWIRE_*`` variables the demo inherited."""
+    # A peer engine's protocol version (what its vLLM release speaks), else the variables'.
+    version: dict[str, Any] = {"version": int(init["version"])} if init.get("version") else {}
     return KVWireConfig(
         engine_id=init["engine_id"],
         tp_rank=spec.tp_rank,
@@ -104,6 +106,7 @@ def _config(init: dict[str, Any], spec: CacheSpec) -> KVWireConfig:
         compat=_compat(init, spec),
         lease_s=float(init.get("lease_s", 30.0)),
         secret=bytes.fromhex(init["secret"]) if init.get("secret") else None,
+        **version,
     )
 
 

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvwire.config import KVWireConfig, layered
 from kvwire.errors import ConfigError
+from kvwire.integrations.vllm import staging
 from kvwire.integrations.vllm.geometry import attn_backend_name
 from kvwire.wire.compat import CompatFactors, SpeculativeFactors
 from kvwire.wire.versions import SUPPORTED_VERSIONS, VLLM_RELEASES
@@ -31,6 +32,9 @@ def kvwire_config(vllm_config: VllmConfig, *, tp_rank: int = 0) -> KVWireConfig:
     }
     base = KVWireConfig(kv_transfer_config=as_dict)
     version = protocol_version(as_dict)
+    # With a host buffer (as stock) a prompt reaches the host once computed, so it goes out
+    # whole: streamed layers would be read from the host before they were copied there.
+    streams = bool(base.stream_layers) and not staging.wants_host_buffer(vllm_config)
     return KVWireConfig(
         kv_transfer_config=as_dict,
         version=version,
@@ -41,6 +45,7 @@ def kvwire_config(vllm_config: VllmConfig, *, tp_rank: int = 0) -> KVWireConfig:
         side_channel_port=envs.VLLM_NIXL_SIDE_CHANNEL_PORT
         + getattr(parallel, "data_parallel_index", 0),
         compat=compat_factors(vllm_config, str(base.mode), version),
+        stream_layers=streams,
     )
 
 

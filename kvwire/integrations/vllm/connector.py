@@ -174,7 +174,9 @@ class KVWireConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     def wait_for_save(self) -> None:
         """Nothing to wait for: writes run in the background and read P's blocks, which
         vLLM keeps until the worker reports the request sent (the completion goes only
-        after the prompt finished, on the write that carries its last layer)."""
+        after the prompt finished, on the write that carries its last layer). With a host
+        buffer, the step's blocks are copied to it here."""
+        self._work().saved()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return self._work().finished()

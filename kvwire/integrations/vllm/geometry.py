@@ -397,7 +397,8 @@ class Exchanged:
     starts inside a block); vLLM's manager has already swapped older ones for its null
     block. A Mamba group's list ends in ``spec_slots`` scratch slots for speculative
     decoding, which never cross; of the rest only the running state (the last) does,
-    unless vLLM keeps a state per block position (``mamba_cache_mode`` "all")."""
+    unless vLLM 0.31 keeps a state per block position (``mamba_cache_mode`` "all"): 0.32
+    sends the running state alone in every mode."""
 
     tail: int = 0
     """The last blocks that cross; 0: all."""
@@ -417,9 +418,14 @@ class Exchanged:
 
 def exchanged(kv_cache_config: Any, vllm_config: Any) -> tuple[Exchanged, ...]:
     """Per transfer group, which of a request's blocks cross (:class:`Exchanged`)."""
+    from vllm.distributed.kv_transfer.kv_connector import utils
     from vllm.v1.kv_cache_interface import MambaSpec, SlidingWindowSpec
 
-    positional = getattr(vllm_config.cache_config, "mamba_cache_mode", "none") == "all"
+    # 0.32 clips a state list with this helper (the running state, in every mode); 0.31,
+    # which lacks it, kept each position's state in mode "all".
+    positional = getattr(vllm_config.cache_config, "mamba_cache_mode", "none") == "all" and (
+        not hasattr(utils, "clip_ssm_state_blocks")
+    )
     rules = []
     for group in transfer_groups(kv_cache_config):
         spec = group.kv_cache_spec

@@ -41,6 +41,9 @@ class KVWireMetadata(KVConnectorMetadata):  # type: ignore[misc]
     chunks: dict[str, tuple[BlockIds, int, int]] = field(default_factory=dict)
     """P, streaming push: requests this step computes prompt tokens of, with their blocks
     so far, the token the step computes the prompt through and the prompt's length."""
+    staged: dict[str, BlockIds] = field(default_factory=dict)
+    """P with a host buffer: per request whose prompt this step computes, the blocks the
+    step writes (per transfer group), copied to the host once the forward ran."""
     preempted: list[str] = field(default_factory=list)
     """P, streaming push: requests whose blocks vLLM took back since the last step (it
     computes them again from the start)."""

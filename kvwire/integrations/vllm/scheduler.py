@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvwire.config import KVWireConfig
 from kvwire.errors import ConfigError
+from kvwire.integrations.vllm import staging
 from kvwire.integrations.vllm.geometry import exchanged, prefill_backoff
 from kvwire.integrations.vllm.messages import BlockIds, KVWireHandshake, KVWireMetadata
 from kvwire.sidechannel import HandshakeListener
@@ -49,8 +50,14 @@ class SchedulerSide:
         worker reports them received, aborted ones included)."""
         self.streaming = bool(config.stream_layers) and config.mode == "push"
         """P writes prompts while computing them (push with ``stream_layers``)."""
+        self.staged = staging.wants_host_buffer(vllm_config)
+        """P copies each step's computed blocks to its host buffer (``kv_buffer_device``)."""
         self.prompts: dict[str, Request] = {}
-        """P, streaming: the requests to stream, from their first scheduling to their end."""
+        """P, streaming or staged: the requests a remote decode will read, from their first
+        scheduling to their end."""
+        self.staged_from: dict[str, int] = {}
+        """P, staged: per prompt, the token its next chunk starts copying from (0 at first:
+        a prefix-cache hit's blocks may never have been copied)."""
         self.kv_cache_manager: KVCacheManager | None = None
         """vLLM's, bound by its scheduler: where a computing prompt's blocks are."""
 
@@ -112,7 +119,7 @@ class SchedulerSide:
     ) -> None:
         params = request.kv_transfer_params
         if params and params.get("do_remote_decode"):
-            if self.streaming:
+            if self.streaming or self.staged:
                 self.prompts[request.request_id] = request
             if request.request_id not in self.started:  # once, not per prefill chunk
                 self.started.add(request.request_id)
@@ -152,6 +159,7 @@ class SchedulerSide:
         rid = request.request_id
         self.started.discard(rid)
         self.prompts.pop(rid, None)
+        self.staged_from.pop(rid, None)
         if rid in self.loading:
             # D: aborted while its KV is in flight; the worker ends the fetch and reports
             # the request received, which is when vLLM frees its blocks.
@@ -199,10 +207,25 @@ class SchedulerSide:
         what it expects): one per transfer group, each cut by its rule
         (:class:`~kvwire.integrations.vllm.geometry.Exchanged`); a sliding window's tail may
         still begin with the null block."""
+        groups = self._transfer_lists(block_ids)
+        return [rule(g) for g, rule in zip(groups, self.rules, strict=True)]
+
+    def _transfer_lists(self, block_ids: Any) -> BlockIds:
+        """A request's block lists, one per transfer group (vLLM leaves some groups out)."""
         groups = _groups(block_ids)
         if len(groups) == len(self.kv_cache_config.kv_cache_groups):
             groups = [list(g) for g in self.kv_cache_config.select_transfer_block_ids(groups)]
-        return [rule(g) for g, rule in zip(groups, self.rules, strict=True)]
+        return groups
+
+    def written(self, block_ids: Any, start: int, end: int) -> BlockIds:
+        """The blocks computing tokens ``[start, end)`` writes, per transfer group: an
+        attention group's blocks holding those tokens, a Mamba group's running state (its
+        list has no block per token)."""
+        size = int(self.vllm_config.cache_config.block_size)
+        return [
+            rule(g) if rule.spec_slots is not None else g[start // size : -(-end // size)]
+            for g, rule in zip(self._transfer_lists(block_ids), self.rules, strict=True)
+        ]
 
     def build_meta(self, scheduler_output: SchedulerOutput) -> KVWireMetadata:
         meta, self.meta = self.meta, KVWireMetadata()
@@ -216,9 +239,18 @@ class SchedulerSide:
         request's ``num_computed_tokens`` is where its chunk begins."""
         manager = self.kv_cache_manager
         if manager is None:  # an engine that binds no cache manager: prompts go whole
+            if self.staged:
+                raise ConfigError(
+                    "kv_buffer_device 'cpu': the host buffer is filled step by step from the "
+                    "blocks vLLM's cache manager names, and this vLLM bound none"
+                )
             return
         prompts = self.prompts
-        meta.preempted.extend(r for r in scheduler_output.preempted_req_ids or () if r in prompts)
+        preempted = [r for r in scheduler_output.preempted_req_ids or () if r in prompts]
+        if self.streaming:
+            meta.preempted.extend(preempted)
+        for rid in preempted:  # computed again, into whatever blocks it gets
+            self.staged_from.pop(rid, None)
         for rid, count in scheduler_output.num_scheduled_tokens.items():
             request = prompts.get(rid)
             if request is None:
@@ -226,7 +258,12 @@ class SchedulerSide:
             start, prompt = int(request.num_computed_tokens), int(request.num_prompt_tokens)
             if start < prompt:
                 end = min(start + int(count), prompt)
-                meta.chunks[rid] = (self.exchanged(manager.get_block_ids(rid)), end, prompt)
+                if self.streaming:
+                    meta.chunks[rid] = (self.exchanged(manager.get_block_ids(rid)), end, prompt)
+                if self.staged:
+                    first = self.staged_from.get(rid, 0)
+                    self.staged_from[rid] = end
+                    meta.staged[rid] = self.written(manager.get_block_ids(rid), first, end)
 
     def update_output(self, output: KVConnectorOutput) -> None:
         self.sending -= set(output.finished_sending or ())

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvwire.config import KVWireConfig
+from kvwire.integrations.vllm import staging
 from kvwire.integrations.vllm.config import is_producer
 from kvwire.integrations.vllm.geometry import layer_geometry, layer_order
 from kvwire.integrations.vllm.messages import KVWireHandshake, KVWireMetadata, KVWireStats
@@ -58,6 +59,13 @@ class WorkerSide:
         self.batch: tuple[str, ...] = ()
         """P, streaming: the requests this step computes prompt tokens of."""
         self.layers: frozenset[str] = frozenset()
+        self.staging: staging.HostStaging | None = None
+        """A host buffer over a device KV cache (``kv_buffer_device: "cpu"``)."""
+        self.staged: list[list[list[int]]] = []
+        """P with a host buffer: the blocks this step's forward writes, per request."""
+        self.loading: dict[str, list[list[int]]] = {}
+        """D with a host buffer: each request's blocks being received, copied to the device
+        once they all arrived."""
         """P, streaming: the registered layers' names (others are not reported)."""
         self.device: torch.device | None = None
         """P, streaming: the device the KV cache is on (None: host memory)."""
@@ -75,7 +83,13 @@ class WorkerSide:
         return endpoint
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        geometry = layer_geometry(kv_caches, self.kv_cache_config, self.config, self.vllm_config)
+        registered = kv_caches
+        if staging.wants_host_buffer(self.vllm_config):
+            self.staging = staging.HostStaging(kv_caches)
+            registered = self.staging.views
+        geometry = layer_geometry(registered, self.kv_cache_config, self.config, self.vllm_config)
+        if self.staging is not None:
+            self.staging.bind(geometry)
         self.endpoint.register_kv_caches(geometry)
         if self.producer is not None and self.producer.streaming:
             # The producer's calls go to a thread of their own, so the engine thread never
@@ -125,11 +139,21 @@ class WorkerSide:
         for rid, (groups, end, length) in meta.chunks.items():
             call(producer.chunk_scheduled, rid, groups, num_tokens=end, prompt_tokens=length)
         self.batch = tuple(meta.chunks)
+        self.staged = list(meta.staged.values())
         for rid, (groups, num_tokens) in meta.to_send.items():
             self.sending.add(rid)
             call(producer.prefill_finished, rid, groups, num_tokens=num_tokens, unsent=rid)
         for rid in meta.to_abort:
             call(producer.abort, rid)
+
+    def saved(self) -> None:
+        """P with a host buffer: the step's forward ran, so the blocks it wrote go to the
+        host before vLLM finishes any of its requests (a pulling D may read them as soon as
+        it has the params)."""
+        if self.staging is not None:
+            for groups in self.staged:
+                self.staging.to_host(groups)
+        self.staged = []
 
     def start(self, meta: KVWireMetadata) -> None:
         """D: the step's loads (vLLM starts them after the forward: they run between
@@ -145,8 +169,11 @@ class WorkerSide:
                 self.consumer.add_request(rid, params, local, num_tokens=prompt)
                 if local:
                     self.recving.add(rid)
+                    if self.staging is not None:
+                        self.loading[rid] = [list(g) for g in local]
             for rid in meta.to_abort:
                 self.consumer.abort(rid)
+                self.loading.pop(rid, None)
 
     def _counts_agree(self, rid: str, params: dict[str, Any], loaded: int | None) -> bool:
         """D of a model with state (Mamba): P computed exactly the tokens D loads, or the
@@ -200,7 +227,11 @@ class WorkerSide:
         if self.consumer is not None:
             got = self.consumer.get_finished()
             received = set(got.done)
+            if self.staging is not None:
+                for rid in received & self.recving:
+                    self.staging.to_device(self.loading.pop(rid))
             for rid, failure in got.failed.items():
+                self.loading.pop(rid, None)
                 log.warning("KV of %s not received (%s): %s", rid, failure.reason, failure.detail)
                 received.add(rid)
                 if self.by_request:

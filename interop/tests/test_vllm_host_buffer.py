@@ -1,0 +1,117 @@
+"""A host buffer over a device KV cache (``kv_buffer_device: "cpu"``), with stock's meaning.
+
+On a device platform stock registers a host copy of its KV cache and stages blocks through
+it: P copies a finished prompt's blocks to the host before a peer reads them, D copies what
+it received to the device before vLLM schedules the request. On a CPU platform neither
+kind of engine stages (the cache is host memory already). No GPU runs here, so a kvwire
+engine is told its CPU cache stands for a device's (the harness's ``host_buffer``): it then
+registers only the host copy, and a byte that skipped a copy is not where D's model reads
+it. The stock engine beside it runs as a CPU engine does, without a host buffer: the wire
+is the same either way.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from harness import Geometry, SchedulerEngine, Zygote, assert_moved, engines, prefill, step_both
+
+TOKENS = 100  # 3 full blocks + a partial one (32-token blocks)
+PAIRS = {
+    "kvwire-nixl": ("KVWireConnector", "KVWireConnector"),
+    "stock-P-kvwire-D": ("NixlConnector", "KVWireConnector"),
+    "kvwire-P-stock-D": ("KVWireConnector", "NixlConnector"),
+}
+MODELS: dict[str, dict[str, Any]] = {
+    "dense": {},
+    "mla": {"geo": Geometry(model="mla", layers=2)},  # 16-token kernel blocks: 2 per block
+    "window": {"window": 48, "hma": True},  # two groups sharing the slabs
+}
+CASES = [("dense", pair, mode, "1-1") for pair in sorted(PAIRS) for mode in ("pull", "push")] + [
+    ("dense", "kvwire-nixl", "pull", "1-2"),
+    ("dense", "kvwire-nixl", "push", "2-1"),
+    ("mla", "kvwire-nixl", "pull", "1-1"),
+    ("mla", "stock-P-kvwire-D", "push", "1-1"),
+    ("window", "kvwire-nixl", "push", "1-1"),
+    ("window", "stock-P-kvwire-D", "pull", "1-1"),
+]
+
+
+@pytest.mark.parametrize(("model", "pair", "mode", "tp"), CASES)
+def test_host_buffer(zygote: Zygote, model: str, pair: str, mode: str, tp: str) -> None:
+    """Every kvwire engine of the pair stages through its host copy; D's model finds
+    every prompt token's KV in its device cache, byte for byte, on every rank."""
+    p_conn, d_conn = PAIRS[pair]
+    p_tp, d_tp = (int(n) for n in tp.split("-"))
+    options = dict(MODELS[model])
+    with engines(
+        zygote, p_conn, d_conn, {"tp": p_tp, "host_buffer": p_conn == "KVWireConnector"},
+        {"tp": d_tp, "host_buffer": d_conn == "KVWireConnector"},
+        extra_config={"transport": "nixl"}, mode=mode, **options,
+    ) as (p, d):  # fmt: skip
+        assert_moved(p, d, "req-h", 31, TOKENS)
+        # A second request into blocks the first left in the host copy: its own bytes.
+        assert_moved(p, d, "req-h2", 37, TOKENS + 40)
+
+
+def test_host_buffer_with_mamba_state(zygote: Zygote) -> None:
+    """A hybrid Mamba model stages its states too (they share the slabs with attention)."""
+    engines_ = [
+        SchedulerEngine(
+            role, "KVWireConnector", zygote, geo=Geometry(layers=4), hma=True, mamba=1,
+            extra_config={"transport": "nixl"}, host_buffer=True,
+        )
+        for role in "PD"
+    ]  # fmt: skip
+    p, d = engines_
+    try:
+        params = prefill(p, "req-m", 41, 257)
+        d.add("req-m", 41, 257, params)
+        step_both(p, d, lambda: "req-m" in d.state.get("checked", {}), "D to check req-m")
+        wrong, checked = d.state["checked"]["req-m"]
+        assert checked > 0 and wrong == 0, (wrong, checked)
+    finally:
+        d.close()
+        p.close()
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+@pytest.mark.parametrize("buffer", ["cpu", "cuda"])
+def test_a_host_buffer_is_what_stock_stages(
+    device: str, buffer: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """kvwire stages exactly where stock's own scheduler side says it uses a host buffer:
+    a ``cpu`` buffer on a platform whose device is not the CPU."""
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector import utils
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import (
+        NixlPullConnectorScheduler,
+    )
+    from vllm.platforms import current_platform
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm_engine import build_vllm_config
+    from vllm_peer import _backend
+
+    from kvwire.integrations.vllm.staging import wants_host_buffer
+
+    start = {
+        "role": "P", "connector": "NixlConnector", "engine_id": "stage", "model": "llama-3-8b",
+        "layers": 2, "num_blocks": 16, "block_size": 32, "tp_size": 1,
+    }  # fmt: skip
+    config = build_vllm_config(start)
+    transfer = config.kv_transfer_config
+    config.kv_transfer_config = KVTransferConfig(
+        kv_connector=transfer.kv_connector, kv_role=transfer.kv_role,
+        engine_id=transfer.engine_id, kv_buffer_device=buffer,
+        kv_connector_extra_config=transfer.kv_connector_extra_config,
+    )  # fmt: skip
+    page = FullAttentionSpec(block_size=32, num_kv_heads=8, head_size=128, dtype=torch.bfloat16)
+    group = KVCacheGroupSpec(["layer"], page)
+    kv_cache_config = KVCacheConfig(num_blocks=16, kv_cache_tensors=[], kv_cache_groups=[group])
+    monkeypatch.setattr(utils, "get_current_attn_backends", lambda *_a, **_k: [_backend(False)])
+    monkeypatch.setattr(current_platform, "device_type", device)
+    monkeypatch.setenv("VLLM_NIXL_SIDE_CHANNEL_PORT", "0")
+    stock = NixlPullConnectorScheduler(config, "stage", kv_cache_config)
+    assert wants_host_buffer(config) == stock.use_host_buffer
