@@ -6,6 +6,14 @@ STAMP  := $(VENV)/.kvwire-installed
 
 export UCX_NET_DEVICES ?= lo
 
+# bash with pipefail: a suite's status survives the pipe that labels its lines.
+SHELL := /bin/bash
+.SHELLFLAGS := -o pipefail -c
+
+# `cmd $(call label,NAME)`: each line of cmd's output as it comes, prefixed [NAME] (suites
+# running side by side stay readable).
+label = 2>&1 | sed -u 's/^/[$(1)] /'
+
 .PHONY: demo test lint typecheck unit venv clean fuzz docs interop interop-0.31 interop-0.32 \
 	interop-venv interop-venvs
 
@@ -41,7 +49,7 @@ typecheck: $(STAMP)
 	  transports/ucx/kvwire_ucx conformance/kvwire_conformance scripts/gen_docs.py hatch_build.py
 
 unit: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q $(call label,unit)
 
 # The documentation site (mkdocs-material, strict: any warning fails). Pages derived from
 # code (state diagrams, CLI reference) are regenerated first.
@@ -49,13 +57,13 @@ docs: $(STAMP)
 	$(BIN)/python scripts/gen_docs.py
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
 
-# The unit suite and the interop suites share nothing (ports come from the kernel, shared
-# memory and etcd are each test's own), so on CI's two cores two of them run side by side,
-# each one's output printed whole when it ends. The interop venvs are built first: their editable installs
-# compile the transports' helpers next to the sources, which the unit suite loads.
+# The unit suite and the two interop suites share no state (each test picks its own free
+# ports, shared-memory names and etcd), so on CI's two cores two of them run side by side,
+# each line labelled with its suite; --keep-going runs every suite even after one failed.
+# The interop venvs are built first: their editable installs compile the transports'
+# helpers next to the sources, which the unit suite loads.
 test: lint typecheck docs interop-venvs
-	@echo "make test: unit and interop run side by side; each prints its output when it ends"
-	@$(MAKE) --no-print-directory -j2 --output-sync=target unit interop-0.31 interop-0.32
+	@$(MAKE) --no-print-directory -j2 --keep-going unit interop-0.31 interop-0.32
 
 # Interop with vLLM's own NIXL connector code (interop/, docs/interop.md). Each venv: torch
 # pinned first (the CPU wheel on disk), vLLM without its dependencies (CUDA kernels, model
@@ -78,6 +86,9 @@ $(1)/.interop-installed: interop/requirements-vllm-$(2).txt pyproject.toml const
 endef
 $(eval $(call interop_venv,$(VLLM_VENV),0.31.0))
 $(eval $(call interop_venv,$(VLLM_VENV)-0.32,0.32.0))
+# One editable install at a time (each compiles the transports' helpers in place).
+$(VLLM_VENV)/.interop-installed: | $(STAMP)
+$(VLLM_VENV)-0.32/.interop-installed: | $(VLLM_VENV)/.interop-installed
 
 interop-venv: $(VLLM_VENV)/.interop-installed
 interop-venvs: interop-venv $(VLLM_VENV)-0.32/.interop-installed
@@ -85,10 +96,13 @@ interop-venvs: interop-venv $(VLLM_VENV)-0.32/.interop-installed
 # The whole interop suite runs against each release, in its venv: the harness's kvwire
 # engines speak the release's protocol, and the connector runs on whichever vLLM it finds.
 interop: interop-0.31 interop-0.32
-interop-0.31: interop-venv
-	VLLM_TARGET_DEVICE=cpu $(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider interop/tests
-interop-0.32: $(VLLM_VENV)-0.32/.interop-installed
-	VLLM_TARGET_DEVICE=cpu $(VLLM_VENV)-0.32/bin/python -m pytest -q -p no:cacheprovider interop/tests
+# Each suite needs both venvs: its cross-release test starts the other release's engine.
+interop-0.31: interop-venvs
+	VLLM_TARGET_DEVICE=cpu $(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider interop/tests \
+	  $(call label,interop-0.31)
+interop-0.32: interop-venvs
+	VLLM_TARGET_DEVICE=cpu $(VLLM_VENV)-0.32/bin/python -m pytest -q -p no:cacheprovider \
+	  interop/tests $(call label,interop-0.32)
 
 # Fuzz every wire decoder for FUZZ_SECONDS (FUZZ_TARGET=all, or one name from
 # `fuzz/fuzz_decoders.py --list`). atheris (prebuilt wheel) is installed on first use; where

@@ -335,6 +335,7 @@ class SchedulerEngine:
         mamba: int = 0,
         indexer: bool = False,
         host_buffer: bool = False,
+        drafter: str = "",
         kernel_block: int = 0,
         layerwise: bool = False,
         prefix_caching: bool = True,
@@ -349,7 +350,9 @@ class SchedulerEngine:
         each attention layer that many Mamba2 layers; ``indexer`` (an MLA model): each
         layer also holds DeepSeek-V3.2's indexer keys (sparse MLA); ``host_buffer``: a
         kvwire engine stages its KV through a host copy as on a device platform with
-        ``kv_buffer_device: "cpu"`` (the CPU cache stands for the device's); ``kernel_block``:
+        ``kv_buffer_device: "cpu"`` (the CPU cache stands for the device's); ``drafter``:
+        speculative decoding, ``method:tokens`` (``eagle:1``, ``mtp:3``), the last layer
+        the drafter's; ``kernel_block``:
         the attention backend runs only kernel blocks of that many tokens (vLLM splits each
         block into several); ``layerwise``: P computes each step's chunk layer by layer,
         each layer's share written just before its ``save_kv_layer`` (for streaming);
@@ -379,7 +382,7 @@ class SchedulerEngine:
             "layers": self.geo.layers, "num_blocks": self.geo.num_blocks,
             "block_size": self.geo.block_size, "kv_heads": self.geo.kv_heads, "lease": lease,
             "hma": hma, "window": window, "mamba": mamba, "indexer": indexer,
-            "host_buffer": host_buffer,
+            "host_buffer": host_buffer, "drafter": drafter,
             "mode": mode, "extra_config": extra_config, "layout": layout,
             "kernel_block": kernel_block, "layerwise": layerwise, "prefix_caching": prefix_caching,
             **(scheduler or {}),

@@ -104,6 +104,8 @@ def build_vllm_config(start: dict[str, Any]) -> Any:
         get_layers_start_end_indices=lambda *_a, **_k: (0, spec.layers),
     )
     object.__setattr__(vllm_config, "model_config", model_config)
+    if start.get("drafter"):
+        object.__setattr__(vllm_config, "speculative_config", drafter_config(start))
     vllm_config.cache_config.num_gpu_blocks = spec.num_blocks
     vllm_config.cache_config.num_gpu_blocks_override = spec.num_blocks
     vllm_config.cache_config.kv_cache_layout = start.get("layout", "LBHNC")
@@ -119,6 +121,31 @@ def build_vllm_config(start: dict[str, Any]) -> Any:
 MAMBA_HEADS, MAMBA_HEAD_DIM, MAMBA_STATE, MAMBA_GROUPS, MAMBA_CONV = 8, 16, 16, 32, 4
 """A Mamba2 mixer's sizes (Nemotron-H's shape, scaled down): heads x head dim make the
 intermediate size, ``MAMBA_GROUPS`` B and C columns each, a conv kernel of 4."""
+
+
+def drafter_config(start: dict[str, Any]) -> Any:
+    """vLLM's SpeculativeConfig of a drafter ``method:k`` (``eagle:1``, ``mtp:3``: that many
+    speculative tokens, an MTP drafter with as many modules), with every other field at
+    vLLM's default. Building one the usual way loads the draft model's config from its hub,
+    so its fields are set directly; its methods (lookahead, block drop, MTP modules) are
+    vLLM's own. The drafter's KV layer is the engine's last (EAGLE and MTP name theirs
+    after the target's)."""
+    from dataclasses import MISSING, fields
+
+    from vllm.config import SpeculativeConfig
+
+    method, count = str(start["drafter"]).split(":")
+    config = object.__new__(SpeculativeConfig)
+    for f in fields(SpeculativeConfig):
+        default = f.default_factory() if f.default_factory is not MISSING else f.default
+        object.__setattr__(config, f.name, None if default is MISSING else default)
+    hf_config = SimpleNamespace(num_nextn_predict_layers=int(count))
+    draft = SimpleNamespace(model=f"drafter-{method}", revision=None, code_revision=None,
+                            hf_config=hf_config)  # fmt: skip
+    object.__setattr__(config, "method", method)
+    object.__setattr__(config, "num_speculative_tokens", int(count))
+    object.__setattr__(config, "draft_model_config", draft)
+    return config
 
 
 def mamba_spec(start: dict[str, Any], page: int) -> Any:
@@ -140,6 +167,8 @@ def mamba_spec(start: dict[str, Any], page: int) -> Any:
         page_size_padded=page,
         mamba_type=MambaAttentionBackendEnum.MAMBA2,
         mamba_cache_mode="align" if start.get("prefix_caching", True) else "none",
+        # A drafter's scratch slots, one per speculative token (vLLM's hybrid-model config).
+        num_speculative_blocks=int(str(start.get("drafter") or "-:0").split(":")[1]),
     )
 
 
@@ -573,10 +602,12 @@ class EnginePart:
         self.kv_cache_config = kv_cache_config
         self.windows = windows(kv_cache_config)
         self.states = state_groups(kv_cache_config)
-        self.backoff = 1 if any(self.states) else 0
+        lookahead = int(self.vllm_config.num_prefill_lookahead_tokens)
+        self.backoff = max(1 if any(self.states) else 0, lookahead - 1)
         """The prompt's last tokens D computes itself: a Mamba layer's next token starts
-        from the state before the last prompt token (vLLM's rule; both connectors follow
-        it, and so P never computes that token)."""
+        from the state before the last prompt token, and a multi-module MTP drafter's
+        lookahead must not reach P's cache (vLLM's rules, read from vLLM's config; both
+        connectors follow them, and so P never computes those tokens)."""
         self.layerwise = bool(start.get("layerwise")) and self.start_role == "P"
         assert not (self.layerwise and any(self.windows + self.states)), "layerwise: dense"
         self.layer_at = {
@@ -919,6 +950,7 @@ class EnginePart:
         if op == "regions":
             return {
                 "regions": self.regions(),
+                "names": self.region_names(),
                 "groups": self.region_groups(),
                 "layout": self.layout,
                 "blocks": self.advertised_blocks(),
@@ -1008,6 +1040,14 @@ class EnginePart:
             return [[a - base, n, s] for a, n, s in zip(addrs, lens, strides, strict=True)]
         geometry = connector._worker.endpoint._driver.geometry
         return [[r.base_addr - base, r.block_len, r.block_stride] for r in geometry.regions]
+
+    def region_names(self) -> list[str]:
+        """Each registered region's name, as the worker advertises it (a stock peer compares
+        them by index)."""
+        w = getattr(self.worker, "connector_worker", None)
+        if w is not None:
+            return list(w.region_names)
+        return [str(r.name) for r in self.worker._worker.endpoint._driver.geometry.regions]
 
     def advertised_blocks(self) -> list[int]:
         """(tokens per region block, region blocks per block id, region blocks) as the

@@ -258,6 +258,7 @@ def test_regions_are_where_stock_registers(zygote: Zygote, layout: str) -> None:
     stock, ours = found["NixlConnector"], found["KVWireConnector"]
     assert ours["layout"] == stock["layout"] == layout
     assert ours["regions"] and ours["regions"] == stock["regions"]
+    assert ours["names"] == stock["names"]
 
 
 KERNEL_GEO = Geometry(layers=2, num_blocks=16, block_size=64)
@@ -353,6 +354,7 @@ def test_kernel_blocks_are_advertised_as_stock_advertises_them(zygote: Zygote) -
     stock, ours = found["NixlConnector"], found["KVWireConnector"]
     assert ours["blocks"] == stock["blocks"] == [16, 4, KERNEL_GEO.num_blocks * 4]
     assert ours["regions"] and ours["regions"] == stock["regions"]
+    assert ours["names"] == stock["names"]
 
 
 @pytest.mark.parametrize("layout", ["LHBNC", "BHLNC"])

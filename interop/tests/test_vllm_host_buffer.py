@@ -16,7 +16,16 @@ from typing import Any
 
 import pytest
 import torch
-from harness import Geometry, SchedulerEngine, Zygote, assert_moved, engines, prefill, step_both
+from harness import (
+    Geometry,
+    SchedulerEngine,
+    Zygote,
+    assert_moved,
+    engines,
+    prefill,
+    step_both,
+    wait_until,
+)
 
 TOKENS = 100  # 3 full blocks + a partial one (32-token blocks)
 PAIRS = {
@@ -56,6 +65,31 @@ def test_host_buffer(zygote: Zygote, model: str, pair: str, mode: str, tp: str) 
         assert_moved(p, d, "req-h2", 37, TOKENS + 40)
 
 
+def test_a_chunked_prompt_is_staged_step_by_step(zygote: Zygote) -> None:
+    """P computes the prompt in 40-token steps, layer by layer (each step writes only its
+    tokens, so a block one step half fills is finished by the next): every step's blocks
+    reach the host, a half-filled one again once it is full."""
+    p_options = {"host_buffer": True, "layerwise": True, "scheduler": {"batch_tokens": 40}}
+    with engines(
+        zygote, "KVWireConnector", "KVWireConnector", p_options, {"host_buffer": True},
+        extra_config={"transport": "nixl"},
+    ) as (p, d):  # fmt: skip
+        assert_moved(p, d, "req-c", 71, 150)
+
+
+def test_a_prefix_hit_on_p_is_staged(zygote: Zygote) -> None:
+    """P computed a prompt for itself (never staged: no remote decode), then a request
+    sharing its first two blocks hits them in P's prefix cache: they reach the host too."""
+    with engines(
+        zygote, "KVWireConnector", "KVWireConnector", {"host_buffer": True}, {},
+        extra_config={"transport": "nixl"},
+    ) as (p, d):  # fmt: skip
+        p.add("req-local", 73, 64, {"do_remote_decode": False})
+        wait_until(lambda: "req-local" in p.state.get("outputs", {}), p.step, 30, "P: req-local")
+        assert_moved(p, d, "req-hit", 73, TOKENS)
+        assert p.state["hits"]["req-hit"] == 64
+
+
 def test_host_buffer_with_mamba_state(zygote: Zygote) -> None:
     """A hybrid Mamba model stages its states too (they share the slabs with attention)."""
     engines_ = [
@@ -77,23 +111,26 @@ def test_host_buffer_with_mamba_state(zygote: Zygote) -> None:
         p.close()
 
 
-@pytest.mark.parametrize("device", ["cpu", "cuda"])
-@pytest.mark.parametrize("buffer", ["cpu", "cuda"])
+@pytest.mark.parametrize("device", ["cpu", "cuda", "xpu"])
+@pytest.mark.parametrize("buffer", ["cpu", "cuda", "xpu"])
 def test_a_host_buffer_is_what_stock_stages(
     device: str, buffer: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """kvwire stages exactly where stock's own scheduler side says it uses a host buffer:
-    a ``cpu`` buffer on a platform whose device is not the CPU."""
+    a ``cpu`` buffer on a platform whose device is not the CPU; and it refuses, by name,
+    the buffers stock's table of devices refuses (a buffer on another device)."""
     from vllm.config import KVTransferConfig
     from vllm.distributed.kv_transfer.kv_connector import utils
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import (
         NixlPullConnectorScheduler,
     )
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.utils import _NIXL_SUPPORTED_DEVICE
     from vllm.platforms import current_platform
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
     from vllm_engine import build_vllm_config
     from vllm_peer import _backend
 
+    from kvwire.errors import ConfigError
     from kvwire.integrations.vllm.staging import wants_host_buffer
 
     start = {
@@ -113,5 +150,9 @@ def test_a_host_buffer_is_what_stock_stages(
     monkeypatch.setattr(utils, "get_current_attn_backends", lambda *_a, **_k: [_backend(False)])
     monkeypatch.setattr(current_platform, "device_type", device)
     monkeypatch.setenv("VLLM_NIXL_SIDE_CHANNEL_PORT", "0")
+    if buffer not in _NIXL_SUPPORTED_DEVICE[device]:
+        with pytest.raises(ConfigError, match=f"kv_buffer_device '{buffer}' on a {device}"):
+            wants_host_buffer(config)
+        return
     stock = NixlPullConnectorScheduler(config, "stage", kv_cache_config)
     assert wants_host_buffer(config) == stock.use_host_buffer

@@ -82,25 +82,28 @@ def test_regions_and_groups_are_what_stock_registers(zygote: Zygote) -> None:
     assert ours["groups"] == stock["groups"] == [-1] * (GEO.layers // 2)
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_mamba_regions_are_what_stock_registers(zygote: Zygote, tp: int) -> None:
+@pytest.mark.parametrize(("tp", "layers"), [(1, 8), (2, 8), (1, 9), (1, 7)])
+def test_mamba_regions_are_what_stock_registers(zygote: Zygote, tp: int, layers: int) -> None:
     """With Mamba groups each slab holds an attention page or a padded state: stock
-    registers it once, shared (-1), and advertises one layer's state sizes on this rank."""
+    registers it once, shared (-1), names it after its first layer of either kind, and
+    advertises one layer's state sizes on this rank. Layer counts that are not whole
+    repeats of the pattern make vLLM group the layers otherwise (a slab's first layer may
+    then be a Mamba one)."""
     found = {}
     for connector in ("NixlConnector", "KVWireConnector"):
         engine = SchedulerEngine(
-            "P", connector, zygote, geo=MAMBA_GEO, hma=True, mamba=MAMBA, tp=tp,
-            extra_config={"transport": "nixl"},
+            "P", connector, zygote, geo=replace(MAMBA_GEO, layers=layers), hma=True,
+            mamba=MAMBA, tp=tp, extra_config={"transport": "nixl"},
         )  # fmt: skip
         try:
             answer = engine.peer.call({"op": "regions"})
-            found[connector] = {k: answer[k] for k in ("regions", "groups", "blocks", "ssm_sizes")}
+            keys = ("regions", "names", "groups", "blocks", "ssm_sizes")
+            found[connector] = {k: answer[k] for k in keys}
         finally:
             engine.close()
     stock, ours = found["NixlConnector"], found["KVWireConnector"]
     assert ours == stock
-    slabs = MAMBA_GEO.layers // (MAMBA + 1)
-    assert len(ours["regions"]) == slabs and ours["groups"] == [-1] * slabs
+    assert ours["groups"] == [-1] * len(ours["regions"])
     assert ours["ssm_sizes"] == [s // tp for s in _mamba_sizes()]
 
 
@@ -226,17 +229,21 @@ def test_a_hybrid_models_failed_load_is_reported_by_request(zygote: Zygote) -> N
         d.close()
 
 
-@pytest.mark.parametrize("mode", ["pull", "push"])
-def test_a_state_for_another_token_count_is_refused(zygote: Zygote, mode: str) -> None:
+@pytest.mark.parametrize(
+    ("mode", "host_buffer"), [("pull", False), ("push", False), ("pull", True)]
+)
+def test_a_state_for_another_token_count_is_refused(
+    zygote: Zygote, mode: str, host_buffer: bool
+) -> None:
     """P computed a count of tokens D does not load (here P's params say the whole prompt,
     as from a P that cut it by another rule): the Mamba state would be for the wrong
     token, so D reads nothing, reports the request failed by request, and P frees its
-    blocks."""
+    blocks (a D with a host buffer copies nothing to its device)."""
 
     def engine(role: str) -> SchedulerEngine:
         return SchedulerEngine(
             role, "KVWireConnector", zygote, geo=MAMBA_GEO, hma=True, mamba=MAMBA, mode=mode,
-            extra_config={"transport": "nixl"},
+            extra_config={"transport": "nixl"}, host_buffer=host_buffer,
         )  # fmt: skip
 
     p, d = engine("P"), None

@@ -94,6 +94,6 @@ def test_sparse_mla_regions_are_what_stock_registers(zygote: Zygote, tp: int) ->
         finally:
             engine.close()
     stock, ours = found["NixlConnector"], found["KVWireConnector"]
-    for key in ("regions", "groups", "layout", "blocks"):
+    for key in ("regions", "names", "groups", "layout", "blocks"):
         assert ours[key] == stock[key], key
     assert len(ours["regions"]) == 2 * GEO.layers

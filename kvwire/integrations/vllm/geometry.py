@@ -136,11 +136,14 @@ def layer_regions(
     rows: dict[int, dict[str, tuple[int, int]]] = {}
     groups: dict[int, int] = {}
     states: dict[int, str] = {}
+    first: dict[int, str] = {}
+    """Per span, the first layer of any kind on it, in stock's order."""
     for name in sorted(kv_caches, key=layer_order):
         view = kv_caches[name]
         group = group_of.get(name, 0) if group_of is not None else 0
         if name in state_layers:
             states.setdefault(int(view.data_ptr()), name)
+            first.setdefault(int(view.data_ptr()), name)
             continue
         if view.dim() < 2 or view.shape[0] != num_blocks:
             raise ConfigError(
@@ -152,6 +155,7 @@ def layer_regions(
             raise ConfigError(f"layer {name}: in KV cache layout {layout}, {exc}") from None
         page = int(view[0].nbytes)
         for base, block_len, stride in found:
+            first.setdefault(base, name)
             spans.setdefault(base, (name, block_len, stride, view))
             if groups.setdefault(base, group) != group:
                 groups[base] = SHARED_GROUP_ID
@@ -165,7 +169,12 @@ def layer_regions(
             )
         groups[base] = SHARED_GROUP_ID
     regions = []
-    for base, (name, block_len, stride, view) in spans.items():
+    # A region is where the first layer (in stock's order) of any kind on it puts it, and
+    # is named after that layer, a state layer's too, as stock names it.
+    order = {base: i for i, base in enumerate(first)}
+    for base in sorted(spans, key=order.__getitem__):
+        _, block_len, stride, view = spans[base]
+        name = first[base]
         on_device = view.device.type != "cpu"
         packed = rows.get(base, {})
         regions.append(

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from kvwire.errors import ConfigError
 from kvwire.layout.geometry import SHARED_GROUP_ID, KVGeometry
 
 if TYPE_CHECKING:
@@ -28,12 +29,22 @@ if TYPE_CHECKING:
 
 
 def wants_host_buffer(vllm_config: VllmConfig) -> bool:
-    """Stock's rule: a ``cpu`` KV buffer on a platform whose device is not the CPU."""
+    """Stock's rule: a ``cpu`` KV buffer on a platform whose device is not the CPU. A buffer
+    on another device than the platform's is refused, by name, as stock refuses it."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.utils import _NIXL_SUPPORTED_DEVICE
     from vllm.platforms import current_platform
 
     transfer = vllm_config.kv_transfer_config
-    device_type = str(current_platform.device_type)
-    return transfer is not None and transfer.kv_buffer_device == "cpu" and device_type != "cpu"
+    if transfer is None:
+        return False
+    device_type, buffer = str(current_platform.device_type), str(transfer.kv_buffer_device)
+    allowed = _NIXL_SUPPORTED_DEVICE.get(device_type, ())  # stock's table, platforms' own added
+    if buffer not in allowed:
+        raise ConfigError(
+            f"kv_buffer_device {buffer!r} on a {device_type} platform: KVWireConnector (as "
+            f"stock) takes {' or '.join(map(repr, allowed)) or 'none'} there"
+        )
+    return buffer == "cpu" and device_type != "cpu"
 
 
 def _flat(storage: torch.UntypedStorage, device: torch.device) -> torch.Tensor:

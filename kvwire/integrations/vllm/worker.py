@@ -59,6 +59,7 @@ class WorkerSide:
         self.batch: tuple[str, ...] = ()
         """P, streaming: the requests this step computes prompt tokens of."""
         self.layers: frozenset[str] = frozenset()
+        """P, streaming: the registered layers' names (others are not reported)."""
         self.staging: staging.HostStaging | None = None
         """A host buffer over a device KV cache (``kv_buffer_device: "cpu"``)."""
         self.staged: list[list[list[int]]] = []
@@ -66,7 +67,6 @@ class WorkerSide:
         self.loading: dict[str, list[list[int]]] = {}
         """D with a host buffer: each request's blocks being received, copied to the device
         once they all arrived."""
-        """P, streaming: the registered layers' names (others are not reported)."""
         self.device: torch.device | None = None
         """P, streaming: the device the KV cache is on (None: host memory)."""
         self.in_order: _InOrder | None = None
@@ -106,8 +106,9 @@ class WorkerSide:
         regions (in stock's name order) are in the order vLLM allocated the layers. A
         reported layer completes the regions before it, which holds only if that order is
         the order they compute in; where the two orders differ (a sparse MLA model's
-        indexer caches, a drafter whose names sort first) no layer is reported and each
-        request goes out whole with its completion."""
+        indexer caches, a drafter whose names sort first) no layer is reported: a prompt
+        streams by chunks (a later chunk proves the earlier one computed in every layer),
+        its last chunk with the completion."""
         ends = geometry.layer_ends()
         allocated = [name for name in kv_caches if name in ends]
         if allocated == sorted(allocated, key=layer_order):
@@ -229,7 +230,10 @@ class WorkerSide:
             received = set(got.done)
             if self.staging is not None:
                 for rid in received & self.recving:
-                    self.staging.to_device(self.loading.pop(rid))
+                    # None: refused before any read, or aborted as its last byte landed.
+                    blocks = self.loading.pop(rid, None)
+                    if blocks is not None and rid not in self.failed:
+                        self.staging.to_device(blocks)
             for rid, failure in got.failed.items():
                 self.loading.pop(rid, None)
                 log.warning("KV of %s not received (%s): %s", rid, failure.reason, failure.detail)
