@@ -446,3 +446,15 @@ def test_layouts(zygote: Zygote, layout: str, pair: str, sizes: str) -> None:
         assert d.state["invalid"] and "req-l" not in d.state["checked"]
         if refused:
             assert any(refused in line for line in d.state["log"] + d.peer.log), d.peer.log[-3:]
+
+
+@pytest.mark.parametrize("pair", sorted(PAIRS))
+def test_a_mixture_of_experts_moves_as_dense(zygote: Zygote, pair: str) -> None:
+    """A mixture-of-experts model (Qwen3-30B-A3B's attention: 4 KV heads of 128): its
+    experts are in the MLP, so vLLM gives its KV cache the dense model's one full-attention
+    group, and it moves as a dense model's, hashed with its own name."""
+    p_conn, d_conn = PAIRS[pair]
+    geo = Geometry(model="qwen3-30b-a3b", layers=2)
+    with engines(zygote, p_conn, d_conn, geo=geo, extra_config={"transport": "nixl"}) as (p, d):
+        checked = assert_moved(p, d, "req-moe", 79, TOKENS)
+    assert checked == TOKENS * geo.layers * 4 * 2 * 128 * 2

@@ -97,3 +97,38 @@ def test_sparse_mla_regions_are_what_stock_registers(zygote: Zygote, tp: int) ->
     for key in ("regions", "names", "groups", "layout", "blocks"):
         assert ours[key] == stock[key], key
     assert len(ours["regions"]) == 2 * GEO.layers
+
+
+@pytest.mark.parametrize("mode", ["pull", "push"])
+@pytest.mark.parametrize(("p_block", "d_block"), [(32, 64), (64, 32)])
+@pytest.mark.parametrize("indexer", [False, True], ids=["mla", "sparse"])
+def test_mla_unequal_block_sizes(
+    zygote: Zygote, mode: str, p_block: int, d_block: int, indexer: bool
+) -> None:
+    """Two kvwire engines of unequal block sizes (each block two or four of the backend's
+    16-token kernel blocks): every prompt token's latent (and indexer keys) reaches D,
+    placed by token."""
+    with engines(
+        zygote, "KVWireConnector", "KVWireConnector",
+        {"geo": Geometry(model="mla", layers=2, block_size=p_block)},
+        {"geo": Geometry(model="mla", layers=2, block_size=d_block)},
+        extra_config={"transport": "nixl"}, mode=mode, indexer=indexer,
+    ) as (p, d):  # fmt: skip
+        checked = assert_moved(p, d, "req-u", 61, 150)
+    latent = preset(GEO.model).latent_dim * 2 + (INDEXER if indexer else 0)
+    assert checked == 150 * latent * GEO.layers
+
+
+@pytest.mark.parametrize("layout", ["BLHNC", "BLNHC"])
+@pytest.mark.parametrize("pair", sorted(set(PAIRS) - {"kvwire-shm"}))
+def test_mla_cross_layer_blocks(zygote: Zygote, pair: str, layout: str) -> None:
+    """vLLM's block-outermost layouts, every layer's latent of a block in one row: the
+    rows move between either kind of engine, byte for byte. (vLLM splits no block of such a
+    layout into kernel blocks, so the blocks are the CPU MLA backend's 16 tokens.)"""
+    p_conn, d_conn, transport = PAIRS[pair]
+    geo = Geometry(model="mla", layers=2, block_size=16)
+    with engines(
+        zygote, p_conn, d_conn, geo=geo, extra_config={"transport": transport}, layout=layout,
+    ) as (p, d):  # fmt: skip
+        checked = assert_moved(p, d, "req-x", 67, TOKENS)
+    assert checked == TOKENS * preset(GEO.model).latent_dim * 2 * GEO.layers

@@ -46,6 +46,8 @@ class ModelPreset:
 PRESETS: dict[str, ModelPreset] = {
     "llama-3-8b": ModelPreset("llama-3-8b", "meta-llama/Meta-Llama-3-8B", 32, 8, 128),
     "llama-3-70b": ModelPreset("llama-3-70b", "meta-llama/Meta-Llama-3-70B", 80, 8, 128),
+    # A mixture of experts: its experts are in the MLP, so its KV cache is a dense model's.
+    "qwen3-30b-a3b": ModelPreset("qwen3-30b-a3b", "Qwen/Qwen3-30B-A3B", 48, 4, 128),
     "deepseek-v3": ModelPreset(
         "deepseek-v3", "deepseek-ai/DeepSeek-V3", 61, 1, 128, mla=True, latent_dim=576
     ),
