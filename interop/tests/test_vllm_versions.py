@@ -118,3 +118,32 @@ def test_a_vllm_without_the_nixl_connector_fails_startup_by_name(
     monkeypatch.delattr(loaded, "metadata", raising=False)
     with pytest.raises(ConfigError, match="no NIXL connector metadata module"):
         protocol_version({})
+
+
+def test_bidirectional_kv_xfer_is_said_to_be_left_undone(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A mixed fleet may run stock engines with ``bidirectional_kv_xfer`` on; a kvwire
+    engine with it starts (no setting changes for the switch) and says, naming the key,
+    that it does not hold its blocks for the next turn."""
+    from vllm.distributed.kv_transfer.kv_connector import utils
+    from vllm_peer import _backend
+
+    from kvwire.integrations.vllm.config import kvwire_config
+
+    # No model runs here: the backend a CPU engine picks, as the harness's engines have it.
+    monkeypatch.setattr(utils, "get_current_attn_backends", lambda *_a, **_k: [_backend(False)])
+
+    config = copy.copy(_vllm_config())
+    transfer = copy.copy(config.kv_transfer_config)
+    transfer.kv_connector_extra_config = {
+        **transfer.kv_connector_extra_config, "bidirectional_kv_xfer": True,
+    }  # fmt: skip
+    object.__setattr__(config, "kv_transfer_config", transfer)
+    with caplog.at_level("WARNING", logger="vllm.kvwire"):
+        kvwire_config(config)
+    assert any("bidirectional_kv_xfer is on" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="vllm.kvwire"):
+        kvwire_config(_vllm_config())
+    assert not any("bidirectional" in r.getMessage() for r in caplog.records)

@@ -4,6 +4,7 @@ engine hashes (so the two kinds of engine accept each other)."""
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import TYPE_CHECKING, Any
 
@@ -16,6 +17,8 @@ from kvwire.wire.versions import SUPPORTED_VERSIONS, VLLM_RELEASES
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+
+log = logging.getLogger("vllm.kvwire")
 
 
 def kvwire_config(vllm_config: VllmConfig, *, tp_rank: int = 0) -> KVWireConfig:
@@ -30,6 +33,13 @@ def kvwire_config(vllm_config: VllmConfig, *, tp_rank: int = 0) -> KVWireConfig:
         "engine_id": transfer.engine_id,
         "kv_connector_extra_config": dict(transfer.kv_connector_extra_config or {}),
     }
+    if as_dict["kv_connector_extra_config"].get("bidirectional_kv_xfer"):
+        # Left on for the stock engines of a mixed fleet; said once per engine and rank.
+        log.warning(
+            "bidirectional_kv_xfer is on, and KVWireConnector does not hold a decode "
+            "engine's blocks for the next turn's prefill to read yet: that prefill computes "
+            "the conversation again"
+        )
     base = KVWireConfig(kv_transfer_config=as_dict)
     version = protocol_version(as_dict)
     # With a host buffer (as stock) a prompt reaches the host once computed, so it goes out
