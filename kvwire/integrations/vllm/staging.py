@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from kvwire.errors import ConfigError
+from kvwire.layout.descs import expand_to_kernel_blocks
 from kvwire.layout.geometry import SHARED_GROUP_ID, KVGeometry
 
 if TYPE_CHECKING:
@@ -110,7 +111,7 @@ class HostStaging:
     def _each(self, groups: Sequence[Sequence[int]]) -> Any:
         """Per region, the region blocks of the groups whose ids name its blocks: a shared
         region's (group -1) every group's, any other its own group's."""
-        expanded = [self._expand(g) for g in groups]
+        expanded = [expand_to_kernel_blocks(g, self._ratio) for g in groups]
         for device, host, group in self._regions:
             if group == SHARED_GROUP_ID:
                 parts = expanded
@@ -121,10 +122,3 @@ class HostStaging:
             ids = np.unique(np.concatenate(parts)) if parts else np.empty(0, np.int64)
             if ids.size:
                 yield device, host, torch.from_numpy(ids)
-
-    def _expand(self, blocks: Sequence[int]) -> np.ndarray[Any, np.dtype[np.int64]]:
-        """Kernel blocks of vLLM's block ids (the regions hold kernel blocks)."""
-        ids = np.asarray(blocks, dtype=np.int64)
-        if self._ratio == 1:
-            return ids
-        return (ids[:, None] * self._ratio + np.arange(self._ratio)).reshape(-1)

@@ -151,9 +151,12 @@ class WorkerSide:
         """P with a host buffer: the step's forward ran, so the blocks it wrote go to the
         host before vLLM finishes any of its requests (a pulling D may read them as soon as
         it has the params)."""
-        if self.staging is not None:
-            for groups in self.staged:
-                self.staging.to_host(groups)
+        if self.staging is not None and self.staged:
+            # One gather per region for the whole step, not one per request.
+            merged = [
+                [b for groups in self.staged for b in groups[g]] for g in range(len(self.staged[0]))
+            ]
+            self.staging.to_host(merged)
         self.staged = []
 
     def start(self, meta: KVWireMetadata) -> None:
