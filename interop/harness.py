@@ -339,6 +339,8 @@ class SchedulerEngine:
         kernel_block: int = 0,
         layerwise: bool = False,
         prefix_caching: bool = True,
+        kv_role: str = "",
+        multimodal: bool = False,
     ) -> None:
         """``engine_id`` and ``port``: a restarted engine keeps its predecessor's;
         ``scheduler``: ``batch_tokens`` (tokens per step) and ``chunk_tokens`` (per request
@@ -357,7 +359,10 @@ class SchedulerEngine:
         block into several); ``layerwise``: P computes each step's chunk layer by layer,
         each layer's share written just before its ``save_kv_layer`` (for streaming);
         ``prefix_caching``: vLLM's (off: a preempted prompt is computed again from its
-        first token, into whatever blocks it gets)."""
+        first token, into whatever blocks it gets); ``kv_role``: vLLM's, when not the
+        ``role``'s own (``kv_both``: the engine is P for requests added with
+        ``do_remote_decode``, D for those with ``do_remote_prefill``); ``multimodal``: the
+        model takes images (vLLM's scheduler schedules their encoding; see ``add``)."""
         self.role = role
         self.tp = tp
         extra_config = dict(extra_config or {})
@@ -385,16 +390,30 @@ class SchedulerEngine:
             "host_buffer": host_buffer, "drafter": drafter,
             "mode": mode, "extra_config": extra_config, "layout": layout,
             "kernel_block": kernel_block, "layerwise": layerwise, "prefix_caching": prefix_caching,
+            "kv_role": kv_role, "multimodal": multimodal,
             **(scheduler or {}),
         }  # fmt: skip
         self.peer = Peer(start, zygote, env)
         self.state: dict[str, Any] = {}
 
     def add(
-        self, rid: str, index: int, num_tokens: int, params: dict[str, Any] | None = None
+        self,
+        rid: str,
+        index: int,
+        num_tokens: int,
+        params: dict[str, Any] | None = None,
+        images: list[tuple[int, int]] | None = None,
+        max_tokens: int = 1,
+        generated_from: int = 0,
     ) -> None:
+        """``images``: an image's placeholder tokens per ``(offset, length)`` (a
+        ``multimodal`` engine); ``max_tokens``: the tokens to generate (a decode engine
+        writes the KV of those it computes, with content of their own); ``generated_from``:
+        a prefill engine reading back a conversation expects that content from this token
+        on (where the earlier turn's generated tokens start)."""
         self.peer.call({"op": "add", "rid": rid, "index": index, "num_tokens": num_tokens,
-                        "params": params or {}})  # fmt: skip
+                        "params": params or {}, "images": images or [],
+                        "max_tokens": max_tokens, "generated_from": generated_from})  # fmt: skip
 
     def abort(self, rid: str) -> None:
         self.peer.call({"op": "abort", "rid": rid})
@@ -402,6 +421,11 @@ class SchedulerEngine:
     def step(self, n: int = 1) -> dict[str, Any]:
         self.state = self.peer.call({"op": "step", "n": n})
         return self.state
+
+    def scribble_free(self) -> int:
+        """Overwrite the free blocks that cache no prefix (what a later request computed
+        into them); how many there were."""
+        return int(self.peer.call({"op": "scribble_free"})["scribbled"])
 
     def pending_registrations(self) -> list[int]:
         """P (kvwire): per rank, D's push registrations not yet matched with a prompt."""

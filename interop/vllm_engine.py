@@ -50,7 +50,7 @@ def build_vllm_config(start: dict[str, Any]) -> Any:
     model = spec.model
     max_len = spec.num_blocks * spec.block_tokens
     connector = start["connector"]
-    role = "kv_producer" if start["role"] == "P" else "kv_consumer"
+    role = start.get("kv_role") or ("kv_producer" if start["role"] == "P" else "kv_consumer")
     extra: dict[str, Any] = {"kv_lease_duration": int(start.get("lease", 30)), "backends": ["UCX"]}
     extra.update(start.get("extra_config") or {})
     if extra.get("transport") == "shm":
@@ -90,7 +90,7 @@ def build_vllm_config(start: dict[str, Any]) -> Any:
         runner_type="generate",
         is_encoder_decoder=False,
         is_diffusion=False,
-        supports_multimodal_inputs=False,
+        supports_multimodal_inputs=bool(start.get("multimodal")),
         multimodal_config=None,
         return_sampling_mask=False,
         original_max_model_len=max_len,
@@ -116,6 +116,37 @@ def build_vllm_config(start: dict[str, Any]) -> Any:
         cache.mamba_cache_mode = "align" if cache.enable_prefix_caching else "none"
         cache.mamba_block_size = spec.block_tokens if cache.enable_prefix_caching else max_len
     return vllm_config
+
+
+def _encoder_budget() -> None:
+    """A multimodal model's encoder budget, which vLLM's scheduler sizes from the model's
+    processor (the model's files, not here): room for a few images of up to 64 tokens.
+    What the scheduler does with it (which images to encode when) is vLLM's own."""
+    from vllm.v1.core.sched import scheduler
+
+    class Budget:
+        def __init__(self, *_a: Any, **_k: Any) -> None:
+            self.encoder_compute_budget = self.encoder_cache_size = 256
+            self.mm_max_toks_per_item = {"image": 64}
+
+    scheduler.MultiModalBudget = Budget
+
+
+def _images(spans: list[list[int]], index: int) -> list[Any] | None:
+    """One image per ``[offset, length]`` placeholder span of the prompt (vLLM's feature
+    specs; the encoder's input data is not needed to schedule it)."""
+    from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
+
+    features = [
+        MultiModalFeatureSpec(
+            data=None,
+            modality="image",
+            identifier=f"image-{index}-{i}",
+            mm_position=PlaceholderRange(offset=int(offset), length=int(length)),
+        )
+        for i, (offset, length) in enumerate(spans)
+    ]
+    return features or None
 
 
 MAMBA_HEADS, MAMBA_HEAD_DIM, MAMBA_STATE, MAMBA_GROUPS, MAMBA_CONV = 8, 16, 16, 32, 4
@@ -519,6 +550,29 @@ def check_group(
     return wrong, checked
 
 
+def check_tokens(
+    spec: Any, kv: Any, seed: int, blocks: list[int], start: int, stop: int
+) -> tuple[int, int]:
+    """(wrong, checked) bytes of tokens ``[start, stop)`` of a request's blocks."""
+    tokens = spec.block_tokens
+    want = expected(spec, seed, -(-stop // tokens))
+    view = blocks_view(spec, kv)
+    wrong = checked = 0
+    for b in range(start // tokens, -(-stop // tokens)):
+        t0, t1 = max(start - b * tokens, 0), min(stop - b * tokens, tokens)
+        got, ought = view[:, blocks[b], :, t0:t1], want[:, b, :, t0:t1]
+        wrong += int(np.count_nonzero(got.view(np.uint8) != ought.view(np.uint8)))
+        checked += int(ought.nbytes)
+    return wrong, checked
+
+
+DECODED = 30011
+"""Added to a request's content index for the KV of the tokens a decode engine computes
+(what it generated): a stale copy of the prompt's blocks then does not pass for it. Odd,
+so its content differs in every value (the content's seed is the index times an odd
+number, modulo 2**16)."""
+
+
 CPUS = sorted(os.sched_getaffinity(0))
 """The CPUs the engine may use, read before any thread is pinned."""
 
@@ -624,6 +678,8 @@ class EnginePart:
 
         init_none_hash(sha256)
         self.hasher = get_request_block_hasher(self.spec.block_tokens, sha256)
+        if start.get("multimodal"):
+            _encoder_budget()
         self.scheduler = Scheduler(
             vllm_config=self.vllm_config,
             # vLLM's engine core hands its scheduler one spec per group (a group of
@@ -648,6 +704,17 @@ class EnginePart:
         self.aggregator = KVOutputAggregator.from_connector(self.worker, tp)
         """vLLM's executor's: a request is finished once every rank reported it."""
         self.index: dict[str, int] = {}
+        self.encoded: dict[str, list[int]] = {}
+        """Per request, the encoder inputs (images) vLLM scheduled this engine to encode."""
+        self.acts: dict[str, str] = {}
+        """Per request, the side this engine is for it (``P`` fills its KV, ``D`` checks
+        it): a ``kv_both`` engine, or one reading back a conversation, is either."""
+        self.held: dict[str, tuple[int, int]] = {}
+        """P, reading back: per request, the tokens of it a decode engine kept and the first
+        of them it computed itself (generated), checked once read (before the engine
+        computes the rest)."""
+        self.scheduled: dict[str, int] = {}
+        """This step's tokens per request."""
         self.outputs: dict[str, Any] = {}
         self.checked: dict[str, tuple[int, int]] = {}
         self.pending_checks: dict[str, tuple[int, int]] = {}
@@ -693,6 +760,9 @@ class EnginePart:
 
         out = self.scheduler.schedule()
         meta = out.kv_connector_metadata
+        self.scheduled = dict(out.num_scheduled_tokens)
+        for rid, inputs in out.scheduled_encoder_inputs.items():
+            self.encoded.setdefault(rid, []).extend(inputs)
         req_ids: list[str] = []
         for new in out.scheduled_new_reqs:
             req_ids.append(new.req_id)
@@ -774,12 +844,17 @@ class EnginePart:
         index = self.index[rid]
         request = self.scheduler.requests[rid]
         block_tokens = self.spec.block_tokens
+        producing = self.acts.get(rid, self.start_role) == "P"
+        if producing and rid in self.held and rid not in self.checked:
+            read = rid in self.received and rid not in self.failed
+            if read and not self.invalid.intersection(b for g in all_blocks for b in g):
+                self._check_held(rank, rid, all_blocks)
         for c, content in enumerate(rank.groups):
             g, spec, kv = content.group, content.spec, content.kv
             seed = group_seed(index, c)
             if spec is None:  # Mamba: the state after the tokens computed (P) or loaded (D)
                 at = (next(i for i, r in enumerate(self.ranks) if r is rank), len(self.ranks))
-                if self.start_role == "P":
+                if producing:
                     done = min(int(request.num_computed_tokens), int(request.num_prompt_tokens))
                     fill_state(kv, seed, list(all_blocks[g]), done, block_tokens, at)
                 elif rid not in self.checked:
@@ -790,13 +865,40 @@ class EnginePart:
                     self.pending_checks[rid] = (before[0] + wrong, before[1] + checked)
                 continue
             blocks = expand(list(all_blocks[g]), self.ratio)
-            if self.start_role == "P":
+            if producing:
                 fill_group(spec, kv, seed, blocks)
-            elif rid not in self.checked:
+                continue
+            if rid not in self.checked:
                 prompt = int(request.num_prompt_tokens) - self.backoff
                 wrong, checked = check_group(spec, kv, seed, blocks, prompt, self.windows[g])
                 before = self.pending_checks.get(rid, (0, 0))
                 self.pending_checks[rid] = (before[0] + wrong, before[1] + checked)
+            # The KV of the tokens D generated, which it computes after the prompt.
+            stop = int(request.num_computed_tokens)
+            start = max(stop - self.scheduled.get(rid, 0), int(request.num_prompt_tokens))
+            if start < stop:
+                want = expected(spec, group_seed(index + DECODED, c), -(-stop // spec.block_tokens))
+                for layer in range(spec.layers):
+                    fill_tokens(spec, kv, want, blocks, layer, start, stop)
+
+    def _check_held(self, rank: Rank, rid: str, all_blocks: Any) -> None:
+        """P, reading back: the conversation's first tokens, as the decode engine kept them
+        (the content of the request's index: the first turn's), before P computes the rest."""
+        held, generated = self.held[rid]
+        index = self.index[rid]
+        for c, content in enumerate(rank.groups):
+            assert content.spec is not None, "a read-back moves attention pages only"
+            blocks = expand(list(all_blocks[content.group]), self.ratio)
+            spec, kv = content.spec, content.kv
+            prompt = check_tokens(spec, kv, group_seed(index, c), blocks, 0, min(generated, held))
+            decoded = check_tokens(
+                spec, kv, group_seed(index + DECODED, c), blocks, generated, held
+            )
+            before = self.pending_checks.get(rid, (0, 0))
+            self.pending_checks[rid] = (
+                before[0] + prompt[0] + decoded[0],
+                before[1] + prompt[1] + decoded[1],
+            )
 
     def _layer(self, rank: Rank, name: str, req_ids: list[str], counts: dict[str, int]) -> None:
         """P, layerwise: the model's layer ``name`` for this step's batch on one rank. It
@@ -910,12 +1012,20 @@ class EnginePart:
             req = Request(
                 rid,
                 list(range(first, first + int(cmd["num_tokens"]))),
-                SamplingParams(max_tokens=1),
+                SamplingParams(max_tokens=int(cmd.get("max_tokens") or 1)),
                 None,
+                mm_features=_images(cmd.get("images") or [], int(cmd["index"])),
                 block_hasher=self.hasher,
             )
             req.kv_transfer_params = params
             self.index[rid] = int(cmd["index"])
+            if params.get("do_remote_prefill"):
+                self.acts[rid] = "D"
+            elif params.get("do_remote_decode"):
+                self.acts[rid] = "P"
+                if params.get("remote_block_ids"):  # a decode engine kept the conversation
+                    held = min(int(params.get("remote_num_tokens") or 0), int(cmd["num_tokens"]))
+                    self.held[rid] = (held, int(cmd.get("generated_from") or held))
             self.scheduler.add_request(req)
             self.requests[rid] = req
             return {}
@@ -956,6 +1066,19 @@ class EnginePart:
                 "blocks": self.advertised_blocks(),
                 "ssm_sizes": self.ssm_sizes(),
             }
+        if op == "scribble_free":
+            # Free blocks vLLM caches no prefix in: what they held is gone, as when another
+            # request has since been computed into them.
+            queue = self.scheduler.kv_cache_manager.block_pool.free_block_queue
+            free = [
+                b.block_id for b in queue.get_all_free_blocks()
+                if b.block_hash is None and not b.is_null
+            ]  # fmt: skip
+            for rank in self.ranks:
+                for content in rank.groups:
+                    if content.spec is not None:
+                        scribble(content.spec, content.kv, expand(free, self.ratio))
+            return {"scribbled": len(free)}
         if op == "fragment":
             # A long-running engine's pool: free blocks come back in no particular order.
             # Reorders vLLM's free-block queue (the order it allocates in) with a seed.
@@ -1088,6 +1211,7 @@ class EnginePart:
             "running": len(self.scheduler.running),
             "free_blocks": self.scheduler.kv_cache_manager.block_pool.get_num_free_blocks(),
             "connector": self.connector_class,
+            "encoded": self.encoded,
             "hma": not self.vllm_config.scheduler_config.disable_hybrid_kv_cache_manager,
         }
 

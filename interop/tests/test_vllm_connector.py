@@ -18,6 +18,7 @@ from harness import (
     assert_moved,
     engines,
     free_port,
+    moved,
     prefill,
     step_both,
     transfer,
@@ -338,6 +339,30 @@ def test_a_stock_d_of_another_block_size_is_refused_by_a_pushing_p(zygote: Zygot
         assert "req-bs" not in d.state["checked"]
 
 
+@pytest.mark.parametrize(("p_block", "d_block"), [(64, 32), (32, 64)])
+def test_a_stock_p_of_another_block_size_is_refused_by_a_pushed_d(
+    zygote: Zygote, p_block: int, d_block: int
+) -> None:
+    """vLLM 0.31.0's push producer places blocks of another size by its own rule: measured
+    here before the refusal, its 64-token blocks pushed into a kvwire D's 32-token ones
+    ended the request done with 1075200 of its 1228800 bytes wrong. kvwire's D, which
+    handshakes P to register with it, refuses it there, naming both block sizes, before
+    any write, and fails the request (vLLM computes it): nothing is reported received
+    whole."""
+    with engines(
+        zygote, "NixlConnector", "KVWireConnector",
+        {"geo": Geometry(layers=2, num_blocks=32, block_size=p_block)},
+        {"geo": Geometry(layers=2, num_blocks=32, block_size=d_block)},
+        extra_config={"transport": "nixl"}, mode="push",
+    ) as (p, d):  # fmt: skip
+        d.add("req-bs", 3, 150, prefill(p, "req-bs", 3, 150))
+        step_both(p, d, lambda: "req-bs" in d.state.get("received", []), "D to end it", 30)
+        refusal = f"with blocks of {p_block} tokens, and this consumer's hold {d_block}"
+        assert any(refusal in line for line in d.state["log"] + d.peer.log), d.peer.log[-3:]
+        d.step(2)
+        assert d.state["invalid"] and "req-bs" not in d.state["checked"]
+
+
 def test_kernel_blocks_are_advertised_as_stock_advertises_them(zygote: Zygote) -> None:
     """Regions of kernel blocks, and the block size, ratio and count a peer plans by, are
     what a stock engine registers and advertises over the same allocation."""
@@ -458,3 +483,26 @@ def test_a_mixture_of_experts_moves_as_dense(zygote: Zygote, pair: str) -> None:
     with engines(zygote, p_conn, d_conn, geo=geo, extra_config={"transport": "nixl"}) as (p, d):
         checked = assert_moved(p, d, "req-moe", 79, TOKENS)
     assert checked == TOKENS * geo.layers * 4 * 2 * 128 * 2
+
+
+@pytest.mark.parametrize("pair", sorted(PAIRS))
+def test_a_multimodal_prompt_moves_as_dense(zygote: Zygote, pair: str) -> None:
+    """A prompt with an image in it: vLLM's scheduler has P encode the image (its
+    placeholder tokens are then computed as any others) and D, which loads those tokens,
+    encode nothing; the image's KV is in the model's one full-attention group and moves
+    as a dense model's, byte for byte."""
+    p_conn, d_conn = PAIRS[pair]
+    image = (10, 64)
+    with engines(zygote, p_conn, d_conn, multimodal=True, extra_config={"transport": "nixl"}) as (
+        p,
+        d,
+    ):
+        p.add("req-image", 81, TOKENS, images=[image])
+        wait_until(lambda: "req-image" in p.state.get("outputs", {}), p.step, 30, "P's prefill")
+        params = p.state["outputs"]["req-image"]
+        d.add("req-image", 81, TOKENS, params, images=[image])
+        state = moved(p, d, "req-image")
+        wrong, checked = state["checked"]["req-image"]
+        assert wrong == 0 and checked == assert_moved(p, d, "req-text", 82, TOKENS)
+        assert p.state["encoded"]["req-image"] == [0]
+        assert "req-image" not in state["encoded"]

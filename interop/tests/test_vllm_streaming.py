@@ -173,7 +173,9 @@ class _Producer:
     def layer_computed(self, layer: str, rids: tuple[str, ...]) -> None:
         self.calls.append(("layer", layer, tuple(rids)))
 
-    def prefill_finished(self, rid: str, groups: Any, *, num_tokens: int) -> None:
+    def prefill_finished(
+        self, rid: str, groups: Any, *, num_tokens: int, lease_s: float | None = None
+    ) -> None:
         self.calls.append(("finished", rid, num_tokens))
         if rid == "bad":
             raise ValueError("a final write that cannot start")

@@ -120,12 +120,10 @@ def test_a_vllm_without_the_nixl_connector_fails_startup_by_name(
         protocol_version({})
 
 
-def test_bidirectional_kv_xfer_is_said_to_be_left_undone(
-    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A mixed fleet may run stock engines with ``bidirectional_kv_xfer`` on; a kvwire
-    engine with it starts (no setting changes for the switch) and says, naming the key,
-    that it does not hold its blocks for the next turn."""
+def test_bidirectional_kv_xfer_needs_pull(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A read-back is a READ of the decode engine's blocks: in push mode the engine's
+    startup fails naming the key and the mode, as stock's push connector refuses it
+    (``NotImplementedError`` in its scheduler)."""
     from vllm.distributed.kv_transfer.kv_connector import utils
     from vllm_peer import _backend
 
@@ -136,14 +134,39 @@ def test_bidirectional_kv_xfer_is_said_to_be_left_undone(
 
     config = copy.copy(_vllm_config())
     transfer = copy.copy(config.kv_transfer_config)
+    extra = {**transfer.kv_connector_extra_config, "bidirectional_kv_xfer": True}
+    object.__setattr__(config, "kv_transfer_config", transfer)
+    transfer.kv_connector_extra_config = {**extra, "transfer_mode": "push"}
+    with pytest.raises(ConfigError, match=r"bidirectional_kv_xfer .* transfer_mode pull"):
+        kvwire_config(config)
+    transfer.kv_connector_extra_config = extra
+    assert kvwire_config(config).mode == "pull"
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("decoder_kv_blocks_ttl", "nan"),
+        ("decoder_kv_blocks_ttl", float("inf")),
+        ("decoder_kv_blocks_ttl", 0),
+        ("decoder_kv_blocks_ttl", "soon"),
+        ("kv_recompute_threshold", -1),
+        ("kv_recompute_threshold", 2.5),
+        ("kv_recompute_threshold", float("inf")),
+        ("kv_recompute_threshold", True),
+    ],
+)
+def test_read_back_settings_are_checked(key: str, value: Any) -> None:
+    """A read-back's hold and threshold that cannot be honoured fail the engine's startup
+    with a ``ConfigError`` naming the key, not a request later (a NaN hold would have
+    reached the params, an infinite one pinned D's blocks for good)."""
+    from kvwire.integrations.vllm.config import readback
+
+    config = copy.copy(_vllm_config())
+    transfer = copy.copy(config.kv_transfer_config)
     transfer.kv_connector_extra_config = {
-        **transfer.kv_connector_extra_config, "bidirectional_kv_xfer": True,
+        **transfer.kv_connector_extra_config, "bidirectional_kv_xfer": True, key: value,
     }  # fmt: skip
     object.__setattr__(config, "kv_transfer_config", transfer)
-    with caplog.at_level("WARNING", logger="vllm.kvwire"):
-        kvwire_config(config)
-    assert any("bidirectional_kv_xfer is on" in r.getMessage() for r in caplog.records)
-    caplog.clear()
-    with caplog.at_level("WARNING", logger="vllm.kvwire"):
-        kvwire_config(_vllm_config())
-    assert not any("bidirectional" in r.getMessage() for r in caplog.records)
+    with pytest.raises(ConfigError, match=key):
+        readback(config, kv_cache_config=None)

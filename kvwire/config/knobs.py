@@ -407,7 +407,8 @@ options of the ``nixl`` transport. The keys from ``transport`` on are kvwire's o
 connectors ignore them), read by :data:`KVWIRE_CONNECTOR` deployments."""
 
 VLLM_EXTRA_CONFIG_IGNORED = frozenset({"bidirectional_kv_xfer", "kv_recompute_threshold"})
-"""Extra-config keys vLLM knows that mean nothing to kvwire (left to vLLM, not warned)."""
+"""Extra-config keys vLLM knows that are no :class:`KVWireConfig` field (not warned): they
+mean something only inside vLLM's scheduler, where ``kvwire.integrations.vllm`` reads them."""
 
 VLLM_TRANSFER_CONFIG_IGNORED = frozenset(
     {

@@ -11,6 +11,7 @@ from kvwire.runtime.consumer import Consumer, Finished, RequestFailure
 from kvwire.runtime.driver import regions_of
 from kvwire.runtime.metrics import Metrics, RequestMetrics
 from kvwire.runtime.producer import FreedRequest, Producer
+from kvwire.runtime.shared_agent import SharedAgent
 
 __all__ = [
     "Consumer",
@@ -20,5 +21,6 @@ __all__ = [
     "Producer",
     "RequestFailure",
     "RequestMetrics",
+    "SharedAgent",
     "regions_of",
 ]

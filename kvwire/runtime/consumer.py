@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvwire.errors import ConfigError
+from kvwire.errors import ConfigError, LocalProtocolError
 from kvwire.machine import (
     Abort,
     AllocationDone,
@@ -81,14 +81,19 @@ class Consumer(_Endpoint[Finished]):
         block_ids: BlockIdsLike | None = None,
         *,
         num_tokens: int | None = None,
+        readback: bool = False,
     ) -> None:
         """Request ``request_id`` arrived with the producer's params; with ``block_ids`` the
         blocks to fill are allocated too (else call :meth:`blocks_allocated` later).
 
         ``num_tokens`` is the prompt's length for producers whose params do not carry it
         (``remote_num_tokens``): a consumer whose blocks are smaller than the producer's
-        needs it to place the prompt's end. Malformed params raise ``WireDecodeError``,
-        arguments that cannot be honoured ``LocalProtocolError`` naming them.
+        needs it to place the prompt's end. ``readback``: read only the first
+        ``num_tokens`` tokens of what the producer holds, which may be more (a prefill
+        engine reading back a conversation a decode engine kept: the new prompt shares its
+        beginning); ``num_tokens`` is then required and wins over the params' count.
+        Malformed params raise ``WireDecodeError``, arguments that cannot be honoured
+        ``LocalProtocolError`` naming them.
         """
         if self._driver.machine is None:
             raise ConfigError("register_kv_caches before add_request")
@@ -112,12 +117,15 @@ class Consumer(_Endpoint[Finished]):
             blocks_expiry_time=remote.blocks_expiry_time,
         )
         tokens = num_tokens_arg(num_tokens, (), 1)
+        if readback and tokens is None:
+            raise LocalProtocolError("readback needs num_tokens: how many tokens to read back")
         events: list[Event] = [RequestAdded(request_id, remote=prefill)]
         if blocks is not None:
             events.append(AllocationDone(request_id, blocks))
-        self._driver.request_started(
-            request_id, remote.num_tokens if remote.num_tokens is not None else tokens
-        )
+        if not readback and remote.num_tokens is not None:
+            tokens = remote.num_tokens
+        # The planner places a list longer than the tokens need as starting with them.
+        self._driver.request_started(request_id, tokens)
         self._driver.feed(*events)
 
     def blocks_allocated(self, request_id: str, block_ids: BlockIdsLike) -> None:

@@ -622,6 +622,7 @@ class Driver:
                 self._check_peer_lease(action.engine_id, result)
                 layouts = self._peer_layouts(action, result)
                 self._check_vllm_consumer(action.engine_id, result, layouts)
+                self._check_vllm_pusher(action, result)
                 if not used or self._store_unchanged(action.engine_id, used):
                     break
         except KVWireError as exc:
@@ -723,6 +724,27 @@ class Driver:
                     "both engines one block size"
                 )
 
+    def _check_vllm_pusher(self, action: StartHandshake, result: PeerHandshake) -> None:
+        """A vLLM producer (its ranks announce no kvwire features) pushing into blocks of
+        another size places them by its own rule, not by kvwire's token placement: measured
+        with vLLM 0.31.0's push connector (64-token blocks into 32-token ones), the request
+        ended done with most of its bytes wrong. A push consumer, which handshakes the
+        producer to register with it, refuses such a producer here, naming both block
+        sizes, before any write, and fails the request (the engine computes it)."""
+        if result.features or self.role != "consumer" or self.config.mode != "push":
+            return
+        assert self.geometry is not None
+        ours = self.geometry.block_size
+        for rank, md in result.metadata.items():
+            remote = _remote_geometry(action, rank, md)
+            if remote.block_size != ours:
+                raise IncompatiblePeerError(
+                    f"engine {action.engine_id!r} is a vLLM NixlConnector producer (it "
+                    f"announces no kvwire features) with blocks of {remote.block_size} "
+                    f"tokens, and this consumer's hold {ours}: vLLM's push producer writes "
+                    "only into blocks of its own size; give both engines one block size"
+                )
+
     def _fetch_peer(
         self, action: StartHandshake, ranks: Sequence[RemoteRank]
     ) -> tuple[PeerHandshake, dict[RemoteRank, bytes]]:
@@ -751,18 +773,12 @@ class Driver:
         cfg = self.config
         layouts: dict[RemoteRank, PeerLayout | None] = {}
         assert self.geometry is not None
-        for (pp, tp), md in result.metadata.items():
+        for rank, md in result.metadata.items():
             layout = None
             if self.handshakes_here:
-                remote = RemoteGeometry.from_agent_metadata(
-                    md,
-                    tp_rank=tp,
-                    tp_size=action.expected_tp_size,
-                    pp_rank=pp,
-                    pp_size=action.expected_pp_size,
-                )
+                remote = _remote_geometry(action, rank, md)
                 layout = PeerLayout(self.geometry, remote, mode=cfg.mode, coalesce=cfg.coalesce)
-            layouts[(pp, tp)] = layout
+            layouts[rank] = layout
         return layouts
 
     def _store_unchanged(self, engine_id: str, used: dict[RemoteRank, bytes]) -> bool:
@@ -974,6 +990,20 @@ class Driver:
                 self.feed(*events)
             for engine_id in lost:
                 self._forget_engine(engine_id, evicted=False)
+
+
+def _remote_geometry(
+    action: StartHandshake, rank: RemoteRank, md: AgentMetadataV13 | AgentMetadataV14
+) -> RemoteGeometry:
+    """A remote rank's geometry, from the metadata its handshake answered."""
+    pp, tp = rank
+    return RemoteGeometry.from_agent_metadata(
+        md,
+        tp_rank=tp,
+        tp_size=action.expected_tp_size,
+        pp_rank=pp,
+        pp_size=action.expected_pp_size,
+    )
 
 
 def _zero_host_ranges(ranges: Descs) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import threading
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -228,15 +229,7 @@ class Metrics:
 
     def prometheus_text(self, prefix: str = "kvwire") -> str:
         """The counters in Prometheus' text exposition format (no dependency needed)."""
-        lines: list[str] = []
-        for name, kind, help_text, samples in self.prometheus_families(prefix):
-            lines.append(f"# HELP {name} {help_text}")
-            lines.append(f"# TYPE {name} {kind}")
-            for suffix, labels, value in samples:
-                label_text = ",".join(f'{k}="{_escape(v)}"' for k, v in labels.items())
-                label_part = f"{{{label_text}}}" if label_text else ""
-                lines.append(f"{name}{suffix}{label_part} {float(value)!r}")
-        return "\n".join(lines) + "\n"
+        return prometheus_text([self], prefix)
 
     def prometheus_families(
         self, prefix: str = "kvwire"
@@ -286,6 +279,24 @@ class Metrics:
               ("_total", {**role, "outcome": "refused"}, snap["tables_not_prepared"])]),
         ]  # fmt: skip
         return fam
+
+
+def prometheus_text(metrics: Sequence[Metrics], prefix: str = "kvwire") -> str:
+    """Several runtimes' counters as one exposition (a rank that runs a producer and a
+    consumer serves both, each sample labelled with its role): each family once."""
+    families: dict[str, tuple[str, str, list[tuple[str, dict[str, str], float]]]] = {}
+    for one in metrics:
+        for name, kind, help_text, samples in one.prometheus_families(prefix):
+            families.setdefault(name, (kind, help_text, []))[2].extend(samples)
+    lines: list[str] = []
+    for name, (kind, help_text, samples) in families.items():
+        lines.append(f"# HELP {name} {help_text}")
+        lines.append(f"# TYPE {name} {kind}")
+        for suffix, labels, value in samples:
+            label_text = ",".join(f'{k}="{_escape(v)}"' for k, v in labels.items())
+            label_part = f"{{{label_text}}}" if label_text else ""
+            lines.append(f"{name}{suffix}{label_part} {float(value)!r}")
+    return "\n".join(lines) + "\n"
 
 
 def _escape(value: str) -> str:

@@ -9,6 +9,7 @@ registrations and writes — runs on the runtime's threads.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -75,6 +76,7 @@ class Producer(_Endpoint[list[FreedRequest]]):
         block_ids: BlockIdsLike,
         *,
         num_tokens: int | None = None,
+        lease_s: float | None = None,
     ) -> dict[str, Any]:
         """Hold ``block_ids`` for consumers; returns the ``kv_transfer_params`` for the proxy.
 
@@ -82,8 +84,10 @@ class Producer(_Endpoint[list[FreedRequest]]):
         for a single group); ``num_tokens`` is the prompt's length, which a consumer with
         smaller blocks needs (and push mode always: this side plans the writes). An empty
         block list frees at once (nothing to send); the engine sees the request in
-        :meth:`get_finished` with reason ``nothing_to_send``. Arguments that cannot be
-        honoured raise :class:`~kvwire.errors.LocalProtocolError` naming them.
+        :meth:`get_finished` with reason ``nothing_to_send``. ``lease_s``: hold them this
+        long instead of the config's ``lease_s`` (a decode engine keeping a conversation
+        for the next turn's prefill holds it by its own rule). Arguments that
+        cannot be honoured raise :class:`~kvwire.errors.LocalProtocolError` naming them.
         """
         machine = self._driver.machine
         if machine is None:
@@ -100,7 +104,13 @@ class Producer(_Endpoint[list[FreedRequest]]):
         assert isinstance(machine, ProducerMachine)
         if machine.request_state(request_id) is ProducerState.ABSENT:
             events.append(RequestAdded(request_id))
-        events.append(PrefillFinished(request_id, blocks))
+        if lease_s is None:
+            events.append(PrefillFinished(request_id, blocks))
+        else:
+            if not 0 < lease_s < math.inf:
+                raise LocalProtocolError(f"lease_s must be positive and finite, got {lease_s!r}")
+            deadline = self._driver.clock() + lease_s  # the machine's clock
+            events.append(PrefillFinished(request_id, blocks, lease_deadline=deadline))
         self._driver.request_started(request_id, num_tokens)
         self._driver.feed(*events)
         return self._params(request_id, blocks, num_tokens)

@@ -12,11 +12,11 @@ from __future__ import annotations
 import http.server
 import importlib
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from kvwire.errors import ConfigError
-from kvwire.runtime.metrics import Metrics
+from kvwire.runtime.metrics import Metrics, prometheus_text
 
 
 def register(metrics: Metrics, registry: Any = None, *, prefix: str = "kvwire") -> Any:
@@ -47,13 +47,17 @@ def register(metrics: Metrics, registry: Any = None, *, prefix: str = "kvwire") 
 class MetricsServer:
     """``GET /metrics`` on ``host:port`` from a daemon thread; :meth:`close` stops it."""
 
-    def __init__(self, metrics: Metrics, host: str, port: int, *, prefix: str = "kvwire") -> None:
+    def __init__(
+        self, metrics: Metrics | Sequence[Metrics], host: str, port: int, *, prefix: str = "kvwire"
+    ) -> None:
+        served = [metrics] if isinstance(metrics, Metrics) else list(metrics)
+
         class _Handler(http.server.BaseHTTPRequestHandler):
             def do_GET(self) -> None:
                 if self.path.split("?", 1)[0] != "/metrics":
                     self.send_error(404)
                     return
-                body = metrics.prometheus_text(prefix).encode()
+                body = prometheus_text(served, prefix).encode()
                 self.send_response(200)
                 self.send_header("Content-Type", "text/plain; version=0.0.4")
                 self.send_header("Content-Length", str(len(body)))
@@ -82,6 +86,9 @@ class MetricsServer:
         self._thread.join(timeout=5.0)
 
 
-def serve(metrics: Metrics, host: str, port: int, *, prefix: str = "kvwire") -> MetricsServer:
-    """Serve ``metrics`` for Prometheus at ``http://host:port/metrics``."""
+def serve(
+    metrics: Metrics | Sequence[Metrics], host: str, port: int, *, prefix: str = "kvwire"
+) -> MetricsServer:
+    """Serve ``metrics`` (one runtime's, or several runtimes' of one rank) for Prometheus
+    at ``http://host:port/metrics``."""
     return MetricsServer(metrics, host, port, prefix=prefix)

@@ -5,13 +5,20 @@ engine hashes (so the two kinds of engine accept each other)."""
 from __future__ import annotations
 
 import logging
+import math
 import os
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvwire.config import KVWireConfig, layered
 from kvwire.errors import ConfigError
 from kvwire.integrations.vllm import staging
-from kvwire.integrations.vllm.geometry import attn_backend_name
+from kvwire.integrations.vllm.geometry import (
+    Exchanged,
+    attn_backend_name,
+    exchanged,
+    prefill_backoff,
+)
 from kvwire.wire.compat import CompatFactors, SpeculativeFactors
 from kvwire.wire.versions import SUPPORTED_VERSIONS, VLLM_RELEASES
 
@@ -33,14 +40,12 @@ def kvwire_config(vllm_config: VllmConfig, *, tp_rank: int = 0) -> KVWireConfig:
         "engine_id": transfer.engine_id,
         "kv_connector_extra_config": dict(transfer.kv_connector_extra_config or {}),
     }
-    if as_dict["kv_connector_extra_config"].get("bidirectional_kv_xfer"):
-        # Left on for the stock engines of a mixed fleet; said once per engine and rank.
-        log.warning(
-            "bidirectional_kv_xfer is on, and KVWireConnector does not hold a decode "
-            "engine's blocks for the next turn's prefill to read yet: that prefill computes "
-            "the conversation again"
-        )
     base = KVWireConfig(kv_transfer_config=as_dict)
+    if base.mode == "push" and as_dict["kv_connector_extra_config"].get("bidirectional_kv_xfer"):
+        raise ConfigError(
+            "bidirectional_kv_xfer reads a decode engine's blocks back (a READ), so it needs "
+            "transfer_mode pull; in push mode stock's NixlPushConnector refuses it too"
+        )
     version = protocol_version(as_dict)
     # With a host buffer (as stock) a prompt reaches the host once computed, so it goes out
     # whole: streamed layers would be read from the host before they were copied there.
@@ -48,7 +53,7 @@ def kvwire_config(vllm_config: VllmConfig, *, tp_rank: int = 0) -> KVWireConfig:
     return KVWireConfig(
         kv_transfer_config=as_dict,
         version=version,
-        transport_options=stock_transport_options(base),
+        transport_options=stock_transport_options(base, both_ways=_both_ways(vllm_config)),
         tp_rank=tp_rank,
         tp_size=parallel.tensor_parallel_size,
         side_channel_host=envs.VLLM_NIXL_SIDE_CHANNEL_HOST,
@@ -92,15 +97,16 @@ def protocol_version(kv_transfer_config: dict[str, Any]) -> int:
     return engine
 
 
-def stock_transport_options(base: KVWireConfig) -> dict[str, Any]:
+def stock_transport_options(base: KVWireConfig, *, both_ways: bool = False) -> dict[str, Any]:
     """The transport's options, with what a stock peer needs filled in where the operator
-    left it unset: in push mode over NIXL, UCX's peer error handling, which vLLM's agents
-    run with (UCX cannot open endpoints both ways between an agent without it and one with
-    it, and push needs both ways). Pull keeps kvwire's own default (none), which a stock
-    peer accepts and which spares an initiator waiting on an idle target."""
+    left it unset: over NIXL, UCX's peer error handling, which vLLM's agents run with, in
+    push mode or when the engine moves KV both ways (``both_ways``: ``kv_both``, a
+    read-back). UCX cannot open endpoints both ways between an agent without it and one
+    with it, and those need both ways. Pull otherwise keeps kvwire's own default (none),
+    which a stock peer accepts and which spares an initiator waiting on an idle target."""
     options = dict(base.transport_options)
     uses_ucx = options.get("backend", "UCX") == "UCX"
-    if str(base.transport) == "nixl" and base.mode == "push" and uses_ucx:
+    if str(base.transport) == "nixl" and (base.mode == "push" or both_ways) and uses_ucx:
         backend = dict(options.get("backend_options") or {})
         backend.setdefault("ucx_error_handling_mode", "peer")
         options["backend_options"] = backend
@@ -155,15 +161,85 @@ def speculative_factors(vllm_config: VllmConfig) -> SpeculativeFactors | None:
     )
 
 
-def is_producer(vllm_config: VllmConfig) -> bool:
-    """kvwire runs one side per engine; ``kv_both`` would need two agents behind one
-    handshake, which vLLM's peers cannot address."""
+def _both_ways(vllm_config: VllmConfig) -> bool:
+    """Whether this engine's agents may open endpoints to a peer that opens them to it:
+    P for some requests and D for others, or a read-back on."""
     transfer = vllm_config.kv_transfer_config
-    if transfer.kv_role not in ("kv_producer", "kv_consumer"):
+    extra = transfer.kv_connector_extra_config or {}
+    return transfer.kv_role == "kv_both" or bool(extra.get("bidirectional_kv_xfer"))
+
+
+@dataclass(frozen=True)
+class Readback:
+    """``bidirectional_kv_xfer`` (pull mode), with stock's meaning: a decode engine keeps a
+    finished request's blocks for ``hold_s`` seconds (``decoder_kv_blocks_ttl``, 480 by
+    default) and hands back params naming them; a prefill engine given those params with
+    the next turn's prompt reads the conversation's KV from them, unless fewer than
+    ``threshold`` tokens would cross (``kv_recompute_threshold``, 64 by default): computing
+    so few is cheaper than the round trip."""
+
+    hold_s: float
+    threshold: int
+    moves: bool
+    """Whether this model's conversations are kept and read back. Where not, a decode
+    engine keeps nothing, and a prefill engine given a stock decode engine's params (which
+    keeps them whatever the model) reads nothing but tells it at once that it may free."""
+
+
+def readback(vllm_config: VllmConfig, kv_cache_config: Any) -> Readback | None:
+    """This engine's :class:`Readback`, or None when ``bidirectional_kv_xfer`` is off.
+    kvwire moves conversations only for models whose every group's list is the whole
+    sequence (no sliding window's tail, no Mamba state) and whose prefill computes the
+    whole prompt; for others the engine warns, naming the key, and its next turns compute
+    the conversation again (no request gets bytes that are not its own)."""
+    extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
+    if not extra.get("bidirectional_kv_xfer"):
+        return None
+    hold = _number(extra, "decoder_kv_blocks_ttl", 480)
+    threshold = _number(extra, "kv_recompute_threshold", 64)
+    if not 0 < hold < math.inf or not 0 <= threshold < math.inf or threshold != int(threshold):
         raise ConfigError(
-            f"KVWireConnector needs kv_role kv_producer or kv_consumer, got {transfer.kv_role!r}"
+            f"bidirectional_kv_xfer needs a finite decoder_kv_blocks_ttl > 0 (got {hold!r}) "
+            f"and a whole kv_recompute_threshold >= 0 (got {threshold!r})"
         )
-    return bool(transfer.kv_role == "kv_producer")
+    whole = all(rule == Exchanged() for rule in exchanged(kv_cache_config, vllm_config))
+    moves = whole and not prefill_backoff(kv_cache_config, vllm_config)
+    if not moves:
+        log.warning(
+            "bidirectional_kv_xfer is on, and KVWireConnector reads a conversation back only "
+            "for models whose every KV-cache group keeps the whole sequence (no sliding "
+            "window, no state) and whose prefill computes the whole prompt: the next turn's "
+            "prefill computes the conversation again"
+        )
+    return Readback(hold_s=hold, threshold=int(threshold), moves=moves)
+
+
+def _number(extra: dict[str, Any], key: str, default: float) -> float:
+    value = extra.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise ConfigError(f"{key} must be a number, got {value!r}")
+    try:
+        number = float(value)
+    except ValueError:
+        raise ConfigError(f"{key} must be a number, got {value!r}") from None
+    if math.isnan(number):
+        raise ConfigError(f"{key} must be a number, got {value!r}")
+    return number
+
+
+def sides(vllm_config: VllmConfig, kv_cache_config: Any) -> tuple[bool, bool]:
+    """Whether this engine's workers run a producer and a consumer: one per role, both for
+    ``kv_both`` (prefill for some requests, decode for others) and with a read-back on
+    (a decode engine's blocks are read, a prefill engine reads)."""
+    role = vllm_config.kv_transfer_config.kv_role
+    if role not in ("kv_producer", "kv_consumer", "kv_both"):
+        raise ConfigError(
+            f"KVWireConnector needs kv_role kv_producer, kv_consumer or kv_both, got {role!r}"
+        )
+    # A read-back engine needs both even for a model it reads nothing back for: a stock
+    # decode engine may keep a conversation, which a prefill engine must tell it to free.
+    both = role == "kv_both" or readback(vllm_config, kv_cache_config) is not None
+    return both or role == "kv_producer", both or role == "kv_consumer"
 
 
 def tp_rank(vllm_config: VllmConfig) -> int:

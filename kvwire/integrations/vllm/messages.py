@@ -34,6 +34,12 @@ class KVWireMetadata(KVConnectorMetadata):  # type: ignore[misc]
     """D: requests to fetch, with P's params, the local blocks to fill (may be empty: a full
     local prefix hit still tells P it may free) and the prompt's length (which places the
     lists when P's blocks are larger than ours and P's params do not carry it)."""
+    read_back: set[str] = field(default_factory=set)
+    """Requests of ``to_recv`` reading back what a decode engine kept of their conversation
+    (``bidirectional_kv_xfer``): their count is the tokens to read, from the first."""
+    held_s: dict[str, float] = field(default_factory=dict)
+    """Requests of ``to_send`` a decode engine keeps for the next turn's prefill, held this
+    many seconds (``decoder_kv_blocks_ttl``) rather than the lease."""
     to_abort: list[str] = field(default_factory=list)
     started: list[str] = field(default_factory=list)
     """P: requests scheduled for prefill; their producer knows them from here (an abort

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 from kvwire.config import KVWireConfig
 from kvwire.errors import ConfigError
 from kvwire.integrations.vllm import staging
+from kvwire.integrations.vllm.config import readback
 from kvwire.integrations.vllm.geometry import exchanged, prefill_backoff
 from kvwire.integrations.vllm.messages import BlockIds, KVWireHandshake, KVWireMetadata
 from kvwire.sidechannel import HandshakeListener
@@ -60,6 +61,9 @@ class SchedulerSide:
         a prefix-cache hit's blocks may never have been copied)."""
         self.kv_cache_manager: KVCacheManager | None = None
         """vLLM's, bound by its scheduler: where a computing prompt's blocks are."""
+        self.readback = readback(vllm_config, kv_cache_config)
+        """``bidirectional_kv_xfer``: D keeps a finished conversation's blocks, P reads them
+        back for the next turn (None: off, or not for this model)."""
 
     @property
     def port(self) -> int:
@@ -112,7 +116,28 @@ class SchedulerSide:
             count = self.loaded_tokens(len(request.prompt_token_ids or [])) - computed
             if count > 0:
                 return count, True
+        elif self.readback is not None and self.readback.moves and self.reads_back(params):
+            count = self.held_tokens(request, params) - computed
+            if count > 0 and count >= self.readback.threshold:
+                return count, True
         return 0, False
+
+    def reads_back(self, params: dict[str, Any] | None) -> bool:
+        """P, ``bidirectional_kv_xfer``: the prompt comes with params of a decode engine
+        that kept the conversation so far (once: the read is not started twice)."""
+        return bool(
+            params
+            and params.get("do_remote_decode")
+            and params.get("remote_block_ids")
+            and not params.get("_remote_blocks_processed")
+            and all(params.get(key) for key in _PEER_KEYS)
+        )
+
+    @staticmethod
+    def held_tokens(request: Request, params: dict[str, Any]) -> int:
+        """P: how many of the prompt's first tokens the decode engine holds."""
+        held = params.get("remote_num_tokens") or 0
+        return min(int(held), int(request.num_prompt_tokens))
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -124,6 +149,8 @@ class SchedulerSide:
             if request.request_id not in self.started:  # once, not per prefill chunk
                 self.started.add(request.request_id)
                 self.meta.started.append(request.request_id)
+            if self.readback is not None and self.reads_back(params):
+                self._read_back(request, blocks, num_external_tokens, params)
             return
         if not params or not params.get("do_remote_prefill"):
             return
@@ -134,6 +161,26 @@ class SchedulerSide:
         prompt = self.loaded_tokens(int(request.num_prompt_tokens)) or None
         self.meta.to_recv[request.request_id] = (dict(params), local, prompt)
         params["do_remote_prefill"] = False  # one transfer per request
+
+    def _read_back(
+        self,
+        request: Request,
+        blocks: KVCacheBlocks,
+        num_external_tokens: int,
+        params: dict[str, Any],
+    ) -> None:
+        """P: read the conversation's first tokens from the decode engine into the blocks
+        vLLM allocated for them (none: a local prefix hit, too few to be worth it, or a
+        model kvwire does not read back; D is then only told that it may free its
+        blocks)."""
+        rid = request.request_id
+        local: BlockIds = []
+        if num_external_tokens > 0:
+            local = self.exchanged(blocks.get_unhashed_block_ids_all_groups())
+            self.loading.add(rid)
+        self.meta.to_recv[rid] = (dict(params), local, self.held_tokens(request, params))
+        self.meta.read_back.add(rid)
+        params["_remote_blocks_processed"] = True
 
     def request_finished(
         self, request: Request, block_ids: Any
@@ -170,24 +217,37 @@ class SchedulerSide:
             self.meta.to_recv[rid] = (dict(params), [], None)
             params["do_remote_prefill"] = False
             return False, None
-        if not params.get("do_remote_decode"):
+        if self.readback is not None and self.reads_back(params):
+            # P: a read-back never allocated (aborted while queued): D frees its blocks now
+            # rather than when their hold runs out.
+            self.meta.to_recv[rid] = (dict(params), [], self.held_tokens(request, params))
+            self.meta.read_back.add(rid)
+            params["_remote_blocks_processed"] = True
+        prefill = bool(params.get("do_remote_decode"))
+        if not prefill and (self.readback is None or not self.readback.moves):
             return False, None
         if request.status not in (
             RequestStatus.FINISHED_LENGTH_CAPPED,
             RequestStatus.FINISHED_STOPPED,
         ):
-            self.meta.to_abort.append(rid)
+            if prefill:
+                self.meta.to_abort.append(rid)
             return False, None
         groups = self.exchanged(block_ids)
         if not any(groups):
             return False, None
+        cfg = self.config
+        lease = cfg.lease_s if cfg.mode == "pull" else None
+        if not prefill:
+            # D, read-back: the conversation is kept for the next turn's prefill.
+            assert self.readback is not None
+            lease = self.meta.held_s[rid] = self.readback.hold_s
         self.meta.to_send[rid] = (groups, int(request.num_computed_tokens))
         self.sending.add(rid)
-        cfg = self.config
         parallel = self.vllm_config.parallel_config
         return True, {
-            "do_remote_prefill": True,
-            "do_remote_decode": False,
+            "do_remote_prefill": prefill,
+            "do_remote_decode": not prefill,
             "remote_block_ids": groups,
             "remote_engine_id": cfg.engine_id,
             "remote_request_id": rid,
@@ -197,9 +257,7 @@ class SchedulerSide:
             "dcp_size": parallel.decode_context_parallel_size,
             "pp_size": parallel.pipeline_parallel_size,
             "remote_num_tokens": int(request.num_computed_tokens),
-            "remote_blocks_expiry_time": (
-                time.perf_counter() + cfg.lease_s if cfg.mode == "pull" else None
-            ),
+            "remote_blocks_expiry_time": None if lease is None else time.perf_counter() + lease,
         }
 
     def exchanged(self, block_ids: Any) -> BlockIds:
@@ -271,6 +329,10 @@ class SchedulerSide:
 
     def close(self) -> None:
         self.listener.close()
+
+
+_PEER_KEYS = ("remote_engine_id", "remote_request_id", "remote_host", "remote_port")
+"""What params must name for a read (stock ignores params that lack any of them)."""
 
 
 def _groups(block_ids: Any) -> BlockIds:

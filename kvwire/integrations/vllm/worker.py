@@ -5,21 +5,27 @@ the forward's layers as they are computed."""
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
+import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from kvwire.config import KVWireConfig
+from kvwire.errors import ConfigError
 from kvwire.integrations.vllm import staging
-from kvwire.integrations.vllm.config import is_producer
+from kvwire.integrations.vllm.config import sides
 from kvwire.integrations.vllm.geometry import layer_geometry, layer_order
 from kvwire.integrations.vllm.messages import KVWireHandshake, KVWireMetadata, KVWireStats
 from kvwire.layout.geometry import KVGeometry
 from kvwire.runtime import Consumer, Producer
+from kvwire.runtime.prometheus import MetricsServer, serve
+from kvwire.runtime.shared_agent import SharedAgent
+from kvwire.transport import Transport, create
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -41,7 +47,14 @@ class WorkerSide:
         self.kv_cache_config = kv_cache_config
         self.producer: Producer | None = None
         self.consumer: Consumer | None = None
-        if is_producer(vllm_config):
+        self.agent: SharedAgent | None = None
+        """Both sides' one agent, when the engine runs both (:func:`sides`)."""
+        self.metrics_server: MetricsServer | None = None
+        """Both sides' counters on the rank's one ``metrics_port``."""
+        producing, consuming = sides(vllm_config, kv_cache_config)
+        if producing and consuming:
+            self._start_both(config)
+        elif producing:
             self.producer = Producer(config)
         else:
             self.consumer = Consumer(config)
@@ -76,8 +89,36 @@ class WorkerSide:
         self._after: Any = None
         """P, streaming on a device: this step's start event, for its first call."""
 
+    def _start_both(self, config: KVWireConfig) -> None:
+        """A producer and a consumer over one agent, whose rank is one peer: it serves one
+        ``/metrics`` (both sides' counters, by role) and, in push mode where both sides are
+        dialled, publishes one metadata-store record (the producer's: the same agent and
+        memory)."""
+        self.agent = SharedAgent(_agent(config), str(config.mode))
+        quiet = replace(config, metrics_port=None)
+        try:
+            self.producer = Producer(quiet, self.agent.view("producer"))
+            if config.mode == "push":
+                quiet = replace(quiet, metadata_store=None)
+            self.consumer = Consumer(quiet, self.agent.view("consumer"))
+            if config.metrics_port is not None:
+                self.metrics_server = serve(
+                    [self.producer.metrics, self.consumer.metrics],
+                    config.side_channel_host,
+                    config.metrics_port + config.tp_rank,
+                )
+        except BaseException:
+            for side in (self.consumer, self.producer):
+                if side is not None:
+                    side.close()
+            self.agent.close()
+            raise
+
     @property
     def endpoint(self) -> Producer | Consumer:
+        """The side whose handshake the engine serves: the producer where there is one (a
+        shared agent's two sides describe the same agent and memory; the producer's answer
+        also states its lease, which a pulling peer checks)."""
         endpoint = self.producer or self.consumer
         assert endpoint is not None
         return endpoint
@@ -90,7 +131,9 @@ class WorkerSide:
         geometry = layer_geometry(registered, self.kv_cache_config, self.config, self.vllm_config)
         if self.staging is not None:
             self.staging.bind(geometry)
-        self.endpoint.register_kv_caches(geometry)
+        for side in (self.producer, self.consumer):
+            if side is not None:
+                side.register_kv_caches(geometry)
         if self.producer is not None and self.producer.streaming:
             # The producer's calls go to a thread of their own, so the engine thread never
             # waits while the runtime posts a round (on CPU too).
@@ -143,7 +186,15 @@ class WorkerSide:
         self.staged = list(meta.staged.values())
         for rid, (groups, num_tokens) in meta.to_send.items():
             self.sending.add(rid)
-            call(producer.prefill_finished, rid, groups, num_tokens=num_tokens, unsent=rid)
+            held = meta.held_s.get(rid)
+            if held is not None and self.staging is not None:
+                # D keeps a conversation its host buffer has only the loaded part of: the
+                # tokens D computed (and its own prefix hits) go to the host before a read.
+                self.staging.to_host(groups)
+            call(
+                producer.prefill_finished, rid, groups, num_tokens=num_tokens, lease_s=held,
+                unsent=rid,
+            )  # fmt: skip
         for rid in meta.to_abort:
             call(producer.abort, rid)
 
@@ -170,7 +221,9 @@ class WorkerSide:
                     self.recving.add(rid)
                     self.failed.add(rid)
                     continue
-                self.consumer.add_request(rid, params, local, num_tokens=prompt)
+                self.consumer.add_request(
+                    rid, params, local, num_tokens=prompt, readback=rid in meta.read_back
+                )
                 if local:
                     self.recving.add(rid)
                     if self.staging is not None:
@@ -261,12 +314,41 @@ class WorkerSide:
         return out
 
     def stats(self) -> KVWireStats:
-        return KVWireStats(data=dict(self.endpoint.metrics.snapshot()["totals"]))
+        """The runtime's counters; where the rank runs both sides, each side's counters
+        summed (only one side moves bytes in a mode, so its rate is the rank's)."""
+        totals = [s.metrics.snapshot()["totals"] for s in (self.producer, self.consumer) if s]
+        data: dict[str, Any] = dict(max(totals, key=lambda t: int(t["bytes"])))
+        for key in data.keys() - {"gbps", "busy_s"}:
+            values = [t[key] for t in totals]
+            if all(isinstance(v, int | float) and not isinstance(v, bool) for v in values):
+                data[key] = sum(values)
+            elif all(isinstance(v, dict) for v in values):
+                data[key] = {k: sum(v.get(k, 0) for v in values) for k in set().union(*values)}
+        return KVWireStats(data=data)
 
     def close(self) -> None:
         if self.in_order is not None:
             self.in_order.close()
-        self.endpoint.close()
+        if self.metrics_server is not None:
+            self.metrics_server.close()
+        for side in (self.producer, self.consumer):
+            if side is not None:
+                side.close()
+        if self.agent is not None:
+            self.agent.close()
+
+
+def _agent(config: KVWireConfig) -> Transport:
+    """The one transport agent of a rank that runs both sides, named as a driver names its
+    own (engine, ranks, process), with "both" for the role."""
+    transport = config.transport
+    if not isinstance(transport, str):  # vLLM's config is JSON: a name, always
+        raise ConfigError(f"transport must be named, got {type(transport).__name__}")
+    name = config.agent_name or (
+        f"{config.engine_id}-both-pp{config.pp_rank}-tp{config.tp_rank}-{os.getpid()}"
+        f"-{uuid.uuid4().hex[:6]}"
+    )
+    return create(transport, name, **config.transport_kwargs())
 
 
 def _recorded_event(device: torch.device) -> Any:
