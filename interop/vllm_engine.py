@@ -205,10 +205,11 @@ def mamba_spec(start: dict[str, Any], page: int) -> Any:
 
 def layer_specs(start: dict[str, Any]) -> dict[str, Any]:
     """vLLM's spec of each layer: full attention, or with ``window`` (tokens) every odd
-    layer a sliding-window one (Gemma's and gpt-oss's interleaving), or with ``mamba``
-    (``k``) one attention layer then ``k`` Mamba2 ones, over and over (Jamba's and
-    Nemotron-H's interleaving). With ``indexer`` (an MLA model) each layer also has
-    DeepSeek-V3.2's indexer cache beside its latent (:func:`indexer_spec`)."""
+    attention layer a sliding-window one (Gemma's and gpt-oss's interleaving), or with
+    ``mamba`` (``k``) one attention layer then ``k`` Mamba2 ones, over and over (Jamba's
+    and Nemotron-H's interleaving); both together interleave all three kinds. With
+    ``indexer`` (an MLA model) each layer also has DeepSeek-V3.2's indexer cache beside its
+    latent (:func:`indexer_spec`)."""
     from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 
     if start.get("indexer"):
@@ -228,7 +229,7 @@ def layer_specs(start: dict[str, Any]) -> dict[str, Any]:
     for i, name in enumerate(vllm_peer.layer_names(start)):
         if mamba and i % (mamba + 1):
             specs[name] = mamba_spec(start, full.page_size_bytes)
-        elif window and i % 2:
+        elif window and (i // (mamba + 1)) % 2:  # every other attention layer
             specs[name] = SlidingWindowSpec(**common, sliding_window=window)
         else:
             specs[name] = full

@@ -301,18 +301,20 @@ leave D's bytes wrong in pull and never finish in push), so those cells say noth
 kvwire."""
 
 
+@pytest.mark.parametrize("model", ["llama-3-8b", "qwen3-30b-a3b"], ids=["dense", "moe"])
 @pytest.mark.parametrize(
     ("pair", "mode"),
     [(pair, mode) for pair, case in sorted(BLOCK_SIZE_PAIRS.items()) for mode in case[4].split()],
 )
-def test_unequal_block_sizes(zygote: Zygote, pair: str, mode: str) -> None:
+def test_unequal_block_sizes(zygote: Zygote, pair: str, mode: str, model: str) -> None:
     """P and D with different block sizes: every prompt token (150: a partial last block on
-    both sides) reaches D, checked through D's own blocks."""
+    both sides) reaches D, checked through D's own blocks; a mixture of experts' KV as a
+    dense model's."""
     p_conn, d_conn, p_block, d_block, _ = BLOCK_SIZE_PAIRS[pair]
     with engines(
         zygote, p_conn, d_conn,
-        {"geo": Geometry(layers=2, num_blocks=32, block_size=p_block)},
-        {"geo": Geometry(layers=2, num_blocks=32, block_size=d_block)},
+        {"geo": Geometry(model=model, layers=2, num_blocks=32, block_size=p_block)},
+        {"geo": Geometry(model=model, layers=2, num_blocks=32, block_size=d_block)},
         extra_config={"transport": "nixl"}, mode=mode,
         hma=None if d_conn == p_conn else False,
     ) as (p, d):  # fmt: skip
@@ -483,6 +485,40 @@ def test_a_mixture_of_experts_moves_as_dense(zygote: Zygote, pair: str) -> None:
     with engines(zygote, p_conn, d_conn, geo=geo, extra_config={"transport": "nixl"}) as (p, d):
         checked = assert_moved(p, d, "req-moe", 79, TOKENS)
     assert checked == TOKENS * geo.layers * 4 * 2 * 128 * 2
+
+
+MOE = "qwen3-30b-a3b"
+MOE_CELLS: dict[str, dict[str, Any]] = {
+    "spec-decode": {"geo": Geometry(model=MOE, layers=3), "drafter": "eagle:1"},
+    "hetero-tp-1-2": {"d": {"tp": 2}},
+    "hetero-tp-2-1": {"p": {"tp": 2}},
+    "cross-layer": {"layout": "BLHNC"},
+    "window": {"window": 48, "hma": True},
+    "host-buffer": {"host_buffer": True},
+}
+"""vLLM's matrix columns for a mixture of experts, each as the dense model's (``p``/``d``:
+one side's options; a host buffer stages on kvwire's engines, as a CPU stock one stages
+nothing)."""
+
+
+@pytest.mark.parametrize("pair", sorted(PAIRS))
+@pytest.mark.parametrize("cell", sorted(MOE_CELLS))
+def test_a_mixture_of_experts_in_every_column(zygote: Zygote, cell: str, pair: str) -> None:
+    """Each column of vLLM's matrix for a mixture of experts (an EAGLE drafter beside it,
+    unequal TP, a block-outermost layout, sliding-window layers beside full ones, a host
+    buffer): its KV moves byte for byte as a dense model's, with either kind of engine on
+    either side."""
+    p_conn, d_conn = PAIRS[pair]
+    options = {"geo": Geometry(model=MOE, layers=2), **MOE_CELLS[cell]}
+    p_options, d_options = dict(options.pop("p", {})), dict(options.pop("d", {}))
+    if options.pop("host_buffer", False):
+        p_options["host_buffer"] = p_conn == "KVWireConnector"
+        d_options["host_buffer"] = d_conn == "KVWireConnector"
+    with engines(
+        zygote, p_conn, d_conn, p_options, d_options, extra_config={"transport": "nixl"},
+        **options,
+    ) as (p, d):  # fmt: skip
+        assert_moved(p, d, f"req-moe-{cell}", 83, TOKENS)
 
 
 @pytest.mark.parametrize("pair", sorted(PAIRS))

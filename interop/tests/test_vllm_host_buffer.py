@@ -37,6 +37,8 @@ MODELS: dict[str, dict[str, Any]] = {
     "dense": {},
     "mla": {"geo": Geometry(model="mla", layers=2)},  # 16-token kernel blocks: 2 per block
     "window": {"window": 48, "hma": True},  # two groups sharing the slabs
+    # DeepSeek-V3.2: each layer's indexer keys beside its latent, a page of their own.
+    "sparse-mla": {"geo": Geometry(model="mla", layers=2), "indexer": True},
 }
 CASES = [("dense", pair, mode, "1-1") for pair in sorted(PAIRS) for mode in ("pull", "push")] + [
     ("dense", "kvwire-nixl", "pull", "1-2"),
@@ -45,6 +47,10 @@ CASES = [("dense", pair, mode, "1-1") for pair in sorted(PAIRS) for mode in ("pu
     ("mla", "stock-P-kvwire-D", "push", "1-1"),
     ("window", "kvwire-nixl", "push", "1-1"),
     ("window", "stock-P-kvwire-D", "pull", "1-1"),
+    ("sparse-mla", "kvwire-nixl", "pull", "1-1"),
+    ("sparse-mla", "kvwire-nixl", "push", "1-1"),
+    ("sparse-mla", "stock-P-kvwire-D", "push", "1-1"),
+    ("sparse-mla", "kvwire-P-stock-D", "pull", "1-1"),
 ]
 
 

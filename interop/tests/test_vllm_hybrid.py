@@ -15,8 +15,10 @@ from harness import (
     Geometry,
     SchedulerEngine,
     Zygote,
+    engines,
     prefill,
     step_both,
+    transfer,
     transfer_many,
     wait_until,
 )
@@ -195,6 +197,30 @@ def test_mamba_unequal_block_sizes(zygote: Zygote, blocks: str, mode: str) -> No
     _mamba_pair(zygote, "kvwire-nixl", mode, "1-1", blocks)
 
 
+@pytest.mark.parametrize("mode", ["pull", "push"])
+@pytest.mark.parametrize("pair", sorted(set(PAIRS) - {"kvwire-shm"}))
+def test_mamba_beside_a_sliding_window(zygote: Zygote, pair: str, mode: str) -> None:
+    """All three kinds in one model (full attention, sliding-window attention, Mamba2,
+    interleaved): three groups of vLLM's sharing each slab. D checks every loaded token of
+    the full layers, the window's tokens of the window layers and every Mamba layer's state
+    after them, the byte count asserted, so any group left unmoved fails it."""
+    p_conn, d_conn, transport = PAIRS[pair]
+    geo = Geometry(layers=8)  # full, Mamba, window, Mamba, over again
+    with engines(
+        zygote, p_conn, d_conn, geo=geo, mamba=1, window=WINDOW, hma=True, mode=mode,
+        extra_config={"transport": transport},
+    ) as (p, d):  # fmt: skip
+        for rid, (index, tokens) in MAMBA_REQUESTS.items():
+            state = transfer(p, d, rid, index, tokens)
+    spec = CacheSpec(preset(geo.model), geo.layers, geo.num_blocks, 0, 1, geo.block_size)
+    per_token = spec.block_len // geo.block_size
+    for rid, (_, tokens) in MAMBA_REQUESTS.items():
+        loaded = tokens - 1  # D computes the last token itself (the Mamba layers' rule)
+        window_first = (loaded - WINDOW + 1) // geo.block_size * geo.block_size
+        attention = 2 * per_token * (loaded + (loaded - window_first))
+        assert state["checked"][rid] == [0, attention + 4 * sum(_mamba_sizes())], rid
+
+
 def test_a_hybrid_models_failed_load_is_reported_by_request(zygote: Zygote) -> None:
     """A block id names a page of one KV-cache group only, so vLLM stops an engine of
     several groups that reports failed loads by block: kvwire's D reports the request
@@ -308,15 +334,20 @@ def _spec(kind: str) -> Any:
         ChunkedLocalAttentionSpec,
         FullAttentionSpec,
         MambaSpec,
+        MLAAttentionSpec,
+        SlidingWindowMLASpec,
         SlidingWindowSpec,
         UniformTypeKVCacheSpecs,
     )
 
     page = {"num_kv_heads": 8, "head_size": 128, "dtype": torch.bfloat16}
+    latent = {"num_kv_heads": 1, "head_size": 576, "dtype": torch.bfloat16}
     specs = {
         "full": lambda: FullAttentionSpec(block_size=32, **page),
         "window": lambda: SlidingWindowSpec(block_size=32, sliding_window=64, **page),
         "full-64": lambda: FullAttentionSpec(block_size=64, **page),
+        "mla": lambda: MLAAttentionSpec(block_size=32, **latent),
+        "mla-window": lambda: SlidingWindowMLASpec(block_size=32, sliding_window=64, **latent),
         "chunked": lambda: ChunkedLocalAttentionSpec(
             block_size=32, attention_chunk_size=128, **page
         ),
@@ -354,6 +385,7 @@ REFUSED = {
     "mamba-replicated": (["full", "mamba-replicated"], "group 1 is a TP-replicated MambaSpec"),
     "mamba-3-states": (["full", "mamba-3-states"], "group 1's MambaSpec has 3 state arrays"),
     "chunked-local": (["full", "chunked"], "KV-cache group 1 is ChunkedLocalAttentionSpec"),
+    "mla-window": (["mla", "mla-window"], "KV-cache group 1 is SlidingWindowMLASpec"),
     "unequal-pages": (["full", "full-64"], "KV-cache group 1's pages"),
     "per-layer-heads": (["per-layer-heads"], "holds layers of several page shapes"),
     "windows-only": (["window"], "no KV-cache group is full attention"),

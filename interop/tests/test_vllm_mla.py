@@ -119,16 +119,20 @@ def test_mla_unequal_block_sizes(
     assert checked == 150 * latent * GEO.layers
 
 
+@pytest.mark.parametrize("indexer", [False, True], ids=["mla", "sparse"])
 @pytest.mark.parametrize("layout", ["BLHNC", "BLNHC"])
 @pytest.mark.parametrize("pair", sorted(set(PAIRS) - {"kvwire-shm"}))
-def test_mla_cross_layer_blocks(zygote: Zygote, pair: str, layout: str) -> None:
-    """vLLM's block-outermost layouts, every layer's latent of a block in one row: the
-    rows move between either kind of engine, byte for byte. (vLLM splits no block of such a
-    layout into kernel blocks, so the blocks are the CPU MLA backend's 16 tokens.)"""
+def test_mla_cross_layer_blocks(zygote: Zygote, pair: str, layout: str, indexer: bool) -> None:
+    """vLLM's block-outermost layouts, every layer's latent (and indexer keys) of a block in
+    one row: the rows move between either kind of engine, byte for byte. (vLLM splits no
+    block of such a layout into kernel blocks, so the blocks are the CPU MLA backend's 16
+    tokens.)"""
     p_conn, d_conn, transport = PAIRS[pair]
     geo = Geometry(model="mla", layers=2, block_size=16)
     with engines(
         zygote, p_conn, d_conn, geo=geo, extra_config={"transport": transport}, layout=layout,
+        indexer=indexer,
     ) as (p, d):  # fmt: skip
         checked = assert_moved(p, d, "req-x", 67, TOKENS)
-    assert checked == TOKENS * preset(GEO.model).latent_dim * 2 * GEO.layers
+    latent = preset(GEO.model).latent_dim * 2 + (INDEXER if indexer else 0)
+    assert checked == TOKENS * latent * GEO.layers
