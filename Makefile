@@ -49,7 +49,7 @@ typecheck: $(STAMP)
 	  transports/ucx/kvwire_ucx conformance/kvwire_conformance scripts/gen_docs.py hatch_build.py
 
 unit: $(STAMP)
-	$(BIN)/python -m pytest -q $(call label,unit)
+	KVWIRE_TEST_PORTS=16384-21845 $(BIN)/python -m pytest -q $(call label,unit)
 
 # The documentation site (mkdocs-material, strict: any warning fails). Pages derived from
 # code (state diagrams, CLI reference) are regenerated first.
@@ -58,7 +58,8 @@ docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
 
 # The unit suite and the two interop suites share no state (each test picks its own free
-# ports, shared-memory names and etcd), so on CI's two cores two of them run side by side,
+# ports, each suite from a range of its own, shared-memory names and etcd), so on CI's two
+# cores two of them run side by side,
 # each line labelled with its suite; --keep-going runs every suite even after one failed.
 # The interop venvs are built first: their editable installs compile the transports'
 # helpers next to the sources, which the unit suite loads.
@@ -98,10 +99,10 @@ interop-venvs: interop-venv $(VLLM_VENV)-0.32/.interop-installed
 interop: interop-0.31 interop-0.32
 # Each suite needs both venvs: its cross-release test starts the other release's engine.
 interop-0.31: interop-venvs
-	VLLM_TARGET_DEVICE=cpu $(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider interop/tests \
+	KVWIRE_TEST_PORTS=21845-27306 VLLM_TARGET_DEVICE=cpu $(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider interop/tests \
 	  $(call label,interop-0.31)
 interop-0.32: interop-venvs
-	VLLM_TARGET_DEVICE=cpu $(VLLM_VENV)-0.32/bin/python -m pytest -q -p no:cacheprovider \
+	KVWIRE_TEST_PORTS=27306-32768 VLLM_TARGET_DEVICE=cpu $(VLLM_VENV)-0.32/bin/python -m pytest -q -p no:cacheprovider \
 	  interop/tests $(call label,interop-0.32)
 
 # Fuzz every wire decoder for FUZZ_SECONDS (FUZZ_TARGET=all, or one name from

@@ -26,6 +26,8 @@ from harness import (
     step_both,
     wait_until,
 )
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 TOKENS = 100  # 3 full blocks + a partial one (32-token blocks)
 PAIRS = {
@@ -162,3 +164,43 @@ def test_a_host_buffer_is_what_stock_stages(
         return
     stock = NixlPullConnectorScheduler(config, "stage", kv_cache_config)
     assert wants_host_buffer(config) == stock.use_host_buffer
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.data())
+def test_the_blocks_a_step_writes_are_those_its_tokens_touch(data: st.DataObject) -> None:
+    """What a staged P copies to the host after a step (``SchedulerSide.written``): of an
+    attention group, every block holding one of the step's tokens ``[start, end)`` and no
+    other, however the range meets block boundaries; of a Mamba group, its running state
+    (the list without its speculative scratch slots, cut as it crosses). The oracle asks,
+    token by token, which block holds it."""
+    from types import SimpleNamespace
+
+    from kvwire.integrations.vllm.geometry import Exchanged
+    from kvwire.integrations.vllm.scheduler import SchedulerSide
+
+    size = data.draw(st.sampled_from([16, 32, 64]), label="block_size")
+    end = data.draw(st.integers(1, 8 * size), label="end")
+    start = data.draw(st.integers(0, end - 1), label="start")
+    kinds = data.draw(st.lists(st.sampled_from(["attention", "mamba"]), min_size=1, max_size=3))
+    rules = [Exchanged() if k == "attention" else Exchanged(spec_slots=2) for k in kinds]
+    needed = -(-end // size)
+    lists = [
+        data.draw(st.lists(st.integers(1, 999), min_size=needed, max_size=needed + 2, unique=True))
+        if k == "attention"
+        else data.draw(st.lists(st.integers(1, 999), min_size=3, max_size=6, unique=True))
+        for k in kinds
+    ]
+    side = SchedulerSide.__new__(SchedulerSide)
+    side.vllm_config = SimpleNamespace(cache_config=SimpleNamespace(block_size=size))
+    side.kv_cache_config = SimpleNamespace(
+        kv_cache_groups=kinds, select_transfer_block_ids=lambda groups: groups
+    )
+    side.rules = tuple(rules)
+    want = [
+        [blocks[i] for i in sorted({t // size for t in range(start, end)})]
+        if kind == "attention"
+        else rule(blocks)
+        for kind, rule, blocks in zip(kinds, rules, lists, strict=True)
+    ]
+    assert side.written(lists, start, end) == want

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 import threading
 
@@ -35,6 +34,8 @@ from vllm.v1.attention.backends.utils import (
     get_supported_kv_cache_layouts,
     resolve_kv_cache_layout,
 )
+
+from kvwire.testing.ports import free_port
 
 TINY_LLAMA = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256,
@@ -76,9 +77,7 @@ def main() -> None:
     payload = NixlHandshakePayload(
         compatibility_hash=compat_hash, agent_metadata_bytes=encoder.encode(metadata)
     )
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     ready, stop = threading.Event(), threading.Event()
     thread = threading.Thread(
         target=NixlBaseConnectorScheduler._nixl_handshake_listener,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 
@@ -12,6 +11,7 @@ import pytest
 from kvwire.demo import DemoOptions, run_local
 from kvwire.demo.content import count_wrong_bytes  # noqa: F401  (the verifier the ranks use)
 from kvwire.demo.engines import DecodeEngine, EngineOptions, PrefillEngine
+from kvwire.testing.ports import free_port
 
 from .conftest import finish
 
@@ -130,10 +130,7 @@ def test_a_push_producer_that_dies_is_noticed_by_the_heartbeats_not_the_watchdog
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+    return free_port()
 
 
 def test_cli_demo_json_and_split_roles() -> None:
