@@ -168,9 +168,13 @@ def test_a_few_tokens_are_computed_not_read(zygote: Zygote, p_conn: str) -> None
 
 def test_a_conversation_is_freed_when_its_hold_ends(zygote: Zygote) -> None:
     """D keeps a conversation ``decoder_kv_blocks_ttl`` seconds (2 here) and then frees
-    it; a next turn that comes later reads nothing (P declines: D no longer holds the
-    blocks) and reports them failed, so vLLM computes them or fails the request."""
-    with _conversation(zygote, KVWIRE, KVWIRE, d_extra={"decoder_kv_blocks_ttl": 2}) as (p, d):
+    it (after the quarantine a lease's blocks get, half the lease: 2 s here too); a next
+    turn that comes later reads nothing (P declines: D no longer holds the blocks) and
+    reports them failed, so vLLM computes them or fails the request."""
+    with _conversation(zygote, KVWIRE, KVWIRE, d_extra={"decoder_kv_blocks_ttl": 2}, lease=4) as (
+        p,
+        d,
+    ):
         kept, _ = _first_turn(p, d)
         assert kept["remote_blocks_expiry_time"] - time.perf_counter() < 3
         wait_until(lambda: "turn1" in d.state["sent"], d.step, 30, "D's hold to end")
