@@ -49,7 +49,7 @@ typecheck: $(STAMP)
 	  transports/ucx/kvwire_ucx conformance/kvwire_conformance scripts/gen_docs.py hatch_build.py
 
 unit: $(STAMP)
-	KVWIRE_TEST_PORTS=16384-21845 $(BIN)/python -m pytest -q $(call label,unit)
+	TEST_PORT_RANGE=16384-21845 $(BIN)/python -m pytest -q $(call label,unit)
 
 # The documentation site (mkdocs-material, strict: any warning fails). Pages derived from
 # code (state diagrams, CLI reference) are regenerated first.
@@ -99,10 +99,10 @@ interop-venvs: interop-venv $(VLLM_VENV)-0.32/.interop-installed
 interop: interop-0.31 interop-0.32
 # Each suite needs both venvs: its cross-release test starts the other release's engine.
 interop-0.31: interop-venvs
-	KVWIRE_TEST_PORTS=21845-27306 VLLM_TARGET_DEVICE=cpu $(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider interop/tests \
+	TEST_PORT_RANGE=21845-27306 VLLM_TARGET_DEVICE=cpu $(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider interop/tests \
 	  $(call label,interop-0.31)
 interop-0.32: interop-venvs
-	KVWIRE_TEST_PORTS=27306-32768 VLLM_TARGET_DEVICE=cpu $(VLLM_VENV)-0.32/bin/python -m pytest -q -p no:cacheprovider \
+	TEST_PORT_RANGE=27306-32768 VLLM_TARGET_DEVICE=cpu $(VLLM_VENV)-0.32/bin/python -m pytest -q -p no:cacheprovider \
 	  interop/tests $(call label,interop-0.32)
 
 # Fuzz every wire decoder for FUZZ_SECONDS (FUZZ_TARGET=all, or one name from

@@ -7,9 +7,10 @@ import random
 import socket
 import threading
 
-PORTS_VAR = "KVWIRE_TEST_PORTS"
+PORTS_VAR = "TEST_PORT_RANGE"
 """``LOW-HIGH``: the ports :func:`free_port` picks from (``make test`` gives each of the
-suites it runs side by side a range of its own)."""
+suites it runs side by side a range of its own). Not a ``KVWIRE_`` name: kvwire's
+configuration warns about ``KVWIRE_`` variables it does not know, in every process."""
 
 _given: set[int] = set()
 _lock = threading.Lock()
