@@ -132,6 +132,15 @@ class _Xfer:
     awaiting_retry: bool = False
 
 
+def agent_name(config: KVWireConfig, role: str) -> str:
+    """The name a rank's transport agent gets unless the config names it: engine, role,
+    ranks and process, and a random tail (a restarted rank is a new peer)."""
+    return config.agent_name or (
+        f"{config.engine_id}-{role}-pp{config.pp_rank}-tp{config.tp_rank}-{os.getpid()}"
+        f"-{uuid.uuid4().hex[:6]}"
+    )
+
+
 def regions_of(geometry: KVGeometry) -> list[Region]:
     """The memory spans a geometry's regions cover, overlapping spans merged.
 
@@ -185,10 +194,7 @@ class Driver:
         )
         self._clock = clock
         self._on_outcome = on_outcome
-        self._agent_name = config.agent_name or (
-            f"{config.engine_id}-{role}-pp{config.pp_rank}-tp{config.tp_rank}-{os.getpid()}"
-            f"-{uuid.uuid4().hex[:6]}"
-        )
+        self._agent_name = agent_name(config, role)
         if isinstance(transport, str):
             self.transport: Transport = create(
                 transport, self._agent_name, **(transport_options or {})

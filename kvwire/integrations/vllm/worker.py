@@ -5,10 +5,8 @@ the forward's layers as they are computed."""
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import threading
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
@@ -23,6 +21,7 @@ from kvwire.integrations.vllm.geometry import layer_geometry, layer_order
 from kvwire.integrations.vllm.messages import KVWireHandshake, KVWireMetadata, KVWireStats
 from kvwire.layout.geometry import KVGeometry
 from kvwire.runtime import Consumer, Producer
+from kvwire.runtime.driver import agent_name
 from kvwire.runtime.prometheus import MetricsServer, serve
 from kvwire.runtime.shared_agent import SharedAgent
 from kvwire.transport import Transport, create
@@ -344,11 +343,7 @@ def _agent(config: KVWireConfig) -> Transport:
     transport = config.transport
     if not isinstance(transport, str):  # vLLM's config is JSON: a name, always
         raise ConfigError(f"transport must be named, got {type(transport).__name__}")
-    name = config.agent_name or (
-        f"{config.engine_id}-both-pp{config.pp_rank}-tp{config.tp_rank}-{os.getpid()}"
-        f"-{uuid.uuid4().hex[:6]}"
-    )
-    return create(transport, name, **config.transport_kwargs())
+    return create(transport, agent_name(config, "both"), **config.transport_kwargs())
 
 
 def _recorded_event(device: torch.device) -> Any:
