@@ -64,7 +64,12 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 import numpy.typing as npt
 
-from kvwire.errors import DescriptorError, TransportError, TransportUnavailableError
+from kvwire.errors import (
+    DescriptorError,
+    TransportError,
+    TransportUnavailableError,
+    UnpreparedTablesError,
+)
 
 ENTRY_POINT_GROUP = "kvwire.transports"
 
@@ -218,6 +223,100 @@ class PreparesTables(Protocol):
         remote_rows: npt.NDArray[np.int64],
         notify: bytes | None = None,
     ) -> object: ...
+
+
+class DelegatingTransport:
+    """Forwards every call of the transport interface to ``inner``: the base of a wrapper
+    that changes a few of them (a shared agent's per-side view, fault injection), so no
+    wrapper repeats the interface."""
+
+    def __init__(self, inner: Transport) -> None:
+        self.inner = inner
+
+    @property
+    def name(self) -> str:
+        return self.inner.name
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return self.inner.capabilities
+
+    def register(self, regions: Sequence[Region]) -> object:
+        return self.inner.register(regions)
+
+    def deregister(self, handle: object) -> None:
+        self.inner.deregister(handle)
+
+    def local_metadata(self) -> bytes:
+        return self.inner.local_metadata()
+
+    def add_peer(self, blob: bytes) -> str:
+        return self.inner.add_peer(blob)
+
+    def remove_peer(self, peer: str) -> None:
+        self.inner.remove_peer(peer)
+
+    def read(self, peer: str, local: Descs, remote: Descs, notify: bytes | None = None) -> object:
+        return self.inner.read(peer, local, remote, notify)
+
+    def write(self, peer: str, local: Descs, remote: Descs, notify: bytes | None = None) -> object:
+        return self.inner.write(peer, local, remote, notify)
+
+    def poll(self, handle: object) -> XferState:
+        return self.inner.poll(handle)
+
+    def release(self, handle: object) -> None:
+        self.inner.release(handle)
+
+    def failure_reason(self, handle: object) -> str | None:
+        """``inner``'s word on a failed transfer, where it has one (an optional extra)."""
+        why = getattr(self.inner, "failure_reason", None)
+        reason = why(handle) if callable(why) else None
+        return None if reason is None else str(reason)
+
+    def notify(self, peer: str, message: bytes) -> None:
+        self.inner.notify(peer, message)
+
+    def drain_notifications(self) -> list[tuple[str, bytes]]:
+        return self.inner.drain_notifications()
+
+    def wait(self, timeout: float) -> None:
+        self.inner.wait(timeout)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+class DelegatingTables(DelegatingTransport):
+    """A :class:`DelegatingTransport` over an agent that prepares descriptor tables
+    (:class:`PreparesTables`), forwarding those calls too."""
+
+    def _tables(self) -> PreparesTables:
+        inner = self.inner
+        if not isinstance(inner, PreparesTables):
+            raise UnpreparedTablesError(f"transport {inner.name!r} prepares no tables")
+        return inner
+
+    def prepare(self, peer: str, local: Descs, remote: Descs) -> None:
+        self._tables().prepare(peer, local, remote)
+
+    def read_rows(
+        self,
+        peer: str,
+        local_rows: npt.NDArray[np.int64],
+        remote_rows: npt.NDArray[np.int64],
+        notify: bytes | None = None,
+    ) -> object:
+        return self._tables().read_rows(peer, local_rows, remote_rows, notify)
+
+    def write_rows(
+        self,
+        peer: str,
+        local_rows: npt.NDArray[np.int64],
+        remote_rows: npt.NDArray[np.int64],
+        notify: bytes | None = None,
+    ) -> object:
+        return self._tables().write_rows(peer, local_rows, remote_rows, notify)
 
 
 TransportFactory = Callable[..., Transport]

@@ -29,11 +29,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-import numpy as np
-import numpy.typing as npt
-
-from kvwire.errors import ConfigError, KVWireError, UnpreparedTablesError
-from kvwire.transport import Capabilities, Descs, PreparesTables, Region, Transport, XferState
+from kvwire.errors import ConfigError, KVWireError
+from kvwire.transport import (
+    DelegatingTables,
+    DelegatingTransport,
+    PreparesTables,
+    Region,
+    Transport,
+)
 from kvwire.wire.notifications import decode_notification
 from kvwire.wire.schemas import Completion
 
@@ -148,22 +151,14 @@ class _Peer:
     """A side let go of it while the other held it: the next add reaches the transport."""
 
 
-class _View:
+class _View(DelegatingTransport):
     """One side's transport: the shared agent's, with registration, peers and
     notifications shared (see the module docstring); closing it closes nothing."""
 
     def __init__(self, agent: SharedAgent, side: Side) -> None:
+        super().__init__(agent.transport)
         self._agent = agent
         self._side = side
-        self._inner = agent.transport
-
-    @property
-    def name(self) -> str:
-        return self._inner.name
-
-    @property
-    def capabilities(self) -> Capabilities:
-        return self._inner.capabilities
 
     def register(self, regions: Sequence[Region]) -> object:
         return self._agent.register(regions)
@@ -171,74 +166,23 @@ class _View:
     def deregister(self, handle: object) -> None:
         self._agent.deregister(handle)
 
-    def local_metadata(self) -> bytes:
-        return self._inner.local_metadata()
-
     def add_peer(self, blob: bytes) -> str:
         return self._agent.add_peer(self._side, blob)
 
     def remove_peer(self, peer: str) -> None:
         self._agent.remove_peer(self._side, peer)
 
-    def read(self, peer: str, local: Descs, remote: Descs, notify: bytes | None = None) -> object:
-        return self._inner.read(peer, local, remote, notify)
-
-    def write(self, peer: str, local: Descs, remote: Descs, notify: bytes | None = None) -> object:
-        return self._inner.write(peer, local, remote, notify)
-
-    def poll(self, handle: object) -> XferState:
-        return self._inner.poll(handle)
-
-    def release(self, handle: object) -> None:
-        self._inner.release(handle)
-
-    def failure_reason(self, handle: object) -> str | None:
-        """The agent's word on a failed transfer, where it has one."""
-        why = getattr(self._inner, "failure_reason", None)
-        reason = why(handle) if callable(why) else None
-        return None if reason is None else str(reason)
-
-    def notify(self, peer: str, message: bytes) -> None:
-        self._inner.notify(peer, message)
-
     def drain_notifications(self) -> list[tuple[str, bytes]]:
         return self._agent.drain(self._side)
 
     def wait(self, timeout: float) -> None:
         if not self._agent.has_mail(self._side):
-            self._inner.wait(timeout)
+            self.inner.wait(timeout)
 
     def close(self) -> None:
         """The agent outlives either side: :meth:`SharedAgent.close` closes it."""
 
 
-class _TablesView(_View):
+class _TablesView(DelegatingTables, _View):
     """A view of an agent that prepares descriptor tables (``PreparesTables``). Only the
     side that posts prepares any (pull: the consumer; push: the producer)."""
-
-    def _tables(self) -> PreparesTables:
-        inner = self._inner
-        if not isinstance(inner, PreparesTables):  # made only over such an agent
-            raise UnpreparedTablesError("the shared agent prepares no tables")
-        return inner
-
-    def prepare(self, peer: str, local: Descs, remote: Descs) -> None:
-        self._tables().prepare(peer, local, remote)
-
-    def read_rows(
-        self,
-        peer: str,
-        local_rows: npt.NDArray[np.int64],
-        remote_rows: npt.NDArray[np.int64],
-        notify: bytes | None = None,
-    ) -> object:
-        return self._tables().read_rows(peer, local_rows, remote_rows, notify)
-
-    def write_rows(
-        self,
-        peer: str,
-        local_rows: npt.NDArray[np.int64],
-        remote_rows: npt.NDArray[np.int64],
-        notify: bytes | None = None,
-    ) -> object:
-        return self._tables().write_rows(peer, local_rows, remote_rows, notify)

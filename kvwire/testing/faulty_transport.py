@@ -3,9 +3,9 @@
 ``FaultyTransport(inner, drop_notifications=0.1, ...)`` behaves like ``inner`` except that,
 with the given probabilities and a seeded random source, it drops, duplicates, delays or
 reorders the notifications it hands out, fails posts, polls or releases, and turns DONE into
-FAILED. :class:`DelegatingTransport` is the plain forwarding base, handy for writing other
-deliberately broken variants. The factory :func:`faulty` makes the wrapper loadable by
-name, so a conformance run can target it::
+FAILED. It builds on :class:`kvwire.transport.DelegatingTransport`, the plain forwarding
+base, handy for writing other deliberately broken variants. The factory :func:`faulty`
+makes the wrapper loadable by name, so a conformance run can target it::
 
     kvwire conformance kvwire.testing.faulty_transport:faulty \
         -o inner=shm -o duplicate_notifications=0.2
@@ -16,66 +16,10 @@ from __future__ import annotations
 import random
 import threading
 import time
-from collections.abc import Sequence
 from typing import Any
 
 from kvwire.errors import ConfigError, TransferFailedError, TransportError
-from kvwire.transport import Capabilities, Descs, Region, Transport, XferState, create
-
-
-class DelegatingTransport:
-    """Forwards every call to ``inner``; subclasses override what they change."""
-
-    def __init__(self, inner: Transport) -> None:
-        self.inner = inner
-
-    @property
-    def name(self) -> str:
-        return self.inner.name
-
-    @property
-    def capabilities(self) -> Capabilities:
-        return self.inner.capabilities
-
-    def register(self, regions: Sequence[Region]) -> object:
-        return self.inner.register(regions)
-
-    def deregister(self, handle: object) -> None:
-        self.inner.deregister(handle)
-
-    def local_metadata(self) -> bytes:
-        return self.inner.local_metadata()
-
-    def add_peer(self, blob: bytes) -> str:
-        return self.inner.add_peer(blob)
-
-    def remove_peer(self, peer: str) -> None:
-        self.inner.remove_peer(peer)
-
-    def read(self, peer: str, local: Descs, remote: Descs, notify: bytes | None = None) -> object:
-        return self.inner.read(peer, local, remote, notify)
-
-    def write(self, peer: str, local: Descs, remote: Descs, notify: bytes | None = None) -> object:
-        return self.inner.write(peer, local, remote, notify)
-
-    def poll(self, handle: object) -> XferState:
-        return self.inner.poll(handle)
-
-    def release(self, handle: object) -> None:
-        self.inner.release(handle)
-
-    def notify(self, peer: str, message: bytes) -> None:
-        self.inner.notify(peer, message)
-
-    def drain_notifications(self) -> list[tuple[str, bytes]]:
-        return self.inner.drain_notifications()
-
-    def wait(self, timeout: float) -> None:
-        self.inner.wait(timeout)
-
-    def close(self) -> None:
-        self.inner.close()
-
+from kvwire.transport import DelegatingTransport, Descs, Transport, XferState, create
 
 _PROBABILITIES = (
     "drop_notifications",
@@ -161,6 +105,11 @@ class FaultyTransport(DelegatingTransport):
             self._flipped.add(id(handle))
             return XferState.FAILED
         return state
+
+    def failure_reason(self, handle: object) -> str | None:
+        if id(handle) in self._flipped:
+            return "injected fault: DONE turned FAILED"
+        return super().failure_reason(handle)
 
     def release(self, handle: object) -> None:
         if self._roll("fail_releases"):

@@ -13,8 +13,7 @@ import threading
 
 from kvwire.demo.content import count_wrong_bytes, fill
 from kvwire.runtime import Consumer, Finished, Producer
-from kvwire.testing.faulty_transport import DelegatingTransport
-from kvwire.transport import Descs, XferState, create
+from kvwire.transport import DelegatingTransport, Descs, XferState, create
 
 from .conftest import config, make_side, wait_until
 

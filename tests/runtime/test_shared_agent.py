@@ -21,8 +21,7 @@ from kvwire.demo.content import blocks_view, expected, fill, scribble
 from kvwire.errors import ConfigError, LocalProtocolError
 from kvwire.runtime import Consumer, Producer
 from kvwire.runtime.shared_agent import SharedAgent
-from kvwire.testing.faulty_transport import DelegatingTransport
-from kvwire.transport import Region, Transport, create
+from kvwire.transport import DelegatingTransport, Region, Transport, create
 from kvwire.wire.notifications import (
     encode_completion,
     encode_heartbeat,

@@ -34,8 +34,16 @@ from kvwire_shm._memcopy import GATHER_BELOW
 from kvwire_shm._tables import CMA, MAPPED, Row, Table
 
 from kvwire.errors import PeerMetadataError, RegistrationError
-from kvwire.testing.faulty_transport import DelegatingTransport
-from kvwire.transport import Capabilities, Descs, MemKind, Region, Transport, XferState, create
+from kvwire.transport import (
+    Capabilities,
+    DelegatingTransport,
+    Descs,
+    MemKind,
+    Region,
+    Transport,
+    XferState,
+    create,
+)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -27,8 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvwire.errors import TransportError
-from kvwire.testing.faulty_transport import DelegatingTransport
-from kvwire.transport import Descs, Transport, XferState, create, wait_for
+from kvwire.transport import DelegatingTransport, Descs, Transport, XferState, create, wait_for
 
 LATE_SENDER = "kvwire-lawful-agent-that-closed"
 """The sender of every notification ``late_foreign_notifications`` adds."""

@@ -111,6 +111,8 @@ def test_posts_polls_releases_and_done_can_fail(pair) -> None:  # type: ignore[n
     assert wait_for(flipper, handle, 30) is XferState.FAILED
     assert flipper.poll(handle) is XferState.FAILED, "a flipped transfer came back"
     assert sender.poll(handle) is XferState.DONE  # the bytes did move underneath
+    assert flipper.failure_reason(handle) == "injected fault: DONE turned FAILED"
+    assert FaultyTransport(sender).failure_reason(handle) == sender.failure_reason(handle)
     with pytest.raises(TransportError):
         FaultyTransport(sender, fail_polls=1.0).poll(handle)
     with pytest.raises(TransportError):

@@ -15,8 +15,7 @@ from typing import Any
 import numpy as np
 
 from kvwire.errors import ConfigError
-from kvwire.testing.faulty_transport import DelegatingTransport
-from kvwire.transport import Descs, Transport, XferState, create
+from kvwire.transport import DelegatingTransport, Descs, Transport, XferState, create
 
 CORRUPT_BYTES = 256
 
