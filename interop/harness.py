@@ -606,6 +606,7 @@ __all__ = [
     "step_both",
     "streamed",
     "transfer",
+    "registered_by_each",
     "transfer_many",
     "vllm_compatible_extra",
     "wait_until",
@@ -632,6 +633,20 @@ def engines(
             d.close()
     finally:
         p.close()
+
+
+def registered_by_each(zygote: Zygote, **options: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(stock's, kvwire's) answer to ``regions`` from a P engine of each connector over the
+    same ``options``: the regions, names, groups and block facts each registers and
+    advertises, which a mixed pair must agree on region for region."""
+    found = []
+    for connector in ("NixlConnector", "KVWireConnector"):
+        engine = SchedulerEngine("P", connector, zygote, **options)
+        try:
+            found.append(engine.peer.call({"op": "regions"}))
+        finally:
+            engine.close()
+    return found[0], found[1]
 
 
 def assert_moved(p: SchedulerEngine, d: SchedulerEngine, rid: str, index: int, tokens: int) -> int:

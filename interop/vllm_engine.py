@@ -217,6 +217,8 @@ def layer_specs(start: dict[str, Any]) -> dict[str, Any]:
 
     spec = vllm_peer.cache_spec(start)
     window = int(start.get("window") or 0)
+    if spec.model.mla:
+        return mla_window_specs(start)
     common = {
         "block_size": spec.block_tokens,
         "num_kv_heads": spec.heads_here,
@@ -234,6 +236,29 @@ def layer_specs(start: dict[str, Any]) -> dict[str, Any]:
         else:
             specs[name] = full
     return specs
+
+
+def mla_window_specs(start: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's specs of an MLA model whose every other layer has a sliding ``window``, as
+    vLLM's MLA attention layer makes them: the full layers' ``MLAAttentionSpec`` and the
+    windowed ones' ``SlidingWindowMLASpec``, one latent per token each."""
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec, SlidingWindowMLASpec
+
+    spec = vllm_peer.cache_spec(start)
+    window = int(start["window"])
+    latent = {
+        "block_size": spec.block_tokens,
+        "num_kv_heads": 1,
+        "max_tp_shards": 1,
+        "head_size": spec.model.latent_dim,
+        "dtype": torch.bfloat16,
+    }
+    return {
+        name: SlidingWindowMLASpec(**latent, sliding_window=window)
+        if i % 2
+        else MLAAttentionSpec(**latent)
+        for i, name in enumerate(vllm_peer.layer_names(start))
+    }
 
 
 INDEXER_BYTES = 132

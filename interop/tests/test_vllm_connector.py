@@ -20,6 +20,7 @@ from harness import (
     free_port,
     moved,
     prefill,
+    registered_by_each,
     step_both,
     transfer,
     transfer_many,
@@ -248,15 +249,7 @@ def test_regions_are_where_stock_registers(zygote: Zygote, layout: str) -> None:
     """vLLM backs every layer with one allocation: the regions must be read from each
     layer's own view, and be the ones a stock engine registers (so a mixed pair agrees
     region for region) in every layout kvwire supports."""
-    extra = {"transport": "nixl"}
-    found = {}
-    for connector in ("NixlConnector", "KVWireConnector"):
-        engine = SchedulerEngine("P", connector, zygote, extra_config=extra, layout=layout)
-        try:
-            found[connector] = engine.peer.call({"op": "regions"})
-        finally:
-            engine.close()
-    stock, ours = found["NixlConnector"], found["KVWireConnector"]
+    stock, ours = registered_by_each(zygote, extra_config={"transport": "nixl"}, layout=layout)
     assert ours["layout"] == stock["layout"] == layout
     assert ours["regions"] and ours["regions"] == stock["regions"]
     assert ours["names"] == stock["names"]
@@ -368,17 +361,9 @@ def test_a_stock_p_of_another_block_size_is_refused_by_a_pushed_d(
 def test_kernel_blocks_are_advertised_as_stock_advertises_them(zygote: Zygote) -> None:
     """Regions of kernel blocks, and the block size, ratio and count a peer plans by, are
     what a stock engine registers and advertises over the same allocation."""
-    found = {}
-    for connector in ("NixlConnector", "KVWireConnector"):
-        engine = SchedulerEngine(
-            "P", connector, zygote, geo=KERNEL_GEO, extra_config={"transport": "nixl"},
-            kernel_block=16,
-        )  # fmt: skip
-        try:
-            found[connector] = engine.peer.call({"op": "regions"})
-        finally:
-            engine.close()
-    stock, ours = found["NixlConnector"], found["KVWireConnector"]
+    stock, ours = registered_by_each(
+        zygote, geo=KERNEL_GEO, extra_config={"transport": "nixl"}, kernel_block=16
+    )
     assert ours["blocks"] == stock["blocks"] == [16, 4, KERNEL_GEO.num_blocks * 4]
     assert ours["regions"] and ours["regions"] == stock["regions"]
     assert ours["names"] == stock["names"]

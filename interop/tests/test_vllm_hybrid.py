@@ -17,6 +17,7 @@ from harness import (
     Zygote,
     engines,
     prefill,
+    registered_by_each,
     step_both,
     transfer,
     transfer_many,
@@ -72,14 +73,9 @@ def exchanged_lengths(prompt: int) -> list[int]:
 
 def test_regions_and_groups_are_what_stock_registers(zygote: Zygote) -> None:
     """Each slab holds one layer of every group: stock registers it once, shared (-1)."""
-    found = {}
-    for connector in ("NixlConnector", "KVWireConnector"):
-        engine = _engine("P", connector, zygote, "nixl", "pull")
-        try:
-            found[connector] = engine.peer.call({"op": "regions"})
-        finally:
-            engine.close()
-    stock, ours = found["NixlConnector"], found["KVWireConnector"]
+    stock, ours = registered_by_each(
+        zygote, geo=GEO, extra_config={"transport": "nixl"}, mode="pull", hma=True, window=WINDOW
+    )
     assert ours["regions"] == stock["regions"] and len(ours["regions"]) == GEO.layers // 2
     assert ours["groups"] == stock["groups"] == [-1] * (GEO.layers // 2)
 
@@ -91,19 +87,12 @@ def test_mamba_regions_are_what_stock_registers(zygote: Zygote, tp: int, layers:
     advertises one layer's state sizes on this rank. Layer counts that are not whole
     repeats of the pattern make vLLM group the layers otherwise (a slab's first layer may
     then be a Mamba one)."""
-    found = {}
-    for connector in ("NixlConnector", "KVWireConnector"):
-        engine = SchedulerEngine(
-            "P", connector, zygote, geo=replace(MAMBA_GEO, layers=layers), hma=True,
-            mamba=MAMBA, tp=tp, extra_config={"transport": "nixl"},
-        )  # fmt: skip
-        try:
-            answer = engine.peer.call({"op": "regions"})
-            keys = ("regions", "names", "groups", "blocks", "ssm_sizes")
-            found[connector] = {k: answer[k] for k in keys}
-        finally:
-            engine.close()
-    stock, ours = found["NixlConnector"], found["KVWireConnector"]
+    answers = registered_by_each(
+        zygote, geo=replace(MAMBA_GEO, layers=layers), hma=True, mamba=MAMBA, tp=tp,
+        extra_config={"transport": "nixl"},
+    )  # fmt: skip
+    keys = ("regions", "names", "groups", "blocks", "ssm_sizes")
+    stock, ours = ({k: answer[k] for k in keys} for answer in answers)
     assert ours == stock
     assert ours["groups"] == [-1] * len(ours["regions"])
     assert ours["ssm_sizes"] == [s // tp for s in _mamba_sizes()]
@@ -348,6 +337,15 @@ def _spec(kind: str) -> Any:
         "full-64": lambda: FullAttentionSpec(block_size=64, **page),
         "mla": lambda: MLAAttentionSpec(block_size=32, **latent),
         "mla-window": lambda: SlidingWindowMLASpec(block_size=32, sliding_window=64, **latent),
+        # DeepSeek-V4's sliding-window latents and compressed latents, as its layers make them
+        "v4-window": lambda: SlidingWindowMLASpec(
+            block_size=32, sliding_window=128, alignment=512, model_version="deepseek_v4",
+            num_kv_heads=1, head_size=512, dtype=torch.bfloat16,
+        ),
+        "v4-compressed": lambda: MLAAttentionSpec(
+            block_size=32, tokens_per_state=4, alignment=512, model_version="deepseek_v4",
+            num_kv_heads=1, head_size=512, dtype=torch.bfloat16,
+        ),
         "chunked": lambda: ChunkedLocalAttentionSpec(
             block_size=32, attention_chunk_size=128, **page
         ),
@@ -385,7 +383,15 @@ REFUSED = {
     "mamba-replicated": (["full", "mamba-replicated"], "group 1 is a TP-replicated MambaSpec"),
     "mamba-3-states": (["full", "mamba-3-states"], "group 1's MambaSpec has 3 state arrays"),
     "chunked-local": (["full", "chunked"], "KV-cache group 1 is ChunkedLocalAttentionSpec"),
-    "mla-window": (["mla", "mla-window"], "KV-cache group 1 is SlidingWindowMLASpec"),
+    "deepseek-v4-window": (
+        ["mla", "v4-window"],
+        "group 1 is SlidingWindowMLASpec of model_version deepseek_v4",
+    ),
+    "deepseek-v4-compressed": (
+        ["v4-compressed", "mla-window"],
+        "group 0 is MLAAttentionSpec .* with 4 tokens a state",
+    ),
+    "mla-windows-only": (["mla-window"], "no KV-cache group is full attention"),
     "unequal-pages": (["full", "full-64"], "KV-cache group 1's pages"),
     "per-layer-heads": (["per-layer-heads"], "holds layers of several page shapes"),
     "windows-only": (["window"], "no KV-cache group is full attention"),

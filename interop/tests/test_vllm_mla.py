@@ -13,7 +13,14 @@ allocated before the first indexer cache."""
 from __future__ import annotations
 
 import pytest
-from harness import Geometry, SchedulerEngine, Zygote, assert_moved, engines
+from harness import (
+    Geometry,
+    Zygote,
+    assert_moved,
+    engines,
+    registered_by_each,
+    transfer_many,
+)
 
 from kvwire.demo.models import preset
 
@@ -84,16 +91,9 @@ def test_sparse_mla_regions_are_what_stock_registers(zygote: Zygote, tp: int) ->
     """Stock registers a region per cache, in model-layer order (each layer's latent, then
     its indexer keys), not in vLLM's allocation order; kvwire the same, so a mixed pair
     pairs region for region."""
-    found = {}
-    for connector in ("NixlConnector", "KVWireConnector"):
-        engine = SchedulerEngine(
-            "P", connector, zygote, geo=GEO, tp=tp, indexer=True, extra_config={"transport": "nixl"}
-        )
-        try:
-            found[connector] = engine.peer.call({"op": "regions"})
-        finally:
-            engine.close()
-    stock, ours = found["NixlConnector"], found["KVWireConnector"]
+    stock, ours = registered_by_each(
+        zygote, geo=GEO, tp=tp, indexer=True, extra_config={"transport": "nixl"}
+    )
     for key in ("regions", "names", "groups", "layout", "blocks"):
         assert ours[key] == stock[key], key
     assert len(ours["regions"]) == 2 * GEO.layers
@@ -136,3 +136,74 @@ def test_mla_cross_layer_blocks(zygote: Zygote, pair: str, layout: str, indexer:
         checked = assert_moved(p, d, "req-x", 67, TOKENS)
     latent = preset(GEO.model).latent_dim * 2 + (INDEXER if indexer else 0)
     assert checked == TOKENS * latent * GEO.layers
+
+
+WINDOW = 64
+"""Tokens: engines exchange a windowed group's last cdiv(64, 32) + 1 = 3 blocks of 32."""
+WINDOW_GEO = Geometry(model="mla", layers=4)
+WINDOW_REQUESTS = {"req-even": 288, "req-odd": 300}
+"""One content: 288 tokens end on a block boundary (the exchanged tail begins with vLLM's
+null block); 300 share those 9 blocks on P (a prefix-cache hit) and end in a partial one."""
+
+
+@pytest.mark.parametrize(("pair", "mode", "tp"), CASES)
+def test_mla_sliding_window(zygote: Zygote, pair: str, mode: str, tp: str) -> None:
+    """MLA layers with a sliding window beside full MLA layers (vLLM's MLA attention makes
+    the windowed ones ``SlidingWindowMLASpec``): D holds every prompt token's latent in the
+    full layers and the window's in the windowed ones, byte for byte, each group its own
+    content, from the three-block tail stock exchanges."""
+    p_conn, d_conn, transport = PAIRS[pair]
+    p_tp, d_tp = (int(n) for n in tp.split("-"))
+    with engines(
+        zygote, p_conn, d_conn, {"tp": p_tp}, {"tp": d_tp}, geo=WINDOW_GEO,
+        extra_config={"transport": transport}, mode=mode, window=WINDOW,
+    ) as (p, d):  # fmt: skip
+        state = transfer_many(p, d, 31, WINDOW_REQUESTS)
+        outputs = p.state["outputs"]
+    latent = preset(GEO.model).latent_dim * 2  # bfloat16
+    block = WINDOW_GEO.block_size
+    for rid, tokens in WINDOW_REQUESTS.items():
+        blocks = -(-tokens // block)
+        tail = min(blocks, -(-WINDOW // block) + 1)
+        assert sorted(map(len, outputs[rid]["remote_block_ids"])) == sorted([blocks, tail])
+        window_first = (tokens - WINDOW + 1) // block * block
+        held = (tokens + tokens - window_first) * latent * WINDOW_GEO.layers // 2
+        assert state["checked"][rid] == [0, held * d_tp], rid
+
+
+def test_vllm_groups_no_indexer_beside_windowed_latents() -> None:
+    """Why the sparse-MLA row's SWA cell is DeepSeek-V4's alone: vLLM's own grouping
+    refuses DeepSeek-V3.2's indexer keys beside windowed MLA layers (their pages cannot
+    share a slab), so the only sparse model with a window is V4, whose caches kvwire
+    refuses by name (``test_vllm_hybrid.py::test_groups_kvwire_cannot_move_are_refused_by_name``).
+    A vLLM that groups them fails this test: the cell is then for kvwire to move."""
+    import vllm_engine
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_groups
+    from vllm.v1.kv_cache_interface import SlidingWindowMLASpec
+
+    start = {
+        "model": "mla", "layers": 4, "num_blocks": 64, "tp_size": 1, "block_size": 32,
+        "connector": "NixlConnector", "role": "P", "engine_id": "grouping", "indexer": True,
+    }  # fmt: skip
+    specs = vllm_engine.sparse_mla_specs(start)
+    latent = specs[vllm_engine.vllm_peer.layer_names(start)[0]]
+    for name in vllm_engine.vllm_peer.layer_names(start)[1::2]:
+        del specs[name.replace(".attn", ".indexer.k_cache")]
+        specs[name] = SlidingWindowMLASpec(
+            block_size=latent.block_size, num_kv_heads=1, head_size=latent.head_size,
+            dtype=latent.dtype, sliding_window=WINDOW,
+        )  # fmt: skip
+    with pytest.raises(NotImplementedError, match="cannot be padded"):
+        get_kv_cache_groups(vllm_engine.build_vllm_config(start), specs)
+
+
+def test_mla_window_regions_are_what_stock_registers(zygote: Zygote) -> None:
+    """As for windowed attention, vLLM puts layer ``j`` of each MLA group in slab ``j``:
+    stock registers each slab once, shared by both groups (-1), named after its full
+    layer; kvwire the same, so a mixed pair pairs region for region."""
+    stock, ours = registered_by_each(
+        zygote, geo=WINDOW_GEO, window=WINDOW, extra_config={"transport": "nixl"}
+    )
+    for key in ("regions", "names", "groups", "layout", "blocks"):
+        assert ours[key] == stock[key], key
+    assert ours["groups"] == [-1] * (WINDOW_GEO.layers // 2)

@@ -220,11 +220,12 @@ def group_kinds(kv_cache_config: Any, block_size: int) -> tuple[RegionKind, ...]
         FullAttentionSpec,
         MambaSpec,
         MLAAttentionSpec,
+        SlidingWindowMLASpec,
         SlidingWindowSpec,
         UniformTypeKVCacheSpecs,
     )
 
-    moved = (FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec)
+    moved = (FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec, SlidingWindowMLASpec)
     groups = transfer_groups(kv_cache_config)
     ids = getattr(kv_cache_config, "transfer_group_ids", range(len(groups)))
     first: tuple[Any, ...] | None = None
@@ -238,6 +239,7 @@ def group_kinds(kv_cache_config: Any, block_size: int) -> tuple[RegionKind, ...]
             _check_state_group(group_id, spec)
             kinds.append(RegionKind.SSM)
             continue
+        _check_one_latent_per_token(group_id, spec)
         if type(spec) not in moved:
             raise ConfigError(
                 f"KV-cache group {group_id} is {type(spec).__name__}: KVWireConnector moves "
@@ -256,7 +258,7 @@ def group_kinds(kv_cache_config: Any, block_size: int) -> tuple[RegionKind, ...]
         attention_page = int(spec.page_size_bytes)
         kinds.append(RegionKind.ATTENTION)
     attention = [g for g, k in zip(groups, kinds, strict=True) if k is RegionKind.ATTENTION]
-    if not attention or all(type(g.kv_cache_spec) is SlidingWindowSpec for g in attention):
+    if not attention or all(isinstance(g.kv_cache_spec, SlidingWindowSpec) for g in attention):
         raise ConfigError(
             "no KV-cache group is full attention: KVWireConnector needs a group that "
             "holds the whole prompt so far (every group has a sliding window or a state)"
@@ -286,6 +288,8 @@ def _replicated_pages(group_id: int, spec: Any) -> Any:
             f"KV-cache group {group_id} holds layers of several page shapes ({', '.join(others)}): "
             "KVWireConnector moves such a group only when every layer is MLA (pages moved whole)"
         )
+    for layer in layers.values():
+        _check_one_latent_per_token(group_id, layer)
     sizes = {int(s.block_size) for s in layers.values()}
     padded = {s.page_size_padded for s in layers.values()}
     if len(sizes) > 1 or padded != {None}:
@@ -294,6 +298,21 @@ def _replicated_pages(group_id: int, spec: Any) -> Any:
             f"padding {sorted(map(str, padded))}: KVWireConnector moves one block size, unpadded"
         )
     return next(iter(layers.values()))
+
+
+def _check_one_latent_per_token(group_id: int, spec: Any) -> None:
+    """DeepSeek-V4's caches (its sliding-window latents, compressed latents, compressor
+    state and indexer keys: vLLM marks them ``model_version`` "deepseek_v4") keep one
+    state per several tokens in pages aligned beyond their content, which stock moves as
+    pages of its own shape; planned as one latent a token they would cross misplaced."""
+    per_state = getattr(spec, "tokens_per_state", 1)
+    version = getattr(spec, "model_version", None)
+    if per_state != 1 or version is not None:
+        raise ConfigError(
+            f"KV-cache group {group_id} is {type(spec).__name__} of model_version {version} "
+            f"with {per_state} tokens a state (DeepSeek-V4's compressed or aligned caches): "
+            "KVWireConnector moves one latent a token so far"
+        )
 
 
 def _check_state_group(group_id: int, spec: Any) -> None:
