@@ -64,6 +64,11 @@ def test_kv_both(zygote: Zygote, other: str, mode: str) -> None:
             "A to receive the second prompt and B to free it",
         )  # fmt: skip
         assert _checked(a, "second") == _checked(b, "first")
+        # What vLLM's stats logger gets from the kvwire engine: one rank's counters, its
+        # producer's (the first prompt, freed) and its consumer's (the second, done).
+        stats = a.peer.call({"op": "stats"})["stats"]
+        assert stats["requests_done"] == 1 and sum(stats["freed"].values()) == 1, stats
+        assert stats["bytes"] > 0 and stats["requests_failed"] == 0, stats
 
 
 # -- bidirectional_kv_xfer -------------------------------------------------------------

@@ -15,7 +15,7 @@ from __future__ import annotations
 import collections
 import threading
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 
@@ -279,6 +279,24 @@ class Metrics:
               ("_total", {**role, "outcome": "refused"}, snap["tables_not_prepared"])]),
         ]  # fmt: skip
         return fam
+
+
+def combined_totals(metrics: Sequence[Metrics]) -> dict[str, Any]:
+    """One rank's counters over the runtimes it runs (a producer and a consumer, vLLM's
+    ``kv_both``): every counter summed, and the rate and busy span of the runtime that
+    moved the most bytes. Only one side moves bytes in a mode, and rates do not add."""
+    totals = [one.snapshot()["totals"] for one in metrics]
+    if not totals:
+        raise ValueError("combined_totals needs at least one Metrics")
+    out = dict(max(totals, key=lambda t: int(t["bytes"])))
+    for counter in fields(_Totals):
+        values = [t[counter.name] for t in totals]
+        if isinstance(values[0], dict):
+            keys = set().union(*values)
+            out[counter.name] = {k: sum(v.get(k, 0) for v in values) for k in sorted(keys)}
+        else:
+            out[counter.name] = sum(values)
+    return out
 
 
 def prometheus_text(metrics: Sequence[Metrics], prefix: str = "kvwire") -> str:

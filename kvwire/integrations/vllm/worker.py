@@ -22,6 +22,7 @@ from kvwire.integrations.vllm.messages import KVWireHandshake, KVWireMetadata, K
 from kvwire.layout.geometry import KVGeometry
 from kvwire.runtime import Consumer, Producer
 from kvwire.runtime.driver import agent_name
+from kvwire.runtime.metrics import combined_totals
 from kvwire.runtime.prometheus import MetricsServer, serve
 from kvwire.runtime.shared_agent import SharedAgent
 from kvwire.transport import Transport, create
@@ -313,17 +314,10 @@ class WorkerSide:
         return out
 
     def stats(self) -> KVWireStats:
-        """The runtime's counters; where the rank runs both sides, each side's counters
-        summed (only one side moves bytes in a mode, so its rate is the rank's)."""
-        totals = [s.metrics.snapshot()["totals"] for s in (self.producer, self.consumer) if s]
-        data: dict[str, Any] = dict(max(totals, key=lambda t: int(t["bytes"])))
-        for key in data.keys() - {"gbps", "busy_s"}:
-            values = [t[key] for t in totals]
-            if all(isinstance(v, int | float) and not isinstance(v, bool) for v in values):
-                data[key] = sum(values)
-            elif all(isinstance(v, dict) for v in values):
-                data[key] = {k: sum(v.get(k, 0) for v in values) for k in set().union(*values)}
-        return KVWireStats(data=data)
+        """The runtime's counters; where the rank runs both sides, the two combined
+        (:func:`kvwire.runtime.metrics.combined_totals`)."""
+        sides = [side.metrics for side in (self.producer, self.consumer) if side is not None]
+        return KVWireStats(data=combined_totals(sides))
 
     def close(self) -> None:
         if self.in_order is not None:
