@@ -99,3 +99,32 @@ def test_an_mtp_drafter_beside_mamba_state(zygote: Zygote, pair: str, mode: str)
     finally:
         for engine in reversed(sides):
             engine.close()
+
+
+MLA_MTP_GEO = Geometry(model="mla", layers=3)
+"""Two MLA target layers and the MTP module's (DeepSeek-V3's one-module MTP)."""
+
+
+INDEXER = 132
+"""Bytes a token of DeepSeek-V3.2's indexer keys (interop/vllm_engine.py's INDEXER_BYTES)."""
+
+
+@pytest.mark.parametrize("indexer", [False, True], ids=["mla", "sparse"])
+@pytest.mark.parametrize("mode", ["pull", "push"])
+@pytest.mark.parametrize("pair", sorted(PAIRS))
+def test_an_mtp_drafter_of_an_mla_model(
+    zygote: Zygote, pair: str, mode: str, indexer: bool
+) -> None:
+    """DeepSeek-V3's (and V3.2's, with its indexer) speculative decoding: an MLA model with
+    its one-module MTP drafter on both engines, whose latent vLLM groups with the
+    target's. P computes the whole prompt (one module reads no token ahead), and D holds
+    every prompt token's latent (and indexer keys) in every layer, the drafter's
+    included."""
+    p_conn, d_conn = PAIRS[pair]
+    with engines(
+        zygote, p_conn, d_conn, geo=MLA_MTP_GEO, extra_config={"transport": "nixl"}, mode=mode,
+        drafter="mtp:1", indexer=indexer,
+    ) as (p, d):  # fmt: skip
+        checked = assert_moved(p, d, "req-d", 59, TOKENS)
+    latent = preset(MLA_MTP_GEO.model).latent_dim * 2 + (INDEXER if indexer else 0)
+    assert checked == TOKENS * MLA_MTP_GEO.layers * latent
