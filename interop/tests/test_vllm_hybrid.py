@@ -177,13 +177,61 @@ def test_mamba(zygote: Zygote, pair: str, mode: str, tp: str) -> None:
     _mamba_pair(zygote, pair, mode, tp)
 
 
-@pytest.mark.parametrize("mode", ["pull", "push"])
+UNEQUAL_PAIRS = [
+    ("kvwire-nixl", "pull"),
+    ("kvwire-nixl", "push"),
+    ("stock-P-kvwire-D", "pull"),
+]
+"""A kvwire D plans a pull from a stock P itself; the other stock cells are refused
+(:func:`test_a_stock_peer_of_another_block_size_is_refused_in_push`) or stock's own
+(a stock D of larger blocks reads wrong bytes from a stock P too)."""
+
+
+@pytest.mark.parametrize(("pair", "mode"), UNEQUAL_PAIRS)
 @pytest.mark.parametrize("blocks", ["32-64", "64-32"])
-def test_mamba_unequal_block_sizes(zygote: Zygote, blocks: str, mode: str) -> None:
-    """kvwire on both sides with unequal block sizes (stock: not supported for hybrid
-    models): the attention pages move by token and the state after the loaded tokens lands
-    in the block D's model reads it from, wherever D's blocks end."""
-    _mamba_pair(zygote, "kvwire-nixl", mode, "1-1", blocks)
+def test_mamba_unequal_block_sizes(zygote: Zygote, blocks: str, pair: str, mode: str) -> None:
+    """Unequal block sizes (stock: not supported for hybrid models), kvwire on both sides
+    or a kvwire D pulling from a stock P: the attention pages move by token and the state
+    after the loaded tokens lands in the block D's model reads it from, wherever D's
+    blocks end."""
+    _mamba_pair(zygote, pair, mode, "1-1", blocks)
+
+
+@pytest.mark.parametrize("pair", ["stock-P-kvwire-D", "kvwire-P-stock-D"])
+def test_a_stock_peer_of_another_block_size_is_refused_in_push(zygote: Zygote, pair: str) -> None:
+    """In push the kvwire side handshakes the stock one (P to write, D to register) and
+    refuses a stock peer of another block size there, naming both sizes, before any write:
+    nothing is reported received, and vLLM computes the prompt on D."""
+    p_conn, d_conn, _ = PAIRS[pair]
+    sides = [
+        SchedulerEngine(
+            role, connector, zygote, geo=replace(MAMBA_GEO, block_size=block), mode="push",
+            hma=True, mamba=MAMBA, extra_config={"transport": "nixl"},
+        )
+        for role, connector, block in (("P", p_conn, 32), ("D", d_conn, 64))
+    ]  # fmt: skip
+    p, d = sides
+    try:
+        index, tokens = MAMBA_REQUESTS["req-partial"]
+        d.add("req-bs", index, tokens, prefill(p, "req-bs", index, tokens))
+        kvwire = p if pair == "kvwire-P-stock-D" else d
+        role = "producer" if kvwire is p else "consumer"
+        held = {"producer": (64, 32), "consumer": (32, 64)}[role]
+        refusal = f"with blocks of {held[0]} tokens, and this {role}'s hold {held[1]}"
+        # The kvwire side ends the request: P frees its blocks, or D reports it received
+        # (failed, by request: vLLM computes it).
+        ended = "sent" if kvwire is p else "received"
+        step_both(
+            p, d, lambda: "req-bs" in kvwire.state.get(ended, []), "the kvwire side to end it"
+        )
+        log = kvwire.state.get("log", []) + kvwire.peer.log
+        assert any(refusal in line for line in log), log[-3:]
+        if kvwire is p:
+            assert p.peer.call({"op": "stats"})["stats"]["bytes"] == 0  # nothing written
+        assert "req-bs" not in d.state.get("checked", {})
+    finally:
+        for engine in reversed(sides):
+            engine.close()
 
 
 @pytest.mark.parametrize("mode", ["pull", "push"])
