@@ -218,6 +218,8 @@ def layer_specs(start: dict[str, Any]) -> dict[str, Any]:
     spec = vllm_peer.cache_spec(start)
     window = int(start.get("window") or 0)
     if spec.model.mla:
+        if start.get("mamba") or not window:
+            raise ValueError("the harness builds an MLA model's layers with a window alone")
         return mla_window_specs(start)
     common = {
         "block_size": spec.block_tokens,

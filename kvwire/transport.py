@@ -269,10 +269,7 @@ class DelegatingTransport:
         self.inner.release(handle)
 
     def failure_reason(self, handle: object) -> str | None:
-        """``inner``'s word on a failed transfer, where it has one (an optional extra)."""
-        why = getattr(self.inner, "failure_reason", None)
-        reason = why(handle) if callable(why) else None
-        return None if reason is None else str(reason)
+        return failure_detail(self.inner, handle)
 
     def notify(self, peer: str, message: bytes) -> None:
         self.inner.notify(peer, message)
@@ -317,6 +314,20 @@ class DelegatingTables(DelegatingTransport):
         notify: bytes | None = None,
     ) -> object:
         return self._tables().write_rows(peer, local_rows, remote_rows, notify)
+
+
+def failure_detail(transport: object, handle: object) -> str | None:
+    """A transport's word on why a transfer failed, where it has one (``failure_reason`` is
+    an optional extra): detail for a message, never an error of its own. A wrapper may
+    hand out handles of its own, which the agent it wraps does not know; that says nothing."""
+    why = getattr(transport, "failure_reason", None)
+    if not callable(why):
+        return None
+    try:
+        reason = why(handle)
+    except TransportError:
+        return None
+    return None if reason is None else str(reason)
 
 
 TransportFactory = Callable[..., Transport]

@@ -75,14 +75,10 @@ def counts(agent: object) -> dict[str, int]:
 
 def failure_reason(agent: object, handle: object) -> str:
     """`` (why)`` for a message when the agent explains its failures, else ``""``."""
-    from kvwire.errors import TransportError
+    from kvwire.transport import failure_detail
 
-    if not isinstance(agent, ExplainsFailures):
-        return ""
-    try:
-        return f" ({agent.failure_reason(handle)})"
-    except TransportError:
-        return ""
+    reason = failure_detail(agent, handle)
+    return f" ({reason})" if reason else ""
 
 
 def declared_allocators(factory: object, agent: object | None = None) -> list[str]:

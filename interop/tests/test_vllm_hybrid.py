@@ -201,7 +201,8 @@ def test_mamba_unequal_block_sizes(zygote: Zygote, blocks: str, pair: str, mode:
 def test_a_stock_peer_of_another_block_size_is_refused_in_push(zygote: Zygote, pair: str) -> None:
     """In push the kvwire side handshakes the stock one (P to write, D to register) and
     refuses a stock peer of another block size there, naming both sizes, before any write:
-    nothing is reported received, and vLLM computes the prompt on D."""
+    a kvwire P writes nothing and frees the prompt's blocks; a kvwire D reports the
+    request failed (by request, as for every hybrid model: vLLM computes it)."""
     p_conn, d_conn, _ = PAIRS[pair]
     sides = [
         SchedulerEngine(
@@ -228,6 +229,8 @@ def test_a_stock_peer_of_another_block_size_is_refused_in_push(zygote: Zygote, p
         assert any(refusal in line for line in log), log[-3:]
         if kvwire is p:
             assert p.peer.call({"op": "stats"})["stats"]["bytes"] == 0  # nothing written
+        else:
+            assert "req-bs" in d.state["failed"], d.state["failed"]
         assert "req-bs" not in d.state.get("checked", {})
     finally:
         for engine in reversed(sides):
@@ -390,6 +393,10 @@ def _spec(kind: str) -> Any:
             block_size=32, sliding_window=128, alignment=512, model_version="deepseek_v4",
             num_kv_heads=1, head_size=512, dtype=torch.bfloat16,
         ),
+        "v4-compressor": lambda: SlidingWindowMLASpec(
+            block_size=4, sliding_window=8, alignment=512, num_kv_heads=1, max_tp_shards=1,
+            head_size=2048, dtype=torch.float32,
+        ),
         "v4-compressed": lambda: MLAAttentionSpec(
             block_size=32, tokens_per_state=4, alignment=512, model_version="deepseek_v4",
             num_kv_heads=1, head_size=512, dtype=torch.bfloat16,
@@ -438,6 +445,10 @@ REFUSED = {
     "deepseek-v4-compressed": (
         ["v4-compressed", "mla-window"],
         "group 0 is MLAAttentionSpec .* with 4 tokens a state",
+    ),
+    "deepseek-v4-compressor": (
+        ["mla", "v4-compressor"],
+        "group 1 is SlidingWindowMLASpec of model_version None .* aligned to 512 bytes",
     ),
     "mla-windows-only": (["mla-window"], "no KV-cache group is full attention"),
     "unequal-pages": (["full", "full-64"], "KV-cache group 1's pages"),

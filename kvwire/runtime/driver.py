@@ -90,6 +90,7 @@ from kvwire.transport import (
     Transport,
     XferState,
     create,
+    failure_detail,
 )
 from kvwire.wire.handshake import decode_handshake, encode_handshake_payload
 from kvwire.wire.schemas import AgentMetadataV13, AgentMetadataV14
@@ -965,8 +966,7 @@ class Driver:
                 xfer.state = state
                 reason = "failed"
                 if state is XferState.FAILED:
-                    why = getattr(self.transport, "failure_reason", None)
-                    detail = why(xfer.handle) if callable(why) else None
+                    detail = failure_detail(self.transport, xfer.handle)
                     reason = f"transfer failed: {detail}" if detail else "transfer failed"
                     lost.add(xfer.engine_id)
                 try:

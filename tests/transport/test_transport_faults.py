@@ -10,7 +10,7 @@ from kvwire_shm import ShmTransport
 
 from kvwire.errors import ConfigError, TransferFailedError, TransportError
 from kvwire.testing.faulty_transport import FaultyTransport
-from kvwire.transport import XferState, create, region_of_array, wait_for
+from kvwire.transport import DelegatingTransport, XferState, create, region_of_array, wait_for
 
 
 @pytest.fixture
@@ -118,6 +118,15 @@ def test_posts_polls_releases_and_done_can_fail(pair) -> None:  # type: ignore[n
     with pytest.raises(TransportError):
         FaultyTransport(sender, fail_releases=1.0).release(handle)
     flipper.release(handle)  # the failed release left the handle intact
+
+
+def test_a_handle_the_inner_agent_does_not_know_has_no_reason(pair) -> None:  # type: ignore[no-untyped-def]
+    """A wrapper may hand out handles of its own: asked why one failed, the forwarding
+    base says nothing rather than raise (the driver asks while ending a transfer)."""
+    sender, _ = pair
+    with pytest.raises(TransportError):
+        sender.failure_reason(object())
+    assert DelegatingTransport(sender).failure_reason(object()) is None
 
 
 def test_factory_form_and_bad_probabilities() -> None:

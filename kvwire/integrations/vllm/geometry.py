@@ -239,12 +239,12 @@ def group_kinds(kv_cache_config: Any, block_size: int) -> tuple[RegionKind, ...]
             _check_state_group(group_id, spec)
             kinds.append(RegionKind.SSM)
             continue
-        _check_one_latent_per_token(group_id, spec)
         if type(spec) not in moved:
             raise ConfigError(
                 f"KV-cache group {group_id} is {type(spec).__name__}: KVWireConnector moves "
                 "full-attention, MLA, sliding-window and Mamba groups so far"
             )
+        _check_one_latent_per_token(group_id, spec)
         page = (spec.block_size, spec.num_kv_heads, spec.head_size, spec.dtype)
         padded = getattr(spec, "page_size_padded", None)
         if spec.block_size != block_size or padded is not None or page != (first or page):
@@ -301,17 +301,19 @@ def _replicated_pages(group_id: int, spec: Any) -> Any:
 
 
 def _check_one_latent_per_token(group_id: int, spec: Any) -> None:
-    """DeepSeek-V4's caches (its sliding-window latents, compressed latents, compressor
-    state and indexer keys: vLLM marks them ``model_version`` "deepseek_v4") keep one
-    state per several tokens in pages aligned beyond their content, which stock moves as
-    pages of its own shape; planned as one latent a token they would cross misplaced."""
-    per_state = getattr(spec, "tokens_per_state", 1)
+    """DeepSeek-V4's caches (its windowed latents, compressed latents, compressor states and
+    indexer keys) keep one state per several tokens, or pages aligned past their content,
+    in groups of several block sizes that stock moves as rows of one buffer; planned as one
+    latent a token in pages of one block size they would cross misplaced. vLLM sets
+    ``model_version``, ``tokens_per_state`` other than 1 and ``alignment`` for V4 alone."""
+    per_state = spec.tokens_per_state
     version = getattr(spec, "model_version", None)
-    if per_state != 1 or version is not None:
+    alignment = getattr(spec, "alignment", None)
+    if per_state != 1 or version is not None or alignment is not None:
         raise ConfigError(
             f"KV-cache group {group_id} is {type(spec).__name__} of model_version {version} "
-            f"with {per_state} tokens a state (DeepSeek-V4's compressed or aligned caches): "
-            "KVWireConnector moves one latent a token so far"
+            f"with {per_state} tokens a state, pages aligned to {alignment} bytes "
+            "(DeepSeek-V4's caches): KVWireConnector moves one latent a token so far"
         )
 
 
