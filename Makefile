@@ -14,7 +14,7 @@ SHELL := /bin/bash
 # running side by side stay readable).
 label = 2>&1 | sed -u 's/^/[$(1)] /'
 
-.PHONY: demo test lint typecheck unit venv clean fuzz docs interop interop-0.31 interop-0.32 \
+.PHONY: demo test lint typecheck unit unit-a unit-b venv clean fuzz docs interop interop-0.31 interop-0.32 \
 	interop-venv interop-venvs
 
 # The transports' C helpers are compiled by the editable install (hatch_build.py), so a
@@ -51,6 +51,20 @@ typecheck: $(STAMP)
 unit: $(STAMP)
 	TEST_PORT_RANGE=16384-21845 $(BIN)/python -m pytest -q $(call label,unit)
 
+# The unit suite in two halves of about equal time, each with a port range of its own:
+# make test runs them after the two interop suites, so the four keep CI's two cores busy
+# to the end (tests/packaging checks that the halves hold every test directory).
+UNIT_A = tests/transport tests/runtime tests/machine tests/wire tests/config tests/logs \
+	tests/docs tests/sidechannel
+UNIT_B = tests/ucx tests/nixl tests/cli tests/engine tests/store tests/packaging tests/netns \
+	tests/layout tests/fuzz tests/bench
+
+unit-a: $(STAMP)
+	TEST_PORT_RANGE=16384-19114 $(BIN)/python -m pytest -q $(UNIT_A) $(call label,unit-a)
+
+unit-b: $(STAMP)
+	TEST_PORT_RANGE=19114-21845 $(BIN)/python -m pytest -q $(UNIT_B) $(call label,unit-b)
+
 # The documentation site (mkdocs-material, strict: any warning fails). Pages derived from
 # code (state diagrams, CLI reference) are regenerated first.
 docs: $(STAMP)
@@ -59,12 +73,13 @@ docs: $(STAMP)
 
 # The unit suite and the two interop suites share no state (each test picks its own free
 # ports, each suite from a range of its own, shared-memory names and etcd), so on CI's two
-# cores two of them run side by side,
+# cores two of them run side by side: the two interop suites first, then the unit suite's
+# halves as each ends (the longest first, so neither core idles long at the end),
 # each line labelled with its suite; --keep-going runs every suite even after one failed.
 # The interop venvs are built first: their editable installs compile the transports'
 # helpers next to the sources, which the unit suite loads.
 test: lint typecheck docs interop-venvs
-	@$(MAKE) --no-print-directory -j2 --keep-going unit interop-0.31 interop-0.32
+	@$(MAKE) --no-print-directory -j2 --keep-going interop-0.31 interop-0.32 unit-a unit-b
 
 # Interop with vLLM's own NIXL connector code (interop/, docs/interop.md). Each venv: torch
 # pinned first (the CPU wheel on disk), vLLM without its dependencies (CUDA kernels, model
