@@ -183,6 +183,6 @@ class _View(DelegatingTransport):
         """The agent outlives either side: :meth:`SharedAgent.close` closes it."""
 
 
-class _TablesView(DelegatingTables, _View):
+class _TablesView(_View, DelegatingTables):
     """A view of an agent that prepares descriptor tables (``PreparesTables``). Only the
     side that posts prepares any (pull: the consumer; push: the producer)."""

@@ -10,7 +10,14 @@ from kvwire_shm import ShmTransport
 
 from kvwire.errors import ConfigError, TransferFailedError, TransportError
 from kvwire.testing.faulty_transport import FaultyTransport
-from kvwire.transport import DelegatingTransport, XferState, create, region_of_array, wait_for
+from kvwire.transport import (
+    DelegatingTables,
+    DelegatingTransport,
+    XferState,
+    create,
+    region_of_array,
+    wait_for,
+)
 
 
 @pytest.fixture
@@ -127,6 +134,13 @@ def test_a_handle_the_inner_agent_does_not_know_has_no_reason(pair) -> None:  # 
     with pytest.raises(TransportError):
         sender.failure_reason(object())
     assert DelegatingTransport(sender).failure_reason(object()) is None
+
+
+def test_tables_are_forwarded_only_over_an_agent_that_prepares_them(pair) -> None:  # type: ignore[no-untyped-def]
+    """Checked once, when the wrapper is made, not on every post."""
+    sender, _ = pair
+    with pytest.raises(TypeError, match="prepares no descriptor tables"):
+        DelegatingTables(sender)
 
 
 def test_factory_form_and_bad_probabilities() -> None:
