@@ -263,6 +263,60 @@ def mla_window_specs(start: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def deepseek_v4_specs(vllm_config: Any, ratios: list[int], fp8_ds_mla: bool) -> dict[str, Any]:
+    """vLLM's spec of every cache DeepSeek-V4's layers make, layer ``i`` compressing by
+    ``ratios[i]``: from vLLM's own cache modules (windowed latents, compressor states,
+    indexer keys) and its attention layer's own ``get_kv_cache_spec``, called on a
+    stand-in of the four fields it reads (the layer itself loads weights). The model's
+    facts are V4's: 512-value latents, a 128-token window, 128-value indexer keys."""
+    from vllm.config import set_current_vllm_config
+    from vllm.models.deepseek_v4.attention import (
+        DeepseekV4Attention,
+        DeepseekV4IndexerCache,
+        _resolve_dsv4_kv_cache_dtype,
+    )
+    from vllm.models.deepseek_v4.compressor import CompressorStateCache
+    from vllm.v1.attention.backends.mla.sparse_swa import DeepseekV4SWACache
+
+    head, window, index_head = 512, 128, 128
+    cache = vllm_config.cache_config
+    specs: dict[str, Any] = {}
+    with set_current_vllm_config(vllm_config):
+        dtype_name, dtype = _resolve_dsv4_kv_cache_dtype(fp8_ds_mla, cache.cache_dtype, cache)
+        for i, ratio in enumerate(ratios):
+            prefix = f"model.layers.{i}.attn"
+            swa = DeepseekV4SWACache(
+                head_dim=head, window_size=window, dtype=dtype, prefix=f"{prefix}.swa_cache",
+                cache_config=cache,
+            )  # fmt: skip
+            specs[swa.prefix] = swa.get_kv_cache_spec(vllm_config)
+            layer = SimpleNamespace(
+                compress_ratio=max(1, ratio), head_dim=head, kv_cache_dtype=dtype_name,
+                kv_cache_torch_dtype=dtype,
+            )  # fmt: skip
+            compressed = DeepseekV4Attention.get_kv_cache_spec(layer, vllm_config)
+            if compressed is not None:  # layers of ratio 1 keep their window alone
+                specs[prefix] = compressed
+            if ratio > 1:
+                state = CompressorStateCache(
+                    state_dim=2 * (1 + (ratio == 4)) * head, dtype=torch.float32,
+                    compress_ratio=ratio, prefix=f"{prefix}.compressor.state_cache",
+                )  # fmt: skip
+                specs[state.prefix] = state.get_kv_cache_spec(vllm_config)
+            if ratio == 4:
+                keys = DeepseekV4IndexerCache(
+                    head_dim=index_head + index_head // 128 * 4, dtype=torch.uint8,
+                    prefix=f"{prefix}.indexer.k_cache", cache_config=cache, compress_ratio=ratio,
+                )  # fmt: skip
+                specs[keys.prefix] = keys.get_kv_cache_spec(vllm_config)
+                state = CompressorStateCache(
+                    state_dim=4 * index_head, dtype=torch.float32, compress_ratio=ratio,
+                    prefix=f"{prefix}.indexer.compressor.state_cache",
+                )  # fmt: skip
+                specs[state.prefix] = state.get_kv_cache_spec(vllm_config)
+    return specs
+
+
 INDEXER_BYTES = 132
 """Bytes per token of DeepSeek-V3.2's indexer key cache: 128 fp8 values and one fp32
 scale, stored as uint8 in one head, the same on every TP rank."""

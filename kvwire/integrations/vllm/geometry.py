@@ -278,18 +278,21 @@ def _replicated_pages(group_id: int, spec: Any) -> Any:
     """The spec a group of per-layer specs is checked as: its first layer's, when every
     layer is MLA (a page moved whole, whatever its size; the regions carry each layer's own
     page). Layers of one kind but other heads or head sizes would need each its own slicing
-    between unequal TP sizes, which one geometry does not describe."""
-    from vllm.v1.kv_cache_interface import MLAAttentionSpec
+    between unequal TP sizes, which one geometry does not describe. DeepSeek-V4's caches
+    come in such groups (vLLM groups its windowed latents per layer too), so they are
+    named first, before the kinds are."""
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec, SlidingWindowMLASpec
 
     layers = spec.kv_cache_specs
+    for layer in layers.values():
+        if isinstance(layer, MLAAttentionSpec | SlidingWindowMLASpec):
+            _check_one_latent_per_token(group_id, layer)
     others = sorted({type(s).__name__ for s in layers.values() if type(s) is not MLAAttentionSpec})
     if others:
         raise ConfigError(
             f"KV-cache group {group_id} holds layers of several page shapes ({', '.join(others)}): "
             "KVWireConnector moves such a group only when every layer is MLA (pages moved whole)"
         )
-    for layer in layers.values():
-        _check_one_latent_per_token(group_id, layer)
     sizes = {int(s.block_size) for s in layers.values()}
     padded = {s.page_size_padded for s in layers.values()}
     if len(sizes) > 1 or padded != {None}:
