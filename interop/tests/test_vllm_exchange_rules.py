@@ -1,9 +1,9 @@
 """Which of a request's blocks cross between engines, per KV-cache group, as kvwire's
 scheduler side cuts them and as stock's own scheduler (``get_exchange_clipped_blocks``) cuts
 them, on the same vLLM configs: a stock peer reads or writes exactly its cut, so kvwire's
-must be the same list. Hypothesis draws the groups (full attention, a sliding window,
-Mamba groups with speculative scratch slots), vLLM's Mamba cache mode and the lists; the
-prompt's tokens D computes itself are compared with stock's too."""
+must be the same list. Hypothesis draws the groups (full attention, sliding windows of
+attention and of MLA, Mamba groups with speculative scratch slots), vLLM's Mamba cache
+mode and the lists; the prompt's tokens D computes itself are compared with stock's too."""
 
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ def _config(kinds: tuple[str, ...], spec_slots: int) -> Any:
         KVCacheConfig,
         KVCacheGroupSpec,
         MambaSpec,
+        SlidingWindowMLASpec,
         SlidingWindowSpec,
     )
 
@@ -35,6 +36,11 @@ def _config(kinds: tuple[str, ...], spec_slots: int) -> Any:
     specs = {
         "full": lambda: FullAttentionSpec(block_size=BLOCK, **PAGE),
         "swa": lambda: SlidingWindowSpec(block_size=BLOCK, sliding_window=40, **PAGE),
+        # vLLM's windowed MLA layer (one latent a token); its window another length
+        "mla-swa": lambda: SlidingWindowMLASpec(
+            block_size=BLOCK, sliding_window=72, num_kv_heads=1, head_size=576,
+            dtype=torch.bfloat16,
+        ),
         "mamba": lambda: MambaSpec(
             block_size=BLOCK, shapes=((96, 3), (4, 16, 16)), dtypes=(torch.bfloat16,) * 2,
             page_size_padded=page, num_speculative_blocks=spec_slots,
@@ -91,7 +97,8 @@ def sides() -> Any:
 @st.composite
 def requests(draw: st.DrawFn) -> tuple[Any, ...]:
     kinds = ("full", *draw(st.sampled_from([(), ("swa",), ("mamba",), ("swa", "mamba"),
-                                            ("mamba", "mamba")])))  # fmt: skip
+                                            ("mamba", "mamba"), ("mla-swa",),
+                                            ("swa", "mla-swa")])))  # fmt: skip
     lists = [
         draw(st.lists(st.integers(0, 63), min_size=0 if k == "full" else 1, max_size=12))
         for k in kinds
