@@ -129,10 +129,6 @@ def test_a_push_producer_that_dies_is_noticed_by_the_heartbeats_not_the_watchdog
         prefill.close()
 
 
-def _free_port() -> int:
-    return free_port()
-
-
 def test_cli_demo_json_and_split_roles() -> None:
     cmd = [sys.executable, "-m", "kvwire", "demo", "--requests", "4", "--layers", "2",
            "--tokens", "128", "--json", "--no-progress"]  # fmt: skip
@@ -142,7 +138,7 @@ def test_cli_demo_json_and_split_roles() -> None:
     assert report["verified"] and report["done"] == 4 and report["bytes_wrong"] == 0
     assert report["memcpy_gbps"] > 0 and report["time_to_kv_p99_ms"] >= report["time_to_kv_p50_ms"]
 
-    port = _free_port()
+    port = free_port()
     prefill = subprocess.Popen(
         [sys.executable, "-m", "kvwire", "demo", "--role", "prefill", "--listen",
          f"127.0.0.1:{port}", "--layers", "2", "--tokens", "128", "--mode", "push"],
