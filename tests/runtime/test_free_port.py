@@ -2,9 +2,44 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvwire.testing import ports
+
+SPECS = st.one_of(
+    st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00"), max_size=12),
+    st.tuples(st.integers(-10, 70000), st.integers(-10, 70000)).map(lambda t: f"{t[0]}-{t[1]}"),
+)
+"""Anything an environment can hold, and ranges in and around the valid ones."""
+
+
+@settings(max_examples=300, deadline=None)
+@given(SPECS)
+def test_any_range_is_used_or_refused_by_name(spec: str) -> None:
+    """A range is used (a port inside it, or none left there) or refused with a
+    ``ValueError`` that names the variable and the value; never another error."""
+    saved = os.environ.get(ports.PORTS_VAR)
+    os.environ[ports.PORTS_VAR] = spec
+    try:
+        port = ports.free_port()
+    except ValueError as exc:
+        assert ports.PORTS_VAR in str(exc) and repr(spec) in str(exc)
+        return
+    except RuntimeError as exc:  # a valid range whose ports are all taken or given
+        assert "no free port" in str(exc)
+        return
+    finally:
+        if saved is None:
+            del os.environ[ports.PORTS_VAR]
+        else:
+            os.environ[ports.PORTS_VAR] = saved
+    if spec:
+        low, high = (int(part) for part in spec.split("-"))
+        assert 1024 <= low <= port < high <= 65536
 
 
 @pytest.mark.parametrize(
