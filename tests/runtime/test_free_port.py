@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from kvwire.testing import ports
 
 SPECS = st.one_of(
-    st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00"), max_size=12),
+    st.text(st.characters(codec="utf-8", exclude_characters="\x00"), max_size=12),
     st.tuples(st.integers(-10, 70000), st.integers(-10, 70000)).map(lambda t: f"{t[0]}-{t[1]}"),
 )
 """Anything an environment can hold, and ranges in and around the valid ones."""
