@@ -296,6 +296,14 @@ def _check_globals(
         )
     elif max(lk, rk) % min(lk, rk):
         problems.add("kernel block size", f"a divisor or multiple of {lk}", rk)
+    elif local.group_block_sizes and (rk, remote.physical_blocks_per_logical) != (lk, 1):
+        problems.add(
+            "block_size",
+            f"{lk} in blocks of 1 kernel block",
+            f"{rk} in blocks of {remote.physical_blocks_per_logical}",
+            f"the groups' blocks hold {list(local.group_block_sizes)} tokens, moved as whole "
+            "rows, which pair only with rows of the same block sizes",
+        )
     lt, rt, heads = local.tp_size, remote.tp_size, local.total_kv_heads
     tp_ok = rt > 0 and max(lt, rt) % min(lt, rt) == 0
     if not tp_ok:
@@ -385,9 +393,10 @@ def _check_pair(
         problems.add(f"remote region {rv.label} mem type", "VRAM or DRAM", repr(region.mem_kind))
     if region.num_blocks < 0:
         problems.add(f"remote region {rv.label} num_blocks", ">= 0", region.num_blocks)
-    if kind is RegionKind.SSM:
+    if kind is RegionKind.SSM or local.group_block_sizes:
         if rv.block_len != lv.block_len:
-            problems.add(f"{where} block_len", lv.block_len, rv.block_len, "SSM pages move whole")
+            what = "SSM pages" if kind is RegionKind.SSM else "rows of several block sizes"
+            problems.add(f"{where} block_len", lv.block_len, rv.block_len, f"{what} move whole")
         return
     if remote.kernel_block_size <= 0 or remote.tp_size <= 0:
         return

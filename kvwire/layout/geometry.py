@@ -215,6 +215,14 @@ class KVGeometry:
     time): each group's blocks there are moved as that group's kind, an SSM group's as the
     state at the start of its page (``sum(ssm_sizes)`` bytes) at logical block ids. Empty:
     every group has its regions' kind."""
+    group_block_sizes: tuple[int, ...] = ()
+    """Tokens per block of each KV-cache group, by group index, where the groups' block
+    sizes differ (DeepSeek-V4: windowed latents in 64-token blocks, compressed ones in 256,
+    compressor states in 4 or 8, all over one buffer). vLLM then lays every group's pages
+    over one row per block id, as wide as the widest group's, and the row, not any page, is
+    what moves: such a geometry's regions are whole rows moved whole, and each group's list
+    is placed in the prompt by its own block size. ``block_size`` is their least common
+    multiple (what stock advertises). Empty: every group's blocks hold ``block_size``."""
     device_id: int = 0
     attn_backend_name: str = "FLASH_ATTN"
     num_blocks: int | None = None
@@ -240,6 +248,7 @@ class KVGeometry:
             raise ConfigError("a KV geometry needs at least one region")
         if self.block_size <= 0 or self.physical_blocks_per_logical <= 0:
             raise ConfigError("block_size and physical_blocks_per_logical must be positive")
+        self._check_group_block_sizes()
         if self.block_size % self.physical_blocks_per_logical:
             raise ConfigError(
                 f"block_size {self.block_size} is not a multiple of "
@@ -274,7 +283,7 @@ class KVGeometry:
                     f"region {self.region_label(index)}: packed members {sorted(missing)} "
                     "are not listed in members"
                 )
-            if self.kind_of(index) is RegionKind.SSM:
+            if self.kind_of(index) is RegionKind.SSM or self.group_block_sizes:
                 continue
             if region.packed_members:
                 pages = [page for _, page in region.packed_members.values()]
@@ -288,9 +297,33 @@ class KVGeometry:
                         f"of heads x kernel tokens = {unit}"
                     )
 
+    def _check_group_block_sizes(self) -> None:
+        sizes = tuple(int(size) for size in self.group_block_sizes)
+        object.__setattr__(self, "group_block_sizes", sizes)
+        if not sizes:
+            return
+        problems = []
+        if min(sizes) <= 0 or any(self.block_size % size for size in sizes):
+            problems.append(f"each must divide block_size {self.block_size}")
+        if self.physical_blocks_per_logical != 1:
+            problems.append("a group's block is not split into kernel blocks")
+        if self.group_kinds and len(self.group_kinds) != len(sizes):
+            problems.append(f"one per group of group_kinds ({len(self.group_kinds)})")
+        if self.has_ssm:
+            problems.append("rows of state groups are not modelled")
+        if problems:
+            raise ConfigError(
+                f"group_block_sizes {sizes}: " + "; ".join(problems) + " (whole rows per block id)"
+            )
+
     @property
     def layout(self) -> KVLayout:
         return KVLayout(self.kv_cache_layout)
+
+    def group_block_size(self, group: int) -> int:
+        """Tokens per block of group ``group`` (:attr:`group_block_sizes`)."""
+        sizes = self.group_block_sizes
+        return sizes[group] if 0 <= group < len(sizes) else self.block_size
 
     @property
     def kernel_block_size(self) -> int:

@@ -34,7 +34,7 @@ descriptor-array operations the adapters share are in :mod:`kvwire.layout.descs`
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 import numpy as np
@@ -207,6 +207,17 @@ def _whole_block_pattern(length: int) -> _Pattern:
 
 
 @lru_cache(maxsize=256)
+def _no_move_pattern(length: int) -> _Pattern:
+    """A whole block another producer rank supplies: nothing moves from this one."""
+    return _Pattern(
+        segments=np.zeros((0, 3), dtype=np.int64),
+        producer_shift=0,
+        consumer_shift=0,
+        zero_segments=np.array([[0, length]], dtype=np.int64),
+    )
+
+
+@lru_cache(maxsize=256)
 def _sharded_state_pattern(
     p_parts: tuple[int, ...],
     c_parts: tuple[int, ...],
@@ -348,19 +359,18 @@ def _sequence_end(
     num_tokens: int | None,
     producer: _Side,
     consumer: _Side,
-    p_groups: Sequence[IntArray],
+    held: int,
     p_who: str,
 ) -> int:
     """The prompt's length in tokens, which places every list in the sequence.
 
-    The producer's longest list is the whole prompt (a full-attention group), so it holds
-    between one block less and exactly its length in tokens. Without ``num_tokens`` that
-    bound is the length itself: every list still lands right when the consumer's block is a
-    whole number of the producer's (both end in the same consumer block), but not when the
-    consumer's blocks are smaller: the prompt may end in any of the consumer blocks inside
-    the producer's last one, so the count is required.
+    The producer's lists reach furthest in a full-attention group's, the whole prompt, so
+    they hold (``held`` tokens) between one block less and exactly its length. Without
+    ``num_tokens`` that bound is the length itself: every list still lands right when the
+    consumer's block is a whole number of the producer's (both end in the same consumer
+    block), but not when the consumer's blocks are smaller: the prompt may end in any of
+    the consumer blocks inside the producer's last one, so the count is required.
     """
-    held = max((len(g) for g in p_groups), default=0) * producer.logical
     if num_tokens is None:
         if consumer.logical % producer.logical:
             raise LocalProtocolError(
@@ -372,8 +382,7 @@ def _sequence_end(
     if num_tokens > held:
         error = LocalProtocolError if p_who == "local" else RemoteProtocolError
         raise error(
-            f"num_tokens {num_tokens} is more than the producer's blocks hold "
-            f"({held // producer.logical} blocks of {producer.logical} tokens)"
+            f"num_tokens {num_tokens} is more than the producer's blocks hold ({held} tokens)"
         )
     return num_tokens
 
@@ -515,6 +524,11 @@ class PeerLayout:
     def _pattern(self, pair: RegionPair) -> _Pattern:
         if pair.kind is RegionKind.SSM:
             return _whole_block_pattern(pair.local.block_len)
+        if self.local.group_block_sizes:
+            # Rows of several groups' pages: a row moves whole, from one producer rank.
+            if pair.kind is RegionKind.REPLICATED and not self._replicated_moves():
+                return _no_move_pattern(pair.local.block_len)
+            return _whole_block_pattern(pair.local.block_len)
         if pair.kind is RegionKind.REPLICATED:
             p_heads: tuple[int, ...] = (0,)
             c_heads: tuple[int, ...] = (0,)
@@ -632,6 +646,25 @@ class PeerLayout:
         positions = np.concatenate([cluster.order for cluster in clusters])
         return clusters, bool(np.any(np.diff(positions) < 0))
 
+    def _group_sides(self, group: int) -> tuple[_Side, _Side]:
+        """(producer, consumer) as group ``group``'s chunks see them: a group of its own
+        block size (:attr:`KVGeometry.group_block_sizes`) has blocks of that many tokens
+        on both sides (the pairing checked the block sizes are equal), one row each."""
+        if not self.local.group_block_sizes:
+            return self._producer, self._consumer
+        tokens = self.local.group_block_size(group)
+        return (
+            replace(self._producer, kernel=tokens, logical=tokens, ppl=1),
+            replace(self._consumer, kernel=tokens, logical=tokens, ppl=1),
+        )
+
+    def _held(self, p_groups: Sequence[IntArray]) -> int:
+        """Tokens the producer's lists reach: the furthest of its groups'."""
+        if not self.local.group_block_sizes:
+            return max((len(g) for g in p_groups), default=0) * self._producer.logical
+        tokens = [len(g) * self.local.group_block_size(i) for i, g in enumerate(p_groups)]
+        return max(tokens, default=0)
+
     def _sides(self, pair: RegionPair) -> tuple[RegionView, RegionView]:
         """(producer view, consumer view) of a pair."""
         return (pair.remote, pair.local) if self.mode == "pull" else (pair.local, pair.remote)
@@ -677,13 +710,14 @@ class PeerLayout:
         key = max(num_groups, 1)
         if key not in self._span_cache:
             clusters, _ = self._clusters(key)
-            unit = min(self._producer.kernel, self._consumer.kernel)
             spans: list[tuple[_Span, _Span]] = []
             p_at = c_at = 0
             for cluster in clusters:
                 m = cluster.pattern.segments.shape[0]
-                p_subs = 1 if cluster.state else self._producer.kernel // unit
-                c_subs = 1 if cluster.state else self._consumer.kernel // unit
+                producer, consumer = self._group_sides(cluster.p_group)
+                unit = min(producer.kernel, consumer.kernel)
+                p_subs = 1 if cluster.state else producer.kernel // unit
+                c_subs = 1 if cluster.state else consumer.kernel // unit
                 p_span = _Span(p_at, cluster.p_limit, p_subs, m)
                 c_span = _Span(c_at, cluster.c_limit, c_subs, m)
                 p_at += cluster.p_base.size * cluster.p_limit * p_subs * m
@@ -747,7 +781,8 @@ class PeerLayout:
                 )
             end = num_tokens
         else:
-            end = _sequence_end(num_tokens, self._producer, self._consumer, p_groups, p_who)
+            held = self._held(p_groups)
+            end = _sequence_end(num_tokens, self._producer, self._consumer, held, p_who)
         num_groups = max(len(p_groups), len(c_groups), 1)
         clusters, reorder = self._clusters(num_groups, regions)
         whole = regions is None and window is None
@@ -765,9 +800,8 @@ class PeerLayout:
                         continue
                     chunks = _state_chunks(p_ids, c_ids)
                 else:
-                    chunks = _attention_chunks(
-                        self._producer, self._consumer, p_ids, c_ids, end, window
-                    )
+                    p_side, c_side = self._group_sides(cluster.p_group)
+                    chunks = _attention_chunks(p_side, c_side, p_ids, c_ids, end, window)
                 chunk_cache[key] = chunks
             self._check_bounds(cluster, chunks, p_who, c_who)
             p_rows, c_rows, z_rows = _emit(cluster, chunks)

@@ -90,18 +90,19 @@ def geometry_groups(geometry: KVGeometry) -> int | None:
     return max(ids) + 1 if ids else None
 
 
-def num_tokens_arg(value: object, blocks: BlockIds, block_size: int) -> int | None:
-    """A prompt length the blocks can hold, or None when not given."""
+def num_tokens_arg(value: object, blocks: BlockIds, block_size: int | Sequence[int]) -> int | None:
+    """A prompt length the blocks can hold, or None when not given. ``block_size``: tokens
+    per block, of every group or of each (``KVGeometry.group_block_sizes``)."""
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise LocalProtocolError(f"num_tokens must be an int, got {type(value).__name__}")
     tokens = int(value)
-    held = max((len(g) for g in blocks), default=0) * block_size
+    sizes = [block_size] * len(blocks) if isinstance(block_size, int) else list(block_size)
+    held = max((len(g) * size for g, size in zip(blocks, sizes, strict=False)), default=0)
     if tokens < 0 or (blocks and any(blocks) and not 0 < tokens <= held):
         raise LocalProtocolError(
-            f"num_tokens {tokens} does not fit the blocks passed: they hold 1 to {held} "
-            f"tokens ({held // block_size} blocks of {block_size})"
+            f"num_tokens {tokens} does not fit the blocks passed: they hold 1 to {held} tokens"
         )
     return tokens
 

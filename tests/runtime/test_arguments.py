@@ -98,6 +98,15 @@ def test_num_tokens_must_fit_the_blocks() -> None:
             num_tokens_arg(wrong, ((1, 2),), 16)
 
 
+def test_num_tokens_fit_each_groups_own_block_size() -> None:
+    """DeepSeek-V4's groups (``group_block_sizes``): the lists reach as far as the furthest
+    group's blocks of its own size, not as far as as many blocks of the engine's size."""
+    lists = ((1, 2), (3, 4, 5, 6, 7))  # 2 blocks of 16 tokens, 5 of 4
+    assert num_tokens_arg(32, lists, (16, 4)) == 32
+    with pytest.raises(LocalProtocolError, match="they hold 1 to 32 tokens"):
+        num_tokens_arg(33, lists, (16, 4))
+
+
 def test_request_ids_must_fit_the_notifications() -> None:
     assert request_id_arg("cmpl-1:2") == "cmpl-1:2"  # ':' is fine: split on the last one
     for bad, words in (("a,b", "contains ','"), ("", "non-empty"), (7, "non-empty str"),
