@@ -341,6 +341,7 @@ class SchedulerEngine:
         prefix_caching: bool = True,
         kv_role: str = "",
         multimodal: bool = False,
+        deepseek_v4: list[int] | None = None,
     ) -> None:
         """``engine_id`` and ``port``: a restarted engine keeps its predecessor's;
         ``scheduler``: ``batch_tokens`` (tokens per step) and ``chunk_tokens`` (per request
@@ -362,7 +363,10 @@ class SchedulerEngine:
         first token, into whatever blocks it gets); ``kv_role``: vLLM's, when not the
         ``role``'s own (``kv_both``: the engine is P for requests added with
         ``do_remote_decode``, D for those with ``do_remote_prefill``); ``multimodal``: the
-        model takes images (vLLM's scheduler schedules their encoding; see ``add``)."""
+        model takes images (vLLM's scheduler schedules their encoding; see ``add``);
+        ``deepseek_v4``: DeepSeek-V4's caches, a layer per compress ratio given (vLLM's own
+        modules, grouping and allocation; ``geo`` of 256-token blocks, ``layout`` BLHNC or
+        BLNHC), each group's pages filled and checked whole."""
         self.role = role
         self.tp = tp
         extra_config = dict(extra_config or {})
@@ -390,7 +394,7 @@ class SchedulerEngine:
             "host_buffer": host_buffer, "drafter": drafter,
             "mode": mode, "extra_config": extra_config, "layout": layout,
             "kernel_block": kernel_block, "layerwise": layerwise, "prefix_caching": prefix_caching,
-            "kv_role": kv_role, "multimodal": multimodal,
+            "kv_role": kv_role, "multimodal": multimodal, "deepseek_v4": deepseek_v4,
             **(scheduler or {}),
         }  # fmt: skip
         self.peer = Peer(start, zygote, env)

@@ -12,7 +12,9 @@ runner — which, each step, runs the connector's worker calls in vLLM's order
 ``start_load_kv``, after the layers unless the step has a synchronous load, then before
 them; ``wait_for_save``, ``get_finished``, ``get_block_ids_with_load_errors``,
 ``clear_connector_metadata``), fills P's scheduled blocks with ``kvwire.demo.content``, checks
-D's blocks the moment D would first read them, and samples one token per request. With
+D's blocks the moment D would first read them, and samples one token per request. A
+DeepSeek-V4 engine (``deepseek_v4``) fills and checks each layer's page of a block instead
+(:class:`PagedGroup`): its groups' pages are of too many shapes for the demo content. With
 ``layerwise``, P computes as a model does: each layer's share of the step's chunk is written
 just before that layer's ``save_kv_layer``, and not before (see :meth:`EnginePart._layer`).
 For interop/bench_layerwise.py a layer also takes a set time (``compute``), threads are
@@ -104,6 +106,11 @@ def build_vllm_config(start: dict[str, Any]) -> Any:
         get_layers_start_end_indices=lambda *_a, **_k: (0, spec.layers),
     )
     object.__setattr__(vllm_config, "model_config", model_config)
+    if start.get("deepseek_v4"):
+        model_config.hf_config = model_config.hf_text_config = deepseek_v4_hf_config(start)
+        # What V4's attention resolves its cache dtype to on CPU and FlashMLA, and writes
+        # back (the packed fp8 latents the stock hash and both connectors then see).
+        vllm_config.cache_config.cache_dtype = "fp8_ds_mla"
     if start.get("drafter"):
         object.__setattr__(vllm_config, "speculative_config", drafter_config(start))
     vllm_config.cache_config.num_gpu_blocks = spec.num_blocks
@@ -116,6 +123,45 @@ def build_vllm_config(start: dict[str, Any]) -> Any:
         cache.mamba_cache_mode = "align" if cache.enable_prefix_caching else "none"
         cache.mamba_block_size = spec.block_tokens if cache.enable_prefix_caching else max_len
     return vllm_config
+
+
+DEEPSEEK_V4_BLOCK = 256
+"""Tokens a block: the only size V4's sparse-MLA and indexer backends run (and CPU's)."""
+
+
+def deepseek_v4_start(start: dict[str, Any]) -> dict[str, Any]:
+    """``start`` of a DeepSeek-V4 engine (``deepseek_v4``: each layer's compress ratio),
+    refused unless it is one vLLM runs V4 in: 256-token blocks, a block-outermost layout
+    (the indexer's backend takes no other), a layer per ratio and the hybrid manager,
+    without which vLLM cannot keep V4's groups of five block sizes apart."""
+    ratios = [int(r) for r in start["deepseek_v4"]]
+    fits = {
+        "block_size": int(start["block_size"]) == DEEPSEEK_V4_BLOCK,
+        "layout": start.get("layout") in ("BLHNC", "BLNHC"),
+        "layers": int(start["layers"]) == len(ratios),
+        "hma": start.get("hma") is not False,
+        "tp_size": int(start["tp_size"]) == 1,
+        "layerwise": not start.get("layerwise"),
+    }
+    wrong = sorted(key for key, ok in fits.items() if not ok)
+    if wrong:
+        raise ValueError(
+            f"a DeepSeek-V4 engine runs {DEEPSEEK_V4_BLOCK}-token blocks in BLHNC or BLNHC, "
+            f"a layer per ratio, the hybrid manager, TP 1, not layerwise: not {wrong}"
+        )
+    return {**start, "deepseek_v4": ratios}
+
+
+def deepseek_v4_hf_config(start: dict[str, Any]) -> Any:
+    """V4's model facts as its HF config gives them to vLLM (the ones
+    :func:`deepseek_v4_specs` builds the caches with), for vLLM code that tells V4 apart
+    by its model type."""
+    ratios = list(start["deepseek_v4"])
+    return SimpleNamespace(
+        model_type="deepseek_v4", compress_ratios=ratios, num_hidden_layers=len(ratios),
+        head_dim=512, qk_rope_head_dim=64, sliding_window=128, index_head_dim=128,
+        index_n_heads=64, index_topk=512, num_nextn_predict_layers=0,
+    )  # fmt: skip
 
 
 def _encoder_budget() -> None:
@@ -317,6 +363,144 @@ def deepseek_v4_specs(vllm_config: Any, ratios: list[int], fp8_ds_mla: bool) -> 
     return specs
 
 
+def deepseek_v4_backends(specs: dict[str, Any]) -> dict[str, Any]:
+    """Per cache of :func:`deepseek_v4_specs` (in its order, the model's), the backend
+    vLLM's CPU V4 model runs it with: a layer's window and compressed latents, its
+    compressor's states, its indexer's keys each have their own."""
+    from vllm.models.deepseek_v4.compressor import CompressorBackend
+    from vllm.models.deepseek_v4.cpu.cpu_mla import (
+        DeepseekV4CPUIndexerBackend,
+        DeepseekV4CPUSparseBackend,
+    )
+    from vllm.v1.attention.backends.mla.sparse_swa import DeepseekSparseSWABackend
+
+    by_suffix = {
+        ".swa_cache": DeepseekSparseSWABackend,
+        ".state_cache": CompressorBackend,  # the indexer's compressor's too
+        ".indexer.k_cache": DeepseekV4CPUIndexerBackend,
+        ".attn": DeepseekV4CPUSparseBackend,
+    }
+    return {
+        name: next(b for suffix, b in by_suffix.items() if name.endswith(suffix)) for name in specs
+    }
+
+
+def allocate_deepseek_v4(
+    vllm_config: Any, specs: dict[str, Any], num_blocks: int
+) -> tuple[Any, dict[str, torch.Tensor]]:
+    """vLLM's plan and allocation of V4's caches, as its engine core and model runner make
+    them: its own grouping (five groups of four block sizes, every group's layers over one
+    row a block id), each group's kernel block its own block (vLLM splits none of a
+    block-outermost layout)."""
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups, get_kv_cache_groups
+    from vllm.v1.worker.utils import allocate_kv_cache
+
+    groups = get_kv_cache_groups(vllm_config, dict(specs))
+    memory = num_blocks * sum(spec.page_size_bytes for spec in specs.values())
+    kv_cache_config = get_kv_cache_config_from_groups(vllm_config, groups, memory)
+    layout = vllm_config.cache_config.get_resolved_kv_cache_layout()
+    sizes = [g.kv_cache_spec.block_size for g in kv_cache_config.kv_cache_groups]
+    caches = allocate_kv_cache(kv_cache_config, torch.device("cpu"), layout, sizes)
+    return kv_cache_config, caches
+
+
+def engine_core_block_size(vllm_config: Any, kv_cache_config: Any) -> None:
+    """What vLLM's engine core makes of the cache config's block size once it has planned
+    the cache, before it builds the scheduler and the workers' connectors: the smallest
+    block of the groups that cache prefixes (for V4, 4 tokens, not 256)."""
+    groups = kv_cache_config.kv_cache_groups
+    sizes = [g.kv_cache_spec.block_size for g in groups if g.kv_cache_spec.prefix_cacheable]
+    vllm_config.cache_config.block_size = min(sizes or [g.kv_cache_spec.block_size for g in groups])
+
+
+@dataclass
+class PagedGroup:
+    """One KV-cache group of a DeepSeek-V4 engine, filled and checked page by page: each
+    layer's page of a block id (its bytes in the block's row) holds content of its own."""
+
+    group: int
+    block_tokens: int
+    window: int
+    """Tokens (0: every token's block is kept), by the group's first layer's spec, as
+    vLLM's manager keeps the group's blocks."""
+    pages: list[np.ndarray[Any, Any]]
+    """Per layer of the group, its ``[blocks, page bytes]`` over the backing."""
+
+
+def paged_groups(
+    kv_cache_config: Any, caches: dict[str, torch.Tensor], buffer: np.ndarray[Any, Any]
+) -> list[PagedGroup]:
+    """A rank's V4 groups, each layer's pages read through vLLM's own view of it (a
+    block's page is ``view[block]``, its bytes contiguous, less than the padded page)."""
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+    out = []
+    for g, group in enumerate(kv_cache_config.kv_cache_groups):
+        first = group.kv_cache_spec.kv_cache_specs[group.layer_names[0]]
+        window = int(first.sliding_window) if isinstance(first, SlidingWindowSpec) else 0
+        pages = [page_view(caches[name], buffer) for name in group.layer_names]
+        out.append(PagedGroup(g, int(first.block_size), window, pages))
+    return out
+
+
+def page_view(view: torch.Tensor, buffer: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    """One layer's pages as ``[blocks, bytes]`` uint8 over ``buffer``."""
+    assert view[0].is_contiguous()
+    start = view.data_ptr() - buffer.ctypes.data
+    row = view.stride(0) * view.element_size()
+    shape = (view.shape[0], view[0].nbytes)
+    assert start + (shape[0] - 1) * row + shape[1] <= buffer.nbytes
+    return np.lib.stride_tricks.as_strided(buffer[start:], shape, (row, 1), writeable=True)
+
+
+def page_content(index: int, group: int, layer: int, position: int, size: int) -> Any:
+    """The page of one layer of one group at one block position of a prompt of content
+    ``index``: a page of another request, group, layer or position differs."""
+    rng = np.random.default_rng((index, group, layer, position))
+    return np.frombuffer(rng.bytes(size), np.uint8)
+
+
+def fill_pages(paged: PagedGroup, index: int, blocks: list[int], start: int, stop: int) -> None:
+    """P's pages of the blocks that prompt tokens ``[start, stop)`` fall in, each page
+    filling as its block's tokens are computed (the share of its bytes those tokens
+    make): a block moved before its last tokens are computed, and not again after,
+    fails the check. vLLM's null block (a window's dropped ones) is skipped."""
+    size = paged.block_tokens
+    for position in range(start // size, -(-stop // size)):
+        block = blocks[position]
+        if block == 0:
+            continue
+        first, last = max(start - position * size, 0), min(stop - position * size, size)
+        for layer, pages in enumerate(paged.pages):
+            width = pages.shape[1]
+            lo, hi = width * first // size, width * last // size
+            want = page_content(index, paged.group, layer, position, width)
+            pages[block, lo:hi] = want[lo:hi]
+
+
+def check_pages(paged: PagedGroup, index: int, blocks: list[int], prompt: int) -> tuple[int, int]:
+    """(wrong, checked) bytes of the pages D's next token reads: every block of the
+    prompt, or with a window those from the one holding token ``prompt - window + 1`` on,
+    each page's share of the prompt's tokens (the last block's share ends with the
+    prompt, as P's filling does). A null block (or none) where a page must be is wrong
+    whole."""
+    size = paged.block_tokens
+    first = max(0, prompt - paged.window + 1) // size if paged.window else 0
+    wrong = checked = 0
+    for position in range(first, -(-prompt // size)):
+        block = blocks[position] if position < len(blocks) else 0
+        tokens = min(prompt - position * size, size)
+        for layer, pages in enumerate(paged.pages):
+            share = pages.shape[1] * tokens // size
+            checked += share
+            if block == 0:
+                wrong += share
+                continue
+            want = page_content(index, paged.group, layer, position, pages.shape[1])
+            wrong += int(np.count_nonzero(pages[block, :share] != want[:share]))
+    return wrong, checked
+
+
 INDEXER_BYTES = 132
 """Bytes per token of DeepSeek-V3.2's indexer key cache: 128 fp8 values and one fp32
 scale, stored as uint8 in one head, the same on every TP rank."""
@@ -469,6 +653,8 @@ class Rank:
     groups: list[Content]
     """What the rank's layers hold, filled and checked content by content."""
     worker: Any
+    paged: list[PagedGroup] | None = None
+    """DeepSeek-V4: its groups, filled and checked page by page instead (``groups`` empty)."""
 
 
 @dataclass
@@ -670,12 +856,15 @@ def pin(role: str) -> set[str]:
     return tasks if pin_threads(CPUS, engine) else set()
 
 
-def _as_rank(start: dict[str, Any], rank: int, tp_size: int) -> None:
+def _as_rank(
+    start: dict[str, Any], rank: int, tp_size: int, backends: dict[str, Any] | None = None
+) -> None:
     """What vLLM's parallel groups tell a worker of its rank, for either connector (the
-    stand-in for process groups, in this one process)."""
+    stand-in for process groups, in this one process); ``backends``: per layer, its own
+    (see ``vllm_peer.stand_in_parallel_state``)."""
     from vllm.distributed import parallel_state
 
-    vllm_peer.stand_in_parallel_state({**start, "tp_rank": rank, "tp_size": tp_size})
+    vllm_peer.stand_in_parallel_state({**start, "tp_rank": rank, "tp_size": tp_size}, backends)
     parallel_state.model_parallel_is_initialized = lambda: True  # type: ignore[attr-defined]
     parallel_state.get_tensor_model_parallel_rank = lambda: rank  # type: ignore[attr-defined]
 
@@ -690,10 +879,14 @@ class EnginePart:
             generate_scheduler_kv_cache_config,
             get_request_block_hasher,
             init_none_hash,
+            resolve_kv_cache_block_sizes,
         )
         from vllm.v1.core.sched.scheduler import Scheduler
 
         start = {"layout": "LBHNC", "tp_size": 1, **start, "tp_rank": 0}
+        if start.get("deepseek_v4"):
+            start = deepseek_v4_start(start)
+        v4 = start.get("deepseek_v4")
         if start.get("host_buffer"):
             from kvwire.integrations.vllm import staging
 
@@ -704,17 +897,28 @@ class EnginePart:
         kernel = int(start.get("kernel_block") or 0)
         mla = preset(start["model"]).mla
         utils.get_current_attn_backends = lambda *_a, **_k: [vllm_peer._backend(mla, kernel)]
-        self.ratio = kernel_ratio(start)
+        self.ratio = 1 if v4 else kernel_ratio(start)
         self.start_role = start["role"]
         self.spec = vllm_peer.cache_spec(start)
         self.vllm_config = build_vllm_config(start)
         self.vllm_config.parallel_config.tensor_parallel_size = tp
         self.layout = start["layout"]
+        v4_specs = deepseek_v4_specs(self.vllm_config, v4, True) if v4 else {}
+        backends = deepseek_v4_backends(v4_specs) if v4 else None
+        if backends is not None:
+            distinct = list(dict.fromkeys(backends.values()))
+            utils.get_current_attn_backends = lambda *_a, **_k: distinct
         self.ranks: list[Rank] = []
         for r in range(tp):
             at_rank = {**start, "tp_rank": r}
-            kv_cache_config, caches = allocate(self.vllm_config, at_rank)
-            _as_rank(start, r, tp)
+            if v4:
+                kv_cache_config, caches = allocate_deepseek_v4(
+                    self.vllm_config, v4_specs, self.spec.num_blocks
+                )
+                engine_core_block_size(self.vllm_config, kv_cache_config)
+            else:
+                kv_cache_config, caches = allocate(self.vllm_config, at_rank)
+            _as_rank(start, r, tp, backends)
             worker = KVConnectorFactory.create_connector(
                 self.vllm_config, KVConnectorRole.WORKER, kv_cache_config
             )
@@ -726,9 +930,14 @@ class EnginePart:
                     block_tokens=rank_spec.block_tokens // self.ratio,
                     num_blocks=rank_spec.num_blocks * self.ratio,
                 )
-            groups = group_views(rank_spec, kv_cache_config, caches, buffer)
-            rank = Rank(rank_spec, buffer, caches, groups, worker)
-            for content in groups:
+            if v4:
+                buffer[...] = 0xA5  # no page holds a prompt's content yet
+                paged = paged_groups(kv_cache_config, caches, buffer)
+                rank = Rank(rank_spec, buffer, caches, [], worker, paged)
+            else:
+                groups = group_views(rank_spec, kv_cache_config, caches, buffer)
+                rank = Rank(rank_spec, buffer, caches, groups, worker)
+            for content in rank.groups:
                 if content.spec is None:  # a Mamba group's states
                     content.kv[...] = 0xA5
                 else:
@@ -759,16 +968,25 @@ class EnginePart:
         from vllm.utils.hashing import sha256
 
         init_none_hash(sha256)
-        self.hasher = get_request_block_hasher(self.spec.block_tokens, sha256)
+        # vLLM's engine core hands its scheduler one spec per group (a group of per-layer
+        # specs, by its first layer's).
+        scheduler_config = generate_scheduler_kv_cache_config([kv_cache_config])
+        sizes: dict[str, int] = {"block_size": self.spec.block_tokens}
+        if v4:
+            # Groups of several block sizes: the scheduler aligns to their lcm, and hashes
+            # a prompt in blocks of their gcd (its engine core's resolution).
+            block, hashed = resolve_kv_cache_block_sizes(scheduler_config, self.vllm_config)
+            sizes = {"block_size": block, "hash_block_size": hashed}
+        self.hasher = get_request_block_hasher(
+            sizes.get("hash_block_size", sizes["block_size"]), sha256
+        )
         if start.get("multimodal"):
             _encoder_budget()
         self.scheduler = Scheduler(
             vllm_config=self.vllm_config,
-            # vLLM's engine core hands its scheduler one spec per group (a group of
-            # per-layer specs, by its first layer's).
-            kv_cache_config=generate_scheduler_kv_cache_config([kv_cache_config]),
+            kv_cache_config=scheduler_config,
             structured_output_manager=_NoGrammar(),
-            block_size=self.spec.block_tokens,
+            **sizes,
         )
         self.hits: dict[str, int] = {}
         manager = self.scheduler.kv_cache_manager
@@ -922,6 +1140,9 @@ class EnginePart:
     def _compute(self, rank: Rank, rid: str) -> None:
         """The model's forward for this request on one rank: P writes its KV; D checks the
         KV it was given (prefix hits included) the first time it reads it."""
+        if rank.paged is not None:
+            self._compute_pages(rank, rid)
+            return
         all_blocks = self.scheduler.kv_cache_manager.get_block_ids(rid)
         index = self.index[rid]
         request = self.scheduler.requests[rid]
@@ -962,6 +1183,29 @@ class EnginePart:
                 want = expected(spec, group_seed(index + DECODED, c), -(-stop // spec.block_tokens))
                 for layer in range(spec.layers):
                     fill_tokens(spec, kv, want, blocks, layer, start, stop)
+
+    def _compute_pages(self, rank: Rank, rid: str) -> None:
+        """:meth:`_compute` of a DeepSeek-V4 engine: P writes the pages of the blocks this
+        step's prompt tokens fall in, group by group; D checks, the first time it reads
+        them, the pages of every block the next token attends to."""
+        assert rank.paged is not None
+        all_blocks = self.scheduler.kv_cache_manager.get_block_ids(rid)
+        request = self.scheduler.requests[rid]
+        index = self.index[rid]
+        if self.acts.get(rid, self.start_role) == "P":
+            # schedule() already counted this step's tokens as computed.
+            stop = min(int(request.num_computed_tokens), int(request.num_prompt_tokens))
+            start = int(request.num_computed_tokens) - self.scheduled.get(rid, 0)
+            for paged in rank.paged:
+                fill_pages(paged, index, list(all_blocks[paged.group]), start, stop)
+            return
+        if rid in self.checked:
+            return
+        prompt = int(request.num_prompt_tokens) - self.backoff
+        for paged in rank.paged:
+            wrong, checked = check_pages(paged, index, list(all_blocks[paged.group]), prompt)
+            before = self.pending_checks.get(rid, (0, 0))
+            self.pending_checks[rid] = (before[0] + wrong, before[1] + checked)
 
     def _check_held(self, rank: Rank, rid: str, all_blocks: Any) -> None:
         """P, reading back: the conversation's first tokens, as the decode engine kept them
@@ -1160,6 +1404,9 @@ class EnginePart:
                 for content in rank.groups:
                     if content.spec is not None:
                         scribble(content.spec, content.kv, expand(free, self.ratio))
+                for paged in rank.paged or ():
+                    for pages in paged.pages:
+                        pages[free] = 0xA5
             return {"scribbled": len(free)}
         if op == "fragment":
             # A long-running engine's pool: free blocks come back in no particular order.

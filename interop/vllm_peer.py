@@ -25,6 +25,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Iterator
 from dataclasses import replace
 from types import SimpleNamespace
 from typing import Any
@@ -49,9 +50,13 @@ class _Records(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
-            self.lines.append(f"{record.name}: {record.getMessage()}")
+            line = f"{record.name}: {record.getMessage()}"
         except Exception:  # a record that cannot format is still worth a line
-            self.lines.append(f"{record.name}: {record.msg}")
+            line = f"{record.name}: {record.msg}"
+        if record.exc_info and record.exc_info[1] is not None:
+            error = record.exc_info[1]  # vLLM logs a failed handshake's cause this way
+            line += f" [{type(error).__name__}: {error}]"
+        self.lines.append(line)
 
     def take(self) -> list[str]:
         lines, self.lines = self.lines, []
@@ -239,8 +244,11 @@ def kv_cache_views(
     return caches
 
 
-def stand_in_parallel_state(start: dict[str, Any]) -> None:
-    """The TP/PCP group getters and the backend lookup the worker module imported."""
+def stand_in_parallel_state(start: dict[str, Any], backends: dict[str, Any] | None = None) -> None:
+    """The TP/PCP group getters and the backend lookup the worker module imported.
+    ``backends``: per cache layer, in the order a model registers them, the backend its
+    layer runs (a model whose caches run several, DeepSeek-V4's); else every layer runs
+    the one CPU backend of the model's kind."""
     from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker
 
     rank, size = int(start["tp_rank"]), int(start["tp_size"])
@@ -249,6 +257,16 @@ def stand_in_parallel_state(start: dict[str, Any]) -> None:
     base_worker.get_tensor_model_parallel_rank = lambda: rank  # type: ignore[attr-defined]
     base_worker.get_tensor_model_parallel_world_size = lambda: size  # type: ignore[attr-defined]
     base_worker.get_pcp_group = lambda: SimpleNamespace(rank_in_group=0)  # type: ignore[attr-defined]
+    if backends is not None:
+        distinct = list(dict.fromkeys(backends.values()))
+        base_worker.get_current_attn_backends = lambda *_a, **_k: distinct  # type: ignore[attr-defined]
+        if hasattr(base_worker, "get_current_attn_backends_and_specs"):
+            base_worker.get_current_attn_backends_and_specs = (  # type: ignore[attr-defined]
+                lambda _vllm_config, kv_cache_config, _fallback: transfer_backends_and_specs(
+                    kv_cache_config, backends
+                )
+            )
+        return
     base_worker.get_current_attn_backends = (  # type: ignore[attr-defined]
         lambda *_a, **_k: [_backend(mla, kernel)]
     )
@@ -259,6 +277,30 @@ def stand_in_parallel_state(start: dict[str, Any]) -> None:
                 [kv_cache_config.kv_cache_groups[0].kv_cache_spec],
             )
         )
+
+
+def transfer_backends_and_specs(
+    kv_cache_config: Any, backends: dict[str, Any]
+) -> tuple[list[Any], list[Any]]:
+    """vLLM 0.32's lookup of the kernel sizes a worker's transferred blocks must split
+    into, over layers of several backends: each distinct (backend, layer spec) of the
+    transfer groups' layers, leaving out compressed caches (several tokens a state), whose
+    kernel pages never split a block. Two lists of one length, as vLLM's worker zips
+    them."""
+    from vllm.v1.kv_cache_interface import AttentionSpec
+
+    def layers(group: Any) -> Iterator[tuple[str, Any]]:
+        specs = getattr(group.kv_cache_spec, "kv_cache_specs", None)
+        for name in group.layer_names:
+            yield name, specs[name] if specs is not None else group.kv_cache_spec
+
+    found = dict.fromkeys(
+        (backends[name], spec if isinstance(spec, AttentionSpec) else None)
+        for group in kv_cache_config.transfer_groups
+        for name, spec in layers(group)
+        if not (isinstance(spec, AttentionSpec) and spec.tokens_per_state > 1)
+    )
+    return [backend for backend, _ in found], [spec for _, spec in found]
 
 
 # -- metadata between the scheduler and the workers -------------------------------------

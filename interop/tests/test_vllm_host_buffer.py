@@ -183,13 +183,24 @@ def test_the_blocks_a_step_writes_are_those_its_tokens_touch(data: st.DataObject
     end = data.draw(st.integers(1, 8 * size), label="end")
     start = data.draw(st.integers(0, end - 1), label="start")
     kinds = data.draw(st.lists(st.sampled_from(["attention", "mamba"]), min_size=1, max_size=3))
-    rules = [Exchanged() if k == "attention" else Exchanged(spec_slots=2) for k in kinds]
-    needed = -(-end // size)
+    # DeepSeek-V4's groups each have a block size of their own, dividing the engine's.
+    own = data.draw(st.booleans(), label="groups of their own block sizes")
+    sizes = [
+        data.draw(st.sampled_from([size // 4, size // 2, size])) if own else size for _ in kinds
+    ]
+    rules = [
+        Exchanged(block_size=tokens if own else 0) if k == "attention" else Exchanged(spec_slots=2)
+        for k, tokens in zip(kinds, sizes, strict=True)
+    ]
     lists = [
-        data.draw(st.lists(st.integers(1, 999), min_size=needed, max_size=needed + 2, unique=True))
+        data.draw(
+            st.lists(
+                st.integers(1, 999), min_size=-(-end // t), max_size=-(-end // t) + 2, unique=True
+            )
+        )
         if k == "attention"
         else data.draw(st.lists(st.integers(1, 999), min_size=3, max_size=6, unique=True))
-        for k in kinds
+        for k, t in zip(kinds, sizes, strict=True)
     ]
     side = SchedulerSide.__new__(SchedulerSide)
     side.vllm_config = SimpleNamespace(cache_config=SimpleNamespace(block_size=size))
@@ -198,9 +209,9 @@ def test_the_blocks_a_step_writes_are_those_its_tokens_touch(data: st.DataObject
     )
     side.rules = tuple(rules)
     want = [
-        [blocks[i] for i in sorted({t // size for t in range(start, end)})]
+        [blocks[i] for i in sorted({t // tokens for t in range(start, end)})]
         if kind == "attention"
         else rule(blocks)
-        for kind, rule, blocks in zip(kinds, rules, lists, strict=True)
+        for kind, rule, blocks, tokens in zip(kinds, rules, lists, sizes, strict=True)
     ]
     assert side.written(lists, start, end) == want

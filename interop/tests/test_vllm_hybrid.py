@@ -438,17 +438,9 @@ REFUSED = {
     "mamba-replicated": (["full", "mamba-replicated"], "group 1 is a TP-replicated MambaSpec"),
     "mamba-3-states": (["full", "mamba-3-states"], "group 1's MambaSpec has 3 state arrays"),
     "chunked-local": (["full", "chunked"], "KV-cache group 1 is ChunkedLocalAttentionSpec"),
-    "deepseek-v4-window": (
-        ["mla", "v4-window"],
-        "group 1 is SlidingWindowMLASpec of model_version deepseek_v4",
-    ),
-    "deepseek-v4-compressed": (
-        ["v4-compressed", "mla-window"],
-        "group 0 is MLAAttentionSpec .* with 4 tokens a state",
-    ),
-    "deepseek-v4-compressor": (
-        ["mla", "v4-compressor"],
-        "group 1 is SlidingWindowMLASpec of model_version None .* aligned to 512 bytes",
+    "deepseek-v4-beside-attention": (
+        ["full", "v4-window"],
+        r"\(DeepSeek-V4's caches\) beside FullAttentionSpec",
     ),
     "mla-windows-only": (["mla-window"], "no KV-cache group is full attention"),
     "unequal-pages": (["full", "full-64"], "KV-cache group 1's pages"),

@@ -210,17 +210,16 @@ def test_mla_window_regions_are_what_stock_registers(zygote: Zygote) -> None:
 
 
 @pytest.mark.parametrize("fp8_ds_mla", [True, False], ids=["fp8_ds_mla", "bf16"])
-def test_deepseek_v4s_groups_are_refused_by_name(fp8_ds_mla: bool) -> None:
+def test_deepseek_v4s_groups_are_rows_of_their_own_block_sizes(fp8_ds_mla: bool) -> None:
     """DeepSeek-V4's caches as vLLM's own modules make them, grouped by vLLM's own code
-    (256-token blocks, a block-outermost layout, as V4 requires): every group fails the
-    engine's startup naming V4's caches, in either cache layout (in bf16 no page is
-    padded, so only V4's fields tell them apart), not some other rule's message."""
+    (256-token blocks, a block-outermost layout, as V4 requires): the connector takes
+    every group, in either cache layout, as rows of MLA pages, each group placed by its
+    own block size (in bf16 no page is padded, so only V4's fields tell them apart)."""
     import vllm_engine
     from vllm.v1.core.kv_cache_utils import get_kv_cache_groups
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
-    from kvwire.errors import ConfigError
-    from kvwire.integrations.vllm.geometry import group_kinds
+    from kvwire.integrations.vllm.geometry import group_kinds, row_block_sizes
 
     ratios = [1, 4, 128, 4, 128, 4]
     start = {
@@ -232,8 +231,6 @@ def test_deepseek_v4s_groups_are_refused_by_name(fp8_ds_mla: bool) -> None:
     config.cache_config.cache_dtype = "fp8_ds_mla" if fp8_ds_mla else "auto"
     specs = vllm_engine.deepseek_v4_specs(config, ratios, fp8_ds_mla)
     groups = get_kv_cache_groups(config, specs)
-    assert len(groups) > 1
-    for group in groups:
-        one = KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=[group])
-        with pytest.raises(ConfigError, match="DeepSeek-V4's caches"):
-            group_kinds(one, 256)
+    whole = KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=groups)
+    assert row_block_sizes(whole) == (64, 64, 256, 4, 8)
+    assert {k.value for k in group_kinds(whole, 256)} == {"attention"}

@@ -14,7 +14,6 @@ from kvwire.config import KVWireConfig, layered
 from kvwire.errors import ConfigError
 from kvwire.integrations.vllm import staging
 from kvwire.integrations.vllm.geometry import (
-    Exchanged,
     attn_backend_name,
     exchanged,
     prefill_backoff,
@@ -130,13 +129,30 @@ def compat_factors(
         num_kv_heads=model.get_total_num_kv_heads(),
         head_size=model.get_head_size(),
         num_hidden_layers=model.get_total_num_hidden_layers(),
-        attn_backend_name=backend or attn_backend_name(vllm_config),
+        attn_backend_name=backend or hashed_backend_name(vllm_config, mode, version),
         cache_dtype=str(vllm_config.cache_config.cache_dtype),
         is_hma_enabled=not vllm_config.scheduler_config.disable_hybrid_kv_cache_manager,
         transfer_mode=mode,
         speculative=speculative_factors(vllm_config),
         connector_version=version,
     )
+
+
+def hashed_backend_name(vllm_config: VllmConfig, mode: str, version: int) -> str:
+    """The attention backend name a stock engine hashes: the engine's first backend's,
+    except that a push engine whose cache is block-outermost hashes every backend's name,
+    sorted and joined by commas (so pipeline stages that meet a model's backends in
+    another order agree); vLLM 0.32 (connector version 14) drops repeated names. Measured
+    with DeepSeek-V4 (four backends): the first backend's name alone failed a stock push
+    peer's hash check."""
+    from vllm.distributed.kv_transfer.kv_connector import utils
+
+    layout = vllm_config.cache_config.get_resolved_kv_cache_layout()
+    block_outermost = str(getattr(layout, "name", layout)).startswith("B")  # B: blocks first
+    if mode != "push" or not block_outermost:
+        return attn_backend_name(vllm_config)
+    names = [str(b.get_name()) for b in utils.get_current_attn_backends(vllm_config)]
+    return ",".join(sorted(set(names) if version >= 14 else names))
 
 
 def speculative_factors(vllm_config: VllmConfig) -> SpeculativeFactors | None:
@@ -202,7 +218,10 @@ def readback(vllm_config: VllmConfig, kv_cache_config: Any) -> Readback | None:
             f"bidirectional_kv_xfer needs a finite decoder_kv_blocks_ttl > 0 (got {hold!r}) "
             f"and a whole kv_recompute_threshold >= 0 (got {threshold!r})"
         )
-    whole = all(rule == Exchanged() for rule in exchanged(kv_cache_config, vllm_config))
+    whole = all(
+        not rule.tail and rule.spec_slots is None
+        for rule in exchanged(kv_cache_config, vllm_config)
+    )
     moves = whole and not prefill_backoff(kv_cache_config, vllm_config)
     if not moves:
         log.warning(

@@ -194,6 +194,54 @@ def layer_regions(
     return regions
 
 
+def row_regions(
+    kv_caches: dict[str, torch.Tensor],
+    num_blocks: int,
+    layout: str,
+    group_of: Mapping[str, int],
+) -> list[BlockRegion]:
+    """The worker's one region when its groups have several block sizes: vLLM lays them
+    over one buffer of rows, a row per block id as wide as the widest group's pages, and
+    no layer's page is a span of the block it owns (pages are padded past their content),
+    so the rows are what moves, registered once and shared by every group, as stock
+    registers them."""
+    names = sorted(kv_caches, key=layer_order)
+    first = kv_caches[names[0]]
+    storage = first.untyped_storage()
+    base = int(storage.data_ptr())
+    stride = int(first.stride(0)) * first.element_size()
+    for name in names:
+        view = kv_caches[name]
+        offset = int(view.data_ptr()) - base
+        span = sum((n - 1) * s for n, s in zip(view.shape[1:], view.stride()[1:], strict=True))
+        if (
+            int(view.untyped_storage().data_ptr()) != base
+            or int(view.stride(0)) * view.element_size() != stride
+            or view.shape[0] != num_blocks
+            or offset < 0
+            or offset + (span + 1) * view.element_size() > stride
+            or not 0 <= storage.nbytes() - num_blocks * stride < stride
+        ):
+            raise ConfigError(
+                f"layer {name}: in KV cache layout {layout}, groups of several block sizes "
+                f"are moved as rows of one buffer ({num_blocks} rows of {stride} bytes from "
+                f"{names[0]}'s), and this layer's view is not inside them"
+            )
+    on_device = first.device.type != "cpu"
+    groups = {group_of[name] for name in names}
+    return [
+        BlockRegion(
+            base_addr=base,
+            block_len=stride,
+            num_blocks=num_blocks,
+            group_id=groups.pop() if len(groups) == 1 else SHARED_GROUP_ID,
+            mem_kind="VRAM" if on_device else "DRAM",
+            device_id=max(first.get_device(), 0) if on_device else None,
+            name=names[0],
+        )
+    ]
+
+
 def transfer_groups(kv_cache_config: Any) -> tuple[Any, ...]:
     """The KV-cache groups whose blocks cross between engines, in the order the block
     lists of ``kv_transfer_params`` carry them (vLLM leaves some groups out)."""
@@ -228,6 +276,14 @@ def group_kinds(kv_cache_config: Any, block_size: int) -> tuple[RegionKind, ...]
     moved = (FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec, SlidingWindowMLASpec)
     groups = transfer_groups(kv_cache_config)
     ids = getattr(kv_cache_config, "transfer_group_ids", range(len(groups)))
+    if row_block_sizes(kv_cache_config):
+        windowed = (_layer_specs(g.kv_cache_spec) for g in groups)
+        if all(all(isinstance(s, SlidingWindowSpec) for s in layers) for layers in windowed):
+            raise ConfigError(
+                "no KV-cache group is full attention: KVWireConnector needs a group that "
+                "holds the whole prompt so far (every group has a sliding window)"
+            )
+        return (RegionKind.ATTENTION,) * len(groups)
     first: tuple[Any, ...] | None = None
     kinds = []
     attention_page = 0
@@ -244,7 +300,6 @@ def group_kinds(kv_cache_config: Any, block_size: int) -> tuple[RegionKind, ...]
                 f"KV-cache group {group_id} is {type(spec).__name__}: KVWireConnector moves "
                 "full-attention, MLA, sliding-window and Mamba groups so far"
             )
-        _check_one_latent_per_token(group_id, spec)
         page = (spec.block_size, spec.num_kv_heads, spec.head_size, spec.dtype)
         padded = getattr(spec, "page_size_padded", None)
         if spec.block_size != block_size or padded is not None or page != (first or page):
@@ -278,15 +333,11 @@ def _replicated_pages(group_id: int, spec: Any) -> Any:
     """The spec a group of per-layer specs is checked as: its first layer's, when every
     layer is MLA (a page moved whole, whatever its size; the regions carry each layer's own
     page). Layers of one kind but other heads or head sizes would need each its own slicing
-    between unequal TP sizes, which one geometry does not describe. DeepSeek-V4's caches
-    come in such groups (vLLM groups its windowed latents per layer too), so they are
-    named first, before the kinds are."""
-    from vllm.v1.kv_cache_interface import MLAAttentionSpec, SlidingWindowMLASpec
+    between unequal TP sizes, which one geometry does not describe. (DeepSeek-V4's groups
+    of such specs are rows, :func:`row_block_sizes`, and never come here.)"""
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec
 
     layers = spec.kv_cache_specs
-    for layer in layers.values():
-        if isinstance(layer, MLAAttentionSpec | SlidingWindowMLASpec):
-            _check_one_latent_per_token(group_id, layer)
     others = sorted({type(s).__name__ for s in layers.values() if type(s) is not MLAAttentionSpec})
     if others:
         raise ConfigError(
@@ -303,21 +354,45 @@ def _replicated_pages(group_id: int, spec: Any) -> Any:
     return next(iter(layers.values()))
 
 
-def _check_one_latent_per_token(group_id: int, spec: Any) -> None:
-    """DeepSeek-V4's caches (its windowed latents, compressed latents, compressor states and
-    indexer keys) keep one state per several tokens, or pages aligned past their content,
-    in groups of several block sizes that stock moves as rows of one buffer; planned as one
-    latent a token in pages of one block size they would cross misplaced. vLLM sets
-    ``model_version``, ``tokens_per_state`` other than 1 and ``alignment`` for V4 alone."""
-    per_state = spec.tokens_per_state
-    version = getattr(spec, "model_version", None)
-    alignment = getattr(spec, "alignment", None)
-    if per_state != 1 or version is not None or alignment is not None:
-        raise ConfigError(
-            f"KV-cache group {group_id} is {type(spec).__name__} of model_version {version} "
-            f"with {per_state} tokens a state, pages aligned to {alignment} bytes "
-            "(DeepSeek-V4's caches): KVWireConnector moves one latent a token so far"
+def _layer_specs(spec: Any) -> list[Any]:
+    """A group's per-layer specs (one, unless vLLM wrapped several)."""
+    layers = getattr(spec, "kv_cache_specs", None)
+    return list(layers.values()) if layers is not None else [spec]
+
+
+def row_block_sizes(kv_cache_config: Any) -> tuple[int, ...]:
+    """Per transfer group, its tokens per block when the groups are rows of one buffer
+    (``KVGeometry.group_block_sizes``), else ``()``.
+
+    DeepSeek-V4's caches keep one state per several tokens (``tokens_per_state``) or pad
+    their pages to an ``alignment`` (vLLM sets these, and ``model_version``, for V4
+    alone), in groups of four block sizes that vLLM lays over one block-outermost buffer:
+    no page is tokens times content, so such a model moves whole rows, each group's list
+    placed by its own block size. Every page there is an MLA layer's, the same on every TP
+    rank; a row holding head-sharded pages would not be."""
+    from vllm.v1.kv_cache_interface import AttentionSpec, MLAAttentionSpec, SlidingWindowMLASpec
+
+    groups = transfer_groups(kv_cache_config)
+    layers = [spec for g in groups for spec in _layer_specs(g.kv_cache_spec)]
+    if not any(
+        isinstance(spec, AttentionSpec)  # a Mamba spec has no tokens a state (-1)
+        and (
+            spec.tokens_per_state != 1
+            or getattr(spec, "alignment", None) is not None
+            or getattr(spec, "model_version", None) is not None
         )
+        for spec in layers
+    ):
+        return ()
+    moved = (MLAAttentionSpec, SlidingWindowMLASpec)
+    others = sorted({type(s).__name__ for s in layers if type(s) not in moved})
+    if others:
+        raise ConfigError(
+            f"KV-cache groups with states of several tokens or aligned pages (DeepSeek-V4's "
+            f"caches) beside {', '.join(others)}: KVWireConnector moves such groups as rows "
+            "of MLA pages only"
+        )
+    return tuple(int(g.kv_cache_spec.block_size) for g in groups)
 
 
 def _check_state_group(group_id: int, spec: Any) -> None:
@@ -435,6 +510,9 @@ class Exchanged:
 
     tail: int = 0
     """The last blocks that cross; 0: all."""
+    block_size: int = 0
+    """Tokens per block of an attention group (DeepSeek-V4's groups differ); 0: the
+    engine's."""
     spec_slots: int | None = None
     """A Mamba group's trailing scratch slots (``None``: not a Mamba group)."""
     positional: bool = False
@@ -459,17 +537,20 @@ def exchanged(kv_cache_config: Any, vllm_config: Any) -> tuple[Exchanged, ...]:
     positional = getattr(vllm_config.cache_config, "mamba_cache_mode", "none") == "all" and (
         not hasattr(utils, "clip_ssm_state_blocks")
     )
+    sizes = row_block_sizes(kv_cache_config)
     rules = []
     for group in transfer_groups(kv_cache_config):
         spec = group.kv_cache_spec
+        size = int(spec.block_size) if sizes else 0
         if isinstance(spec, SlidingWindowSpec):
-            rules.append(Exchanged(tail=-(-int(spec.sliding_window) // int(spec.block_size)) + 1))
+            tail = -(-int(spec.sliding_window) // int(spec.block_size)) + 1
+            rules.append(Exchanged(tail=tail, block_size=size))
         elif isinstance(spec, MambaSpec):
             rules.append(
                 Exchanged(spec_slots=int(spec.num_speculative_blocks), positional=positional)
             )
         else:
-            rules.append(Exchanged())
+            rules.append(Exchanged(block_size=size))
     return tuple(rules)
 
 
@@ -501,21 +582,30 @@ def layer_geometry(
         for name in group.layer_names
     }
     kinds = group_kinds(kv_cache_config, int(vllm_config.cache_config.block_size))
+    sizes = row_block_sizes(kv_cache_config)
     moved = {name: view for name, view in kv_caches.items() if name in group_of}
     states = frozenset(n for n in moved if kinds[group_of[n]] is RegionKind.SSM)
     ratio = kernel_ratio({n: v for n, v in moved.items() if n not in states}, num_blocks)
+    if sizes:
+        regions = row_regions(moved, num_blocks * ratio, layout_name, group_of)
+    else:
+        regions = layer_regions(moved, num_blocks * ratio, layout_name, group_of, states)
     return KVGeometry(
-        regions=layer_regions(moved, num_blocks * ratio, layout_name, group_of, states),
+        regions=regions,
         physical_blocks_per_logical=ratio,
         group_kinds=kinds,
+        group_block_sizes=sizes,
         ssm_sizes=ssm_sizes(kv_cache_config),
         ssm_parts=ssm_parts(kv_cache_config),
         kv_cache_layout=layout_name,
-        block_size=int(vllm_config.cache_config.block_size),
-        total_kv_heads=1 if model.use_mla else model.get_total_num_kv_heads(),
+        # vLLM's engine core sets the configured block size to the smallest group's when
+        # the groups differ (4 for V4, in the scheduler and in an in-process worker);
+        # stock advertises the groups' least common multiple, and so does kvwire.
+        block_size=math.lcm(*sizes) if sizes else int(vllm_config.cache_config.block_size),
+        total_kv_heads=1 if model.use_mla or sizes else model.get_total_num_kv_heads(),
         tp_rank=config.tp_rank,
         tp_size=config.tp_size,
-        is_mla=bool(model.use_mla),
+        is_mla=bool(model.use_mla) or bool(sizes),  # rows hold MLA pages alone
         attn_backend_name=attn_backend_name(vllm_config),
         num_blocks=num_blocks * ratio,
     )

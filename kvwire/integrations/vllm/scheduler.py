@@ -279,11 +279,14 @@ class SchedulerSide:
         """The blocks computing tokens ``[start, end)`` writes, per transfer group: an
         attention group's blocks holding those tokens, a Mamba group's running state (its
         list has no block per token)."""
-        size = int(self.vllm_config.cache_config.block_size)
-        return [
-            rule(g) if rule.spec_slots is not None else g[start // size : -(-end // size)]
-            for g, rule in zip(self._transfer_lists(block_ids), self.rules, strict=True)
-        ]
+        engine = int(self.vllm_config.cache_config.block_size)
+        out = []
+        for g, rule in zip(self._transfer_lists(block_ids), self.rules, strict=True):
+            size = rule.block_size or engine
+            out.append(
+                rule(g) if rule.spec_slots is not None else g[start // size : -(-end // size)]
+            )
+        return out
 
     def build_meta(self, scheduler_output: SchedulerOutput) -> KVWireMetadata:
         meta, self.meta = self.meta, KVWireMetadata()

@@ -1,0 +1,158 @@
+"""DeepSeek-V4 in KVWireConnector: V4's caches as vLLM's own modules make them (per layer a
+windowed latent; with compression, the compressed latents, the compressor's states and,
+at ratio 4, the indexer's keys and states), grouped, planned and allocated by vLLM's own
+code. That is five groups of four block sizes (64, 64, 256, 4, 8 tokens) over one backing
+whose rows are a block id each, every group's layers overlaying the row.
+
+P exchanges a window group's last ``cdiv(window, block) + 1`` blocks (the first may be
+vLLM's null block) and every block of the 256-token group; D keeps, per group, the tail of
+P's list its own allocation asks for. The engine fills each layer's page of each of P's
+blocks with content of its own (request, group, layer, block position) and D checks, byte
+for byte, the pages its next token reads."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from harness import (
+    Geometry,
+    SchedulerEngine,
+    Zygote,
+    engines,
+    registered_by_each,
+    step_both,
+    wait_until,
+)
+
+RATIOS = [1, 4, 128, 4, 128, 4]
+"""Compress ratio per layer: a window-only layer, then V4's alternating 4 and 128."""
+GEO = Geometry(model="mla", layers=len(RATIOS), num_blocks=512, block_size=256)
+"""512 rows of 141696 bytes: room for the 1000-token prompt's 411 blocks on P at once."""
+V4 = {"deepseek_v4": RATIOS, "layout": "BLHNC", "hma": True}
+PROMPTS = {"req-1000": (41, 1000), "req-768": (43, 768)}
+"""Per request, its content index (each its own: no prefix-cache hit between them) and
+tokens: 1000 ends inside a block of every group; 768 ends on a 256-token boundary."""
+PAIRS = {
+    "kvwire-shm": ("KVWireConnector", "KVWireConnector", "shm"),
+    "kvwire-nixl": ("KVWireConnector", "KVWireConnector", "nixl"),
+    "stock-P-kvwire-D": ("NixlConnector", "KVWireConnector", "nixl"),
+    "kvwire-P-stock-D": ("KVWireConnector", "NixlConnector", "nixl"),
+}
+CASES = [(pair, mode) for pair in sorted(PAIRS) for mode in ("pull", "push")]
+
+
+def v4_groups() -> list[tuple[int, int, list[int]]]:
+    """Per group vLLM makes of V4's caches: (block tokens, window tokens (0: none), each
+    layer's page bytes, unpadded: what vLLM's view of a block holds), from the specs of
+    vLLM's own modules and its own grouping."""
+    import vllm_engine
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_groups
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+    start = {
+        "model": "mla", "layers": len(RATIOS), "num_blocks": GEO.num_blocks, "tp_size": 1,
+        "block_size": GEO.block_size, "connector": "NixlConnector", "role": "P",
+        "engine_id": "v4-expected", "layout": "BLHNC", "hma": True, "deepseek_v4": RATIOS,
+    }  # fmt: skip
+    config = vllm_engine.build_vllm_config(start)
+    specs = vllm_engine.deepseek_v4_specs(config, RATIOS, True)
+    out = []
+    for group in get_kv_cache_groups(config, specs):
+        first = specs[group.layer_names[0]]  # the scheduler keeps blocks by the first's
+        window = int(first.sliding_window) if isinstance(first, SlidingWindowSpec) else 0
+        pages = [int(specs[name].real_page_size_bytes) for name in group.layer_names]
+        out.append((int(first.block_size), window, pages))
+    return out
+
+
+def held_bytes(groups: list[tuple[int, int, list[int]]], tokens: int) -> int:
+    """Bytes of the pages D must hold after a prompt of ``tokens``: per group, every
+    block of the prompt, or with a window those from the one holding token
+    ``tokens - window + 1`` on, each block a page per layer, the last block's pages their
+    share of the prompt's tokens in it."""
+    total = 0
+    for block, window, pages in groups:
+        first = max(0, tokens - window + 1) // block if window else 0
+        last = -(-tokens // block) - 1
+        total += (last - first) * sum(pages)
+        total += sum(page * (tokens - last * block) // block for page in pages)
+    return total
+
+
+def exchanged(groups: list[tuple[int, int, list[int]]], tokens: int) -> list[int]:
+    """Per group, how many block ids P gives D: a window's last ``cdiv(window, block) +
+    1``, else every block of the prompt."""
+    counts = []
+    for block, window, _ in groups:
+        blocks = -(-tokens // block)
+        counts.append(min(blocks, -(-window // block) + 1) if window else blocks)
+    return counts
+
+
+def move_all(
+    p: SchedulerEngine, d: SchedulerEngine, prompts: dict[str, tuple[int, int]]
+) -> dict[str, Any]:
+    """P prefills every prompt, each of its own content, and holds them all at once; then
+    D fetches them all, as a proxy forwards P's params, and both step until D has every
+    request and P has freed them. D's state."""
+    for rid, (index, tokens) in prompts.items():
+        p.add(rid, index, tokens)
+        wait_until(lambda r=rid: r in p.state.get("outputs", {}), p.step, 60, f"P: {rid}")
+    for rid, (index, tokens) in prompts.items():
+        d.add(rid, index, tokens, p.state["outputs"][rid])
+
+    def done() -> bool:
+        return set(prompts) <= set(d.state.get("outputs", {})) & set(p.state.get("sent", []))
+
+    step_both(p, d, done, f"D to receive {sorted(prompts)} and P to free them", 120)
+    return d.state
+
+
+@pytest.mark.parametrize(("pair", "mode"), CASES)
+def test_deepseek_v4(zygote: Zygote, pair: str, mode: str) -> None:
+    """TP 1 to 1: D holds, byte for byte, every page of every layer its next token reads
+    in each of V4's five groups (the latents of every block of the prompt, the windows'
+    and states' last blocks), from P's exchanged tails."""
+    p_conn, d_conn, transport = PAIRS[pair]
+    with engines(
+        zygote, p_conn, d_conn, geo=GEO, extra_config={"transport": transport}, mode=mode, **V4
+    ) as (p, d):
+        state = move_all(p, d, PROMPTS)
+        outputs = p.state["outputs"]
+    groups = v4_groups()
+    for rid, (_, tokens) in PROMPTS.items():
+        assert list(map(len, outputs[rid]["remote_block_ids"])) == exchanged(groups, tokens)
+        assert state["checked"][rid] == [0, held_bytes(groups, tokens)], rid
+
+
+def test_deepseek_v4_regions_are_what_stock_registers(zygote: Zygote) -> None:
+    """Stock registers V4's one backing once, as rows of a block id (every group's, -1),
+    named after its first cache, V4's first backend's; kvwire the same, so a mixed pair
+    pairs region for region."""
+    stock, ours = registered_by_each(zygote, geo=GEO, extra_config={"transport": "nixl"}, **V4)
+    for key in ("regions", "names", "groups", "layout", "blocks"):
+        assert ours[key] == stock[key], key
+    assert stock["groups"] == [-1]
+
+
+CHUNKED = [
+    (pair, mode) for pair in sorted(PAIRS) if pair != "kvwire-shm" for mode in ("pull", "push")
+]
+
+
+@pytest.mark.parametrize(("pair", "mode"), CHUNKED)
+def test_deepseek_v4_chunked_prefill(zygote: Zygote, pair: str, mode: str) -> None:
+    """P computes each prompt in steps of 300 tokens (ending inside blocks of every group,
+    the windows dropping blocks meanwhile), its pages filling as their tokens are
+    computed: D holds, byte for byte, what it reads, every page's last bytes included (a
+    pushing kvwire P sends a prompt of several groups whole, with its last chunk)."""
+    p_conn, d_conn, transport = PAIRS[pair]
+    with engines(
+        zygote, p_conn, d_conn, {"scheduler": {"batch_tokens": 300}}, None, geo=GEO,
+        extra_config={"transport": transport}, mode=mode, **V4,
+    ) as (p, d):  # fmt: skip
+        state = move_all(p, d, PROMPTS)
+    groups = v4_groups()
+    for rid, (_, tokens) in PROMPTS.items():
+        assert state["checked"][rid] == [0, held_bytes(groups, tokens)], rid
