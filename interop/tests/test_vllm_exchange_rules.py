@@ -2,8 +2,8 @@
 scheduler side cuts them and as stock's own scheduler (``get_exchange_clipped_blocks``) cuts
 them, on the same vLLM configs: a stock peer reads or writes exactly its cut, so kvwire's
 must be the same list. Hypothesis draws the groups (full attention, sliding windows of
-attention and of MLA, Mamba groups with speculative scratch slots), vLLM's Mamba cache
-mode and the lists; the prompt's tokens D computes itself are compared with stock's too."""
+attention and of MLA, Mamba groups with speculative scratch slots, DeepSeek-V4's groups of
+four block sizes), vLLM's Mamba cache mode and the lists; the prompt's tokens D computes itself are compared with stock's too."""
 
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ def _config(kinds: tuple[str, ...], spec_slots: int) -> Any:
         KVCacheConfig,
         KVCacheGroupSpec,
         MambaSpec,
+        MLAAttentionSpec,
         SlidingWindowMLASpec,
         SlidingWindowSpec,
     )
@@ -40,6 +41,24 @@ def _config(kinds: tuple[str, ...], spec_slots: int) -> Any:
         "mla-swa": lambda: SlidingWindowMLASpec(
             block_size=BLOCK, sliding_window=72, num_kv_heads=1, head_size=576,
             dtype=torch.bfloat16,
+        ),
+        # DeepSeek-V4's groups, each of its own block size: compressed latents (a state a
+        # 4 tokens), windowed latents, compressors' states (windows of 8 and 128 tokens)
+        "v4-latent": lambda: MLAAttentionSpec(
+            block_size=256, tokens_per_state=4, alignment=576, model_version="deepseek_v4",
+            num_kv_heads=1, head_size=584, dtype=torch.uint8,
+        ),
+        "v4-window": lambda: SlidingWindowMLASpec(
+            block_size=64, sliding_window=128, alignment=576, model_version="deepseek_v4",
+            num_kv_heads=1, head_size=584, dtype=torch.uint8,
+        ),
+        "v4-state": lambda: SlidingWindowMLASpec(
+            block_size=4, sliding_window=8, alignment=576, num_kv_heads=1, max_tp_shards=1,
+            head_size=2048, dtype=torch.float32,
+        ),
+        "v4-state-8": lambda: SlidingWindowMLASpec(
+            block_size=8, sliding_window=128, alignment=576, num_kv_heads=1, max_tp_shards=1,
+            head_size=1024, dtype=torch.float32,
         ),
         "mamba": lambda: MambaSpec(
             block_size=BLOCK, shapes=((96, 3), (4, 16, 16)), dtypes=(torch.bfloat16,) * 2,
@@ -96,11 +115,17 @@ def sides() -> Any:
 
 @st.composite
 def requests(draw: st.DrawFn) -> tuple[Any, ...]:
-    kinds = ("full", *draw(st.sampled_from([(), ("swa",), ("mamba",), ("swa", "mamba"),
-                                            ("mamba", "mamba"), ("mla-swa",),
-                                            ("swa", "mla-swa")])))  # fmt: skip
+    kinds = draw(st.sampled_from([
+        ("full",), ("full", "swa"), ("full", "mamba"), ("full", "swa", "mamba"),
+        ("full", "mamba", "mamba"), ("full", "mla-swa"), ("full", "swa", "mla-swa"),
+        ("v4-window", "v4-window", "v4-latent", "v4-state", "v4-state-8"),
+    ]))  # fmt: skip
     lists = [
-        draw(st.lists(st.integers(0, 63), min_size=0 if k == "full" else 1, max_size=12))
+        draw(
+            st.lists(
+                st.integers(0, 63), min_size=0 if k in ("full", "v4-latent") else 1, max_size=20
+            )
+        )
         for k in kinds
     ]
     return (
