@@ -19,7 +19,7 @@ geometry supplies them when the two are paired.
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, Sequence, Sized
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any, Protocol
@@ -311,6 +311,10 @@ class KVGeometry:
             problems.append(f"one per group of group_kinds ({len(self.group_kinds)})")
         if self.has_ssm:
             problems.append("rows of state groups are not modelled")
+        if not self.is_mla:
+            problems.append(
+                "a row moves whole from one TP rank, so it must hold MLA pages (is_mla)"
+            )
         if problems:
             raise ConfigError(
                 f"group_block_sizes {sizes}: " + "; ".join(problems) + " (whole rows per block id)"
@@ -321,9 +325,16 @@ class KVGeometry:
         return KVLayout(self.kv_cache_layout)
 
     def group_block_size(self, group: int) -> int:
-        """Tokens per block of group ``group`` (:attr:`group_block_sizes`)."""
-        sizes = self.group_block_sizes
-        return sizes[group] if 0 <= group < len(sizes) else self.block_size
+        """Tokens per block of group ``group`` (:attr:`group_block_sizes`, else
+        ``block_size``)."""
+        return self.group_block_sizes[group] if self.group_block_sizes else self.block_size
+
+    def tokens_held(self, block_ids: Sequence[Sized]) -> int:
+        """Tokens a request's lists reach from the prompt's start: the furthest-reaching
+        group's (a full-attention group's, the whole prompt), each by its own block size."""
+        return max(
+            (len(ids) * self.group_block_size(g) for g, ids in enumerate(block_ids)), default=0
+        )
 
     @property
     def kernel_block_size(self) -> int:

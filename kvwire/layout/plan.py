@@ -503,6 +503,14 @@ class PeerLayout:
         self._producer, self._consumer = (
             (remote_side, local_side) if mode == "pull" else (local_side, remote_side)
         )
+        self._by_group = tuple(
+            (
+                replace(self._producer, kernel=tokens, logical=tokens, ppl=1),
+                replace(self._consumer, kernel=tokens, logical=tokens, ppl=1),
+            )
+            for tokens in local.group_block_sizes
+        )
+        """Per group of its own block size, (producer, consumer) as its chunks see them."""
         self._cluster_cache: dict[
             tuple[int, tuple[int, int] | None], tuple[list[_Cluster], bool]
         ] = {}
@@ -649,21 +657,27 @@ class PeerLayout:
     def _group_sides(self, group: int) -> tuple[_Side, _Side]:
         """(producer, consumer) as group ``group``'s chunks see them: a group of its own
         block size (:attr:`KVGeometry.group_block_sizes`) has blocks of that many tokens
-        on both sides (the pairing checked the block sizes are equal), one row each."""
-        if not self.local.group_block_sizes:
-            return self._producer, self._consumer
-        tokens = self.local.group_block_size(group)
-        return (
-            replace(self._producer, kernel=tokens, logical=tokens, ppl=1),
-            replace(self._consumer, kernel=tokens, logical=tokens, ppl=1),
-        )
+        on both sides, one row each. The peer's groups are ours: its sizes are not
+        advertised, the compatibility hash covers the model that sets them, and the
+        pairing checked the block size they share."""
+        return self._by_group[group] if self._by_group else (self._producer, self._consumer)
 
     def _held(self, p_groups: Sequence[IntArray]) -> int:
         """Tokens the producer's lists reach: the furthest of its groups'."""
-        if not self.local.group_block_sizes:
-            return max((len(g) for g in p_groups), default=0) * self._producer.logical
-        tokens = [len(g) * self.local.group_block_size(i) for i, g in enumerate(p_groups)]
-        return max(tokens, default=0)
+        if self.local.group_block_sizes:
+            return self.local.tokens_held(p_groups)
+        return max((len(g) for g in p_groups), default=0) * self._producer.logical
+
+    def _check_group_count(self, counts: tuple[int, int], whose: tuple[str, str]) -> None:
+        """Lists of groups of their own block sizes: one per group, no more."""
+        groups = len(self._by_group)
+        for count, who in zip(counts, whose, strict=True):
+            if groups and count > groups:
+                error = LocalProtocolError if who == "local" else RemoteProtocolError
+                raise error(
+                    f"{who} block ids: expected at most {groups} lists (one per KV-cache "
+                    f"group of block sizes {list(self.local.group_block_sizes)}), got {count}"
+                )
 
     def _sides(self, pair: RegionPair) -> tuple[RegionView, RegionView]:
         """(producer view, consumer view) of a pair."""
@@ -773,6 +787,7 @@ class PeerLayout:
         z_parts: list[IntArray] = []
         order_parts: list[IntArray] = []
         chunk_cache: dict[tuple[int, int, bool], _Chunks] = {}
+        self._check_group_count((len(p_groups), len(c_groups)), (p_who, c_who))
         if window is not None:
             if num_tokens is None or not 0 <= window[0] <= window[1] <= num_tokens:
                 raise LocalProtocolError(

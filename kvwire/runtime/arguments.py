@@ -84,23 +84,21 @@ def block_ids_arg(
 def geometry_groups(geometry: KVGeometry) -> int | None:
     """How many KV-cache groups index the geometry's blocks: the groups it declares, else
     those its regions name; None when every region is shared and no group is declared."""
-    if geometry.group_kinds:
-        return len(geometry.group_kinds)
+    if geometry.group_kinds or geometry.group_block_sizes:
+        return max(len(geometry.group_kinds), len(geometry.group_block_sizes))
     ids = [r.group_id for r in geometry.regions if r.group_id >= 0]
     return max(ids) + 1 if ids else None
 
 
-def num_tokens_arg(value: object, blocks: BlockIds, block_size: int | Sequence[int]) -> int | None:
-    """A prompt length the blocks can hold, or None when not given. ``block_size``: tokens
-    per block, of every group or of each (``KVGeometry.group_block_sizes``)."""
+def num_tokens_arg(value: object, held: int = 0) -> int | None:
+    """A prompt length the blocks passed can hold, or None when not given. ``held``: the
+    tokens those blocks reach (:meth:`KVGeometry.tokens_held`); 0: no blocks to fit."""
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise LocalProtocolError(f"num_tokens must be an int, got {type(value).__name__}")
     tokens = int(value)
-    sizes = [block_size] * len(blocks) if isinstance(block_size, int) else list(block_size)
-    held = max((len(g) * size for g, size in zip(blocks, sizes, strict=False)), default=0)
-    if tokens < 0 or (blocks and any(blocks) and not 0 < tokens <= held):
+    if tokens < 0 or (held and not 0 < tokens <= held):
         raise LocalProtocolError(
             f"num_tokens {tokens} does not fit the blocks passed: they hold 1 to {held} tokens"
         )

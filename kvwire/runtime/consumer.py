@@ -116,7 +116,7 @@ class Consumer(_Endpoint[Finished]):
             dcp_size=meta.dcp_size,
             blocks_expiry_time=remote.blocks_expiry_time,
         )
-        tokens = num_tokens_arg(num_tokens, (), 1)
+        tokens = num_tokens_arg(num_tokens)
         if readback and tokens is None:
             raise LocalProtocolError("readback needs num_tokens: how many tokens to read back")
         events: list[Event] = [RequestAdded(request_id, remote=prefill)]

@@ -143,8 +143,8 @@ class Producer(_Endpoint[list[FreedRequest]]):
         if geometry is None or not isinstance(machine, ProducerMachine):
             raise ConfigError("register_kv_caches before chunk_scheduled")
         blocks = block_ids_arg(block_ids, geometry)
-        prompt = num_tokens_arg(prompt_tokens, (), geometry.block_size)
-        done = num_tokens_arg(num_tokens, blocks, geometry.group_block_sizes or geometry.block_size)
+        prompt = num_tokens_arg(prompt_tokens)
+        done = num_tokens_arg(num_tokens, geometry.tokens_held(blocks))
         if prompt is None or done is None or done > prompt:
             raise LocalProtocolError(
                 f"num_tokens {num_tokens} must be an int within prompt_tokens {prompt_tokens}"
@@ -217,10 +217,7 @@ class Producer(_Endpoint[list[FreedRequest]]):
         geometry = self._driver.geometry
         blocks = block_ids_arg(block_ids, geometry)
         assert geometry is not None  # block_ids_arg refuses an unregistered runtime
-        tokens = num_tokens_arg(
-            num_tokens, blocks, geometry.group_block_sizes or geometry.block_size
-        )
-        return blocks, tokens
+        return blocks, num_tokens_arg(num_tokens, geometry.tokens_held(blocks))
 
     def _params(
         self, request_id: str, blocks: tuple[tuple[int, ...], ...], num_tokens: int | None

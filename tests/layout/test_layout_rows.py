@@ -22,7 +22,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvwire.errors import ConfigError, IncompatiblePeerError, RemoteProtocolError
+from kvwire.errors import (
+    ConfigError,
+    IncompatiblePeerError,
+    LocalProtocolError,
+    RemoteProtocolError,
+)
 from kvwire.layout import PeerLayout
 from kvwire.layout.geometry import SHARED_GROUP_ID, BlockRegion, KVGeometry, RemoteGeometry
 
@@ -107,6 +112,8 @@ def run(r: Rows) -> None:
     for buf in p_bufs:  # replicated: every P rank holds the same rows
         for g, ids in enumerate(p_ids):
             for i, b in enumerate(ids.tolist()):
+                if b == 0:  # vLLM's null block: no content of this request
+                    continue
                 for layer in range(r.layers[g]):
                     at = b * r.row + layer * PAGE
                     buf[at : at + PAGE] = page(g, layer, start(r, g, len(ids)) + i)
@@ -191,7 +198,9 @@ def rows(draw: st.DrawFn) -> Rows:
         d = draw(st.integers(0, min(total, 8)))
         p_counts.append(p)
         d_counts.append(d)
-        nulls.append(p > d and draw(st.booleans()))  # the null leads where D holds nothing
+        # P's windowed tail may lead with vLLM's null block; D may hold that position too
+        # (and reads the null block's row, as stock does).
+        nulls.append(g > 0 and p > 0 and draw(st.booleans()))
     p_tp, d_tp = draw(st.sampled_from([(1, 1), (1, 2), (2, 1), (2, 2)]))
     return Rows(
         sizes=sizes,
@@ -243,12 +252,29 @@ def test_a_peer_of_another_block_size_is_refused() -> None:
          "not split into kernel blocks"),
         ({"block_size": 16, "group_block_sizes": (4, 16), "group_kinds": ("attention",)},
          "one per group of group_kinds"),
+        ({"block_size": 16, "group_block_sizes": (4, 16), "is_mla": False, "total_kv_heads": 2},
+         r"must hold MLA pages \(is_mla\)"),
     ],
 )  # fmt: skip
 def test_bad_group_block_sizes_are_refused_by_name(options: dict, message: str) -> None:
+    """Each refusal names its rule. Rows of head-sharded pages would be written whole by
+    every producer rank between unequal TP sizes, one rank's heads winning."""
     region = BlockRegion(base_addr=0, block_len=48, num_blocks=4, group_id=SHARED_GROUP_ID)
     with pytest.raises(ConfigError, match=message):
-        KVGeometry([region], is_mla=True, **options)
+        KVGeometry([region], **{"is_mla": True, **options})
+
+
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_more_lists_than_groups_are_refused(mode: str) -> None:
+    r = Rows((8, 2), (1, 1), 16, (2, 1), (2, 1), (False, False), 1, 1, mode, True)
+    p_ids, d_ids = draw_ids(r, np.random.default_rng(0))
+    local, remote = (d_ids, p_ids) if mode == "pull" else (p_ids, d_ids)
+    theirs = RemoteGeometry.from_local(geometry(r, 0 if mode == "pull" else 1, 0))
+    layout = PeerLayout(geometry(r, 1 if mode == "pull" else 0, 0), theirs, mode=mode)
+    with pytest.raises(LocalProtocolError, match="local block ids: expected at most 2 lists"):
+        layout.plan([*local, np.array([3])], remote, num_tokens=16)
+    with pytest.raises(RemoteProtocolError, match="remote block ids: expected at most 2 lists"):
+        layout.plan(local, [*remote, np.array([3])], num_tokens=16)
 
 
 def test_a_producer_whose_lists_stop_short_of_the_prompt_is_refused() -> None:

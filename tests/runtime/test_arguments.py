@@ -19,7 +19,12 @@ from kvwire.errors import ConfigError, LocalProtocolError, WireDecodeError
 from kvwire.pairs.oracle import Case, Side
 from kvwire.pairs.worker import compat_factors
 from kvwire.runtime import Consumer, Producer
-from kvwire.runtime.arguments import block_ids_arg, num_tokens_arg, request_id_arg
+from kvwire.runtime.arguments import (
+    block_ids_arg,
+    geometry_groups,
+    num_tokens_arg,
+    request_id_arg,
+)
 
 POOL = 16
 
@@ -88,23 +93,28 @@ def test_the_pool_counts_logical_blocks() -> None:
 
 
 def test_num_tokens_must_fit_the_blocks() -> None:
-    assert num_tokens_arg(None, ((1, 2),), 16) is None
-    assert num_tokens_arg(np.int64(32), ((1, 2),), 16) == 32
+    assert num_tokens_arg(None, 32) is None
+    assert num_tokens_arg(np.int64(32), 32) == 32
+    assert num_tokens_arg(5) == 5  # no blocks passed: any length
     for bad in (33, 0, -1):
         with pytest.raises(LocalProtocolError, match="num_tokens"):
-            num_tokens_arg(bad, ((1, 2),), 16)
+            num_tokens_arg(bad, 32)
     for wrong in (1.5, "32", True):
         with pytest.raises(LocalProtocolError, match="num_tokens must be an int"):
-            num_tokens_arg(wrong, ((1, 2),), 16)
+            num_tokens_arg(wrong, 32)
 
 
-def test_num_tokens_fit_each_groups_own_block_size() -> None:
-    """DeepSeek-V4's groups (``group_block_sizes``): the lists reach as far as the furthest
-    group's blocks of its own size, not as far as as many blocks of the engine's size."""
-    lists = ((1, 2), (3, 4, 5, 6, 7))  # 2 blocks of 16 tokens, 5 of 4
-    assert num_tokens_arg(32, lists, (16, 4)) == 32
-    with pytest.raises(LocalProtocolError, match="they hold 1 to 32 tokens"):
-        num_tokens_arg(33, lists, (16, 4))
+def test_the_lists_reach_as_far_as_each_groups_own_blocks() -> None:
+    """DeepSeek-V4's groups (``group_block_sizes``): a request's lists reach as far as the
+    furthest group's blocks of its own size, not as far as as many blocks of the
+    engine's size."""
+    region = BlockRegion(base_addr=0, block_len=48, num_blocks=16, group_id=-1)
+    rows = KVGeometry([region], block_size=16, group_block_sizes=(16, 4), is_mla=True)
+    assert rows.tokens_held(((1, 2), (3, 4, 5, 6, 7))) == 32  # 2 blocks of 16, 5 of 4
+    assert rows.tokens_held(((1,), (3, 4, 5, 6, 7))) == 20
+    plain = KVGeometry([region], block_size=16, is_mla=True)
+    assert plain.tokens_held(((1, 2), (3, 4, 5, 6, 7))) == 80
+    assert geometry_groups(rows) == 2
 
 
 def test_request_ids_must_fit_the_notifications() -> None:
