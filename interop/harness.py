@@ -342,6 +342,7 @@ class SchedulerEngine:
         kv_role: str = "",
         multimodal: bool = False,
         deepseek_v4: list[int] | None = None,
+        v4_bf16: bool = False,
     ) -> None:
         """``engine_id`` and ``port``: a restarted engine keeps its predecessor's;
         ``scheduler``: ``batch_tokens`` (tokens per step) and ``chunk_tokens`` (per request
@@ -366,7 +367,8 @@ class SchedulerEngine:
         model takes images (vLLM's scheduler schedules their encoding; see ``add``);
         ``deepseek_v4``: DeepSeek-V4's caches, a layer per compress ratio given (vLLM's own
         modules, grouping and allocation; ``geo`` of 256-token blocks, ``layout`` BLHNC or
-        BLNHC), each group's pages filled and checked whole."""
+        BLNHC), each group's pages filled and checked whole; ``v4_bf16``: its caches in
+        bf16 rather than the ``fp8_ds_mla`` V4 resolves to on CPU and FlashMLA."""
         self.role = role
         self.tp = tp
         extra_config = dict(extra_config or {})
@@ -395,6 +397,7 @@ class SchedulerEngine:
             "mode": mode, "extra_config": extra_config, "layout": layout,
             "kernel_block": kernel_block, "layerwise": layerwise, "prefix_caching": prefix_caching,
             "kv_role": kv_role, "multimodal": multimodal, "deepseek_v4": deepseek_v4,
+            "bf16": v4_bf16,
             **(scheduler or {}),
         }  # fmt: skip
         self.peer = Peer(start, zygote, env)

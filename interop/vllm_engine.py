@@ -110,7 +110,7 @@ def build_vllm_config(start: dict[str, Any]) -> Any:
         model_config.hf_config = model_config.hf_text_config = deepseek_v4_hf_config(start)
         # What V4's attention resolves its cache dtype to on CPU and FlashMLA, and writes
         # back (the packed fp8 latents the stock hash and both connectors then see).
-        vllm_config.cache_config.cache_dtype = "fp8_ds_mla"
+        vllm_config.cache_config.cache_dtype = "auto" if start.get("bf16") else "fp8_ds_mla"
     if start.get("drafter"):
         object.__setattr__(vllm_config, "speculative_config", drafter_config(start))
     vllm_config.cache_config.num_gpu_blocks = spec.num_blocks
@@ -903,7 +903,7 @@ class EnginePart:
         self.vllm_config = build_vllm_config(start)
         self.vllm_config.parallel_config.tensor_parallel_size = tp
         self.layout = start["layout"]
-        v4_specs = deepseek_v4_specs(self.vllm_config, v4, True) if v4 else {}
+        v4_specs = deepseek_v4_specs(self.vllm_config, v4, not start.get("bf16")) if v4 else {}
         backends = deepseek_v4_backends(v4_specs) if v4 else None
         if backends is not None:
             distinct = list(dict.fromkeys(backends.values()))

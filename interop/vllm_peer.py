@@ -25,7 +25,6 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Iterator
 from dataclasses import replace
 from types import SimpleNamespace
 from typing import Any
@@ -258,14 +257,19 @@ def stand_in_parallel_state(start: dict[str, Any], backends: dict[str, Any] | No
     base_worker.get_tensor_model_parallel_world_size = lambda: size  # type: ignore[attr-defined]
     base_worker.get_pcp_group = lambda: SimpleNamespace(rank_in_group=0)  # type: ignore[attr-defined]
     if backends is not None:
+        from vllm.distributed.kv_transfer.kv_connector import utils
+
         distinct = list(dict.fromkeys(backends.values()))
         base_worker.get_current_attn_backends = lambda *_a, **_k: distinct  # type: ignore[attr-defined]
-        if hasattr(base_worker, "get_current_attn_backends_and_specs"):
-            base_worker.get_current_attn_backends_and_specs = (  # type: ignore[attr-defined]
-                lambda _vllm_config, kv_cache_config, _fallback: transfer_backends_and_specs(
-                    kv_cache_config, backends
-                )
-            )
+        # vLLM's own lookups (0.32's kernel sizes by backend and spec among them) find
+        # each layer's backend through its layer objects: those of a model not loaded.
+        utils.get_layers_from_vllm_config = (  # type: ignore[attr-defined]
+            lambda _config, _kind, names=None: {
+                name: SimpleNamespace(get_attn_backend=lambda b=backends[name]: b)
+                for name in (backends if names is None else names)
+                if name in backends
+            }
+        )
         return
     base_worker.get_current_attn_backends = (  # type: ignore[attr-defined]
         lambda *_a, **_k: [_backend(mla, kernel)]
@@ -277,33 +281,6 @@ def stand_in_parallel_state(start: dict[str, Any], backends: dict[str, Any] | No
                 [kv_cache_config.kv_cache_groups[0].kv_cache_spec],
             )
         )
-
-
-def transfer_backends_and_specs(
-    kv_cache_config: Any, backends: dict[str, Any]
-) -> tuple[list[Any], list[Any]]:
-    """vLLM 0.32's lookup of the kernel sizes a worker's transferred blocks must split
-    into, over layers of several backends: each distinct (backend, layer spec) of the
-    transfer groups' layers, leaving out compressed caches (several tokens a state), whose
-    kernel pages never split a block. Two lists of one length, as vLLM's worker zips
-    them."""
-    from vllm.v1.kv_cache_interface import AttentionSpec
-
-    def layers(group: Any) -> Iterator[tuple[str, Any]]:
-        specs = getattr(group.kv_cache_spec, "kv_cache_specs", None)
-        for name in group.layer_names:
-            yield name, specs[name] if specs is not None else group.kv_cache_spec
-
-    found = dict.fromkeys(
-        (backends[name], spec if isinstance(spec, AttentionSpec) else None)
-        for group in kv_cache_config.transfer_groups
-        for name, spec in layers(group)
-        if not (isinstance(spec, AttentionSpec) and spec.tokens_per_state > 1)
-    )
-    return [backend for backend, _ in found], [spec for _, spec in found]
-
-
-# -- metadata between the scheduler and the workers -------------------------------------
 
 
 def _meta_types() -> dict[str, Any]:

@@ -42,7 +42,7 @@ PAIRS = {
 CASES = [(pair, mode) for pair in sorted(PAIRS) for mode in ("pull", "push")]
 
 
-def v4_groups() -> list[tuple[int, int, list[int]]]:
+def v4_groups(fp8_ds_mla: bool = True) -> list[tuple[int, int, list[int]]]:
     """Per group vLLM makes of V4's caches: (block tokens, window tokens (0: none), each
     layer's page bytes, unpadded: what vLLM's view of a block holds), from the specs of
     vLLM's own modules and its own grouping."""
@@ -55,8 +55,8 @@ def v4_groups() -> list[tuple[int, int, list[int]]]:
         "block_size": GEO.block_size, "connector": "NixlConnector", "role": "P",
         "engine_id": "v4-expected", "layout": "BLHNC", "hma": True, "deepseek_v4": RATIOS,
     }  # fmt: skip
-    config = vllm_engine.build_vllm_config(start)
-    specs = vllm_engine.deepseek_v4_specs(config, RATIOS, True)
+    config = vllm_engine.build_vllm_config({**start, "bf16": not fp8_ds_mla})
+    specs = vllm_engine.deepseek_v4_specs(config, RATIOS, fp8_ds_mla)
     out = []
     for group in get_kv_cache_groups(config, specs):
         first = specs[group.layer_names[0]]  # the scheduler keeps blocks by the first's
@@ -126,11 +126,17 @@ def test_deepseek_v4(zygote: Zygote, pair: str, mode: str) -> None:
         assert state["checked"][rid] == [0, held_bytes(groups, tokens)], rid
 
 
-def test_deepseek_v4_regions_are_what_stock_registers(zygote: Zygote) -> None:
+@pytest.mark.parametrize(
+    "ratios", [RATIOS, [4, 128, 1, 4]], ids=["window-first", "compressed-first"]
+)
+def test_deepseek_v4_regions_are_what_stock_registers(zygote: Zygote, ratios: list[int]) -> None:
     """Stock registers V4's one backing once, as rows of a block id (every group's, -1),
-    named after its first cache, V4's first backend's; kvwire the same, so a mixed pair
-    pairs region for region."""
-    stock, ours = registered_by_each(zygote, geo=GEO, extra_config={"transport": "nixl"}, **V4)
+    named after its first cache in model-layer order (a window's, or a compressed
+    latent's when layer 0 compresses); kvwire the same, so a mixed pair pairs region for
+    region."""
+    geo = Geometry(model="mla", layers=len(ratios), num_blocks=64, block_size=256)
+    options = {**V4, "deepseek_v4": ratios}
+    stock, ours = registered_by_each(zygote, geo=geo, extra_config={"transport": "nixl"}, **options)
     for key in ("regions", "names", "groups", "layout", "blocks"):
         assert ours[key] == stock[key], key
     assert stock["groups"] == [-1]
@@ -156,3 +162,27 @@ def test_deepseek_v4_chunked_prefill(zygote: Zygote, pair: str, mode: str) -> No
     groups = v4_groups()
     for rid, (_, tokens) in PROMPTS.items():
         assert state["checked"][rid] == [0, held_bytes(groups, tokens)], rid
+
+
+@pytest.mark.parametrize("pair", ["kvwire-nixl", "stock-P-kvwire-D", "kvwire-P-stock-D"])
+def test_deepseek_v4_in_bf16(zygote: Zygote, pair: str) -> None:
+    """V4's caches in bf16 (no page padded): stock registers the buffer as nine
+    overlapping regions (the rows, then single layers' pages at shared addresses), kvwire
+    as its rows. Two kvwire engines move every page D reads; a mixed pair fails at the
+    handshake (a kvwire D names the region counts), and D loads nothing: it computes the
+    prompt itself, never reads bytes that are not the request's."""
+    p_conn, d_conn, transport = PAIRS[pair]
+    # A refused pair's P holds the prompt until its lease runs out: a short one.
+    lease = 30 if pair == "kvwire-nixl" else 3
+    with engines(
+        zygote, p_conn, d_conn, geo=GEO, extra_config={"transport": transport}, mode="pull",
+        v4_bf16=True, lease=lease, **V4,
+    ) as (p, d):  # fmt: skip
+        state = move_all(p, d, {"req-1000": PROMPTS["req-1000"]})
+        log = "\n".join(d.peer.log)
+    if pair == "kvwire-nixl":
+        assert state["checked"]["req-1000"] == [0, held_bytes(v4_groups(False), 1000)]
+        return
+    assert "req-1000" not in state["checked"] and "req-1000" in state["outputs"]
+    if pair == "stock-P-kvwire-D":
+        assert "region count: expected 1, got 9" in log, log

@@ -3,7 +3,8 @@ scheduler side cuts them and as stock's own scheduler (``get_exchange_clipped_bl
 them, on the same vLLM configs: a stock peer reads or writes exactly its cut, so kvwire's
 must be the same list. Hypothesis draws the groups (full attention, sliding windows of
 attention and of MLA, Mamba groups with speculative scratch slots, DeepSeek-V4's groups of
-four block sizes), vLLM's Mamba cache mode and the lists; the prompt's tokens D computes itself are compared with stock's too."""
+four block sizes), vLLM's Mamba cache mode and the lists; the prompt's tokens D computes
+itself are compared with stock's too."""
 
 from __future__ import annotations
 

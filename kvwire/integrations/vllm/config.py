@@ -148,8 +148,7 @@ def hashed_backend_name(vllm_config: VllmConfig, mode: str, version: int) -> str
     from vllm.distributed.kv_transfer.kv_connector import utils
 
     layout = vllm_config.cache_config.get_resolved_kv_cache_layout()
-    block_outermost = str(getattr(layout, "name", layout)).startswith("B")  # B: blocks first
-    if mode != "push" or not block_outermost:
+    if mode != "push" or not layout.is_block_outermost:
         return attn_backend_name(vllm_config)
     names = [str(b.get_name()) for b in utils.get_current_attn_backends(vllm_config)]
     return ",".join(sorted(set(names) if version >= 14 else names))
