@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvwire.integrations.vllm.config import kvwire_config
-from kvwire.integrations.vllm.geometry import prefill_backoff
+from kvwire.integrations.vllm.groups import prefill_backoff
 from kvwire.integrations.vllm.scheduler import SchedulerSide
 
 BLOCK = 16
@@ -198,7 +198,7 @@ def test_state_parts_are_stocks_conv_split(kind: str, tp: int, a: int, b: int, r
     from vllm.model_executor.layers.mamba import mamba_utils
     from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
 
-    from kvwire.integrations.vllm.geometry import ssm_parts, ssm_sizes
+    from kvwire.integrations.vllm.groups import ssm_parts, ssm_sizes
 
     spec = _mamba_spec(kind, tp, a, b, rows)
     with pytest.MonkeyPatch.context() as patch:

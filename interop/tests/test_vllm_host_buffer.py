@@ -176,7 +176,7 @@ def test_the_blocks_a_step_writes_are_those_its_tokens_touch(data: st.DataObject
     token by token, which block holds it."""
     from types import SimpleNamespace
 
-    from kvwire.integrations.vllm.geometry import Exchanged
+    from kvwire.integrations.vllm.groups import Exchanged
     from kvwire.integrations.vllm.scheduler import SchedulerSide
 
     size = data.draw(st.sampled_from([16, 32, 64]), label="block_size")

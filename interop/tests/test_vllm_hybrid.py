@@ -463,7 +463,7 @@ def test_groups_kvwire_cannot_move_are_refused_by_name(
     from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
 
     from kvwire.errors import ConfigError
-    from kvwire.integrations.vllm.geometry import group_kinds
+    from kvwire.integrations.vllm.groups import group_kinds
 
     def conv_layout(layout: str) -> None:
         monkeypatch.setenv("VLLM_SSM_CONV_STATE_LAYOUT", layout)

@@ -219,7 +219,7 @@ def test_deepseek_v4s_groups_are_rows_of_their_own_block_sizes(fp8_ds_mla: bool)
     from vllm.v1.core.kv_cache_utils import get_kv_cache_groups
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
-    from kvwire.integrations.vllm.geometry import group_kinds, row_block_sizes
+    from kvwire.integrations.vllm.groups import group_kinds, row_block_sizes
 
     ratios = [1, 4, 128, 4, 128, 4]
     start = {

@@ -14,6 +14,10 @@ state page per logical block.
 the TP/PP coordinates that travel in ``kv_transfer_params``. The model-level facts a peer does
 not advertise (total KV heads, MLA) are covered by the compatibility hash, so the local
 geometry supplies them when the two are paired.
+
+Why one module of ~640 lines: the local description and a peer's advertised one are two
+readings of the same facts (a region, its blocks, the layout's order inside a page), built
+from and checked against one another; split, each half would import the other's rules.
 """
 
 from __future__ import annotations

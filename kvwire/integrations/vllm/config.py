@@ -13,11 +13,8 @@ from typing import TYPE_CHECKING, Any
 from kvwire.config import KVWireConfig, layered
 from kvwire.errors import ConfigError
 from kvwire.integrations.vllm import staging
-from kvwire.integrations.vllm.geometry import (
-    attn_backend_name,
-    exchanged,
-    prefill_backoff,
-)
+from kvwire.integrations.vllm.geometry import attn_backend_name
+from kvwire.integrations.vllm.groups import exchanged, prefill_backoff
 from kvwire.wire.compat import CompatFactors, SpeculativeFactors
 from kvwire.wire.versions import SUPPORTED_VERSIONS, VLLM_RELEASES
 

@@ -18,7 +18,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from kvwire.integrations.vllm.config import kvwire_config, tp_rank
-from kvwire.integrations.vllm.geometry import group_kinds
+from kvwire.integrations.vllm.groups import group_kinds
 from kvwire.integrations.vllm.messages import KVWireMetadata
 from kvwire.integrations.vllm.scheduler import SchedulerSide
 from kvwire.integrations.vllm.worker import WorkerSide

@@ -10,7 +10,7 @@ from kvwire.config import KVWireConfig
 from kvwire.errors import ConfigError
 from kvwire.integrations.vllm import staging
 from kvwire.integrations.vllm.config import readback
-from kvwire.integrations.vllm.geometry import exchanged, prefill_backoff
+from kvwire.integrations.vllm.groups import exchanged, prefill_backoff
 from kvwire.integrations.vllm.messages import BlockIds, KVWireHandshake, KVWireMetadata
 from kvwire.sidechannel import HandshakeListener
 from kvwire.sidechannel.advertise import advertised_host
@@ -263,7 +263,7 @@ class SchedulerSide:
     def exchanged(self, block_ids: Any) -> BlockIds:
         """A request's block lists as stock engines exchange them (so a stock peer reads
         what it expects): one per transfer group, each cut by its rule
-        (:class:`~kvwire.integrations.vllm.geometry.Exchanged`); a sliding window's tail may
+        (:class:`~kvwire.integrations.vllm.groups.Exchanged`); a sliding window's tail may
         still begin with the null block."""
         groups = self._transfer_lists(block_ids)
         return [rule(g) for g, rule in zip(groups, self.rules, strict=True)]
