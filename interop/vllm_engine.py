@@ -140,14 +140,13 @@ def deepseek_v4_start(start: dict[str, Any]) -> dict[str, Any]:
         "layout": start.get("layout") in ("BLHNC", "BLNHC"),
         "layers": int(start["layers"]) == len(ratios),
         "hma": start.get("hma") is not False,
-        "tp_size": int(start["tp_size"]) == 1,
         "layerwise": not start.get("layerwise"),
     }
     wrong = sorted(key for key, ok in fits.items() if not ok)
     if wrong:
         raise ValueError(
             f"a DeepSeek-V4 engine runs {DEEPSEEK_V4_BLOCK}-token blocks in BLHNC or BLNHC, "
-            f"a layer per ratio, the hybrid manager, TP 1, not layerwise: not {wrong}"
+            f"a layer per ratio, the hybrid manager, not layerwise: not {wrong}"
         )
     return {**start, "deepseek_v4": ratios}
 

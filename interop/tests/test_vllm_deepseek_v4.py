@@ -142,6 +142,30 @@ def test_deepseek_v4_regions_are_what_stock_registers(zygote: Zygote, ratios: li
     assert stock["groups"] == [-1]
 
 
+TP_CASES = [
+    (pair, mode, tp)
+    for pair in sorted(PAIRS)
+    if pair != "kvwire-shm"
+    for mode in ("pull", "push")
+    for tp in ("1-2", "2-1")
+]
+
+
+@pytest.mark.parametrize(("pair", "mode", "tp"), TP_CASES)
+def test_deepseek_v4_tensor_parallel(zygote: Zygote, pair: str, mode: str, tp: str) -> None:
+    """V4's caches are the same on every TP rank (latents, indexer keys and compressor
+    states alike): every D rank holds every page it reads, each from one P rank, whether
+    D has more ranks than P or fewer."""
+    p_conn, d_conn, transport = PAIRS[pair]
+    p_tp, d_tp = (int(n) for n in tp.split("-"))
+    with engines(
+        zygote, p_conn, d_conn, {"tp": p_tp}, {"tp": d_tp}, geo=GEO,
+        extra_config={"transport": transport}, mode=mode, **V4,
+    ) as (p, d):  # fmt: skip
+        state = move_all(p, d, {"req-1000": PROMPTS["req-1000"]})
+    assert state["checked"]["req-1000"] == [0, held_bytes(v4_groups(), 1000) * d_tp]
+
+
 CHUNKED = [
     (pair, mode) for pair in sorted(PAIRS) if pair != "kvwire-shm" for mode in ("pull", "push")
 ]
