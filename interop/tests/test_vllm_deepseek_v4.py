@@ -210,3 +210,34 @@ def test_deepseek_v4_in_bf16(zygote: Zygote, pair: str) -> None:
     assert "req-1000" not in state["checked"] and "req-1000" in state["outputs"]
     if pair == "stock-P-kvwire-D":
         assert "region count: expected 1, got 9" in log, log
+
+
+HOST_BUFFER = [
+    *(
+        (pair, mode, 300)
+        for pair in sorted(PAIRS)
+        if pair != "kvwire-shm"
+        for mode in ("pull", "push")
+    ),
+    ("kvwire-nixl", "pull", 0),
+    ("kvwire-nixl", "push", 0),
+]
+
+
+@pytest.mark.parametrize(("pair", "mode", "chunk"), HOST_BUFFER)
+def test_deepseek_v4_with_a_host_buffer(zygote: Zygote, pair: str, mode: str, chunk: int) -> None:
+    """A host buffer (``kv_buffer_device: cpu``) on the kvwire engines: P stages what each
+    step computes, group by group, each group's blocks cut by its own block size (by the
+    engine's, most pages a chunk computes stayed behind), and D holds every page it
+    reads. The CPU half: a kvwire engine's CPU cache stands for a device's and stages
+    through its host copy; a stock engine on a CPU platform stages nothing."""
+    p_conn, d_conn, transport = PAIRS[pair]
+    staged: dict[str, Any] = {"host_buffer": True}
+    p_options = {**staged, "scheduler": {"batch_tokens": chunk}} if chunk else staged
+    with engines(
+        zygote, p_conn, d_conn, p_options, staged, geo=GEO,
+        extra_config={"transport": transport}, mode=mode, **V4,
+    ) as (p, d):  # fmt: skip
+        state = move_all(p, d, PROMPTS)
+    for rid, (_, tokens) in PROMPTS.items():
+        assert state["checked"][rid] == [0, held_bytes(v4_groups(), tokens)], rid
