@@ -241,3 +241,31 @@ def test_deepseek_v4_with_a_host_buffer(zygote: Zygote, pair: str, mode: str, ch
         state = move_all(p, d, PROMPTS)
     for rid, (_, tokens) in PROMPTS.items():
         assert state["checked"][rid] == [0, held_bytes(v4_groups(), tokens)], rid
+
+
+def test_a_layer_outside_the_rows_is_refused_by_name() -> None:
+    """The rows a V4 engine registers must hold every layer's view: a view in another
+    allocation, or one reaching past its row, fails the engine's startup naming the
+    layer (or the first layer, whose rows the others disagree with), instead of leaving
+    bytes out of every transfer."""
+    import torch
+
+    from kvwire.errors import ConfigError
+    from kvwire.integrations.vllm.geometry import row_regions
+
+    rows = torch.zeros(8, 96, dtype=torch.uint8)
+    good = {"model.layers.0.attn.swa_cache": rows[:, :64], "model.layers.0.attn": rows[:, 64:]}
+    groups = {name: g for g, name in enumerate(good)}
+    (region,) = row_regions(good, 8, "BLHNC", groups)
+    assert (region.block_len, region.block_stride, region.group_id) == (96, 96, -1)
+    elsewhere = {**good, "model.layers.0.attn": torch.zeros(8, 96, dtype=torch.uint8)[:, 64:]}
+    with pytest.raises(
+        ConfigError, match=r"layer model\.layers\.0\.attn(\.swa_cache)?: .* not inside them"
+    ):
+        row_regions(elsewhere, 8, "BLHNC", groups)
+    other_rows = rows.view(-1).as_strided((8, 32), (48, 1), 64)  # rows of another width
+    past = {**good, "model.layers.0.attn": other_rows}
+    with pytest.raises(
+        ConfigError, match=r"layer model\.layers\.0\.attn(\.swa_cache)?: .* not inside them"
+    ):
+        row_regions(past, 8, "BLHNC", groups)
