@@ -188,6 +188,30 @@ def test_deepseek_v4_chunked_prefill(zygote: Zygote, pair: str, mode: str) -> No
         assert state["checked"][rid] == [0, held_bytes(groups, tokens)], rid
 
 
+HIT = 1024
+"""Tokens a repeated prompt finds in each engine's prefix cache. vLLM caches a windowed
+group's blocks only where they end on a 256-token boundary before a prompt's last token,
+and a D that loaded the prompt holds only each window's tail: the one boundary both keep
+is 1024 for a 1025-token prompt, whose tail in every window group reaches back to it."""
+
+
+@pytest.mark.parametrize(("pair", "mode"), CHUNKED)
+def test_deepseek_v4_prefix_hits(zygote: Zygote, pair: str, mode: str) -> None:
+    """A prompt repeated with 5 tokens more: P and D each find its first 1024 tokens in
+    their own prefix cache (every group's blocks up to there), D loads only the rest from
+    P's tails, and D holds, byte for byte, every page its next token reads, its own and
+    the loaded ones."""
+    p_conn, d_conn, transport = PAIRS[pair]
+    with engines(
+        zygote, p_conn, d_conn, geo=GEO, extra_config={"transport": transport}, mode=mode, **V4
+    ) as (p, d):
+        move_all(p, d, {"req-first": (45, HIT + 1)})
+        state = move_all(p, d, {"req-again": (45, HIT + 6)})
+        p_hits = p.state["hits"]
+    assert p_hits["req-again"] == state["hits"]["req-again"] == HIT
+    assert state["checked"]["req-again"] == [0, held_bytes(v4_groups(), HIT + 6)]
+
+
 @pytest.mark.parametrize("pair", ["kvwire-nixl", "stock-P-kvwire-D", "kvwire-P-stock-D"])
 def test_deepseek_v4_in_bf16(zygote: Zygote, pair: str) -> None:
     """V4's caches in bf16 (no page padded): stock registers the buffer as nine

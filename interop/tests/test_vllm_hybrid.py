@@ -177,6 +177,15 @@ def test_mamba(zygote: Zygote, pair: str, mode: str, tp: str) -> None:
     _mamba_pair(zygote, pair, mode, tp)
 
 
+@pytest.mark.parametrize("mode", ["pull", "push"])
+@pytest.mark.parametrize("pair", ["kvwire-nixl", "stock-P-kvwire-D", "kvwire-P-stock-D"])
+def test_mamba_with_a_host_buffer(zygote: Zygote, pair: str, mode: str) -> None:
+    """Every kvwire engine of the pair stages through its host copy (``kv_buffer_device:
+    "cpu"``; a stock engine on CPU stages nothing): the states share the slabs with the
+    attention pages, and D holds both, byte for byte, in its device cache."""
+    _mamba_pair(zygote, pair, mode, "1-1", host_buffer=True)
+
+
 UNEQUAL_PAIRS = [
     ("kvwire-nixl", "pull"),
     ("kvwire-nixl", "push"),
@@ -331,7 +340,15 @@ def test_a_state_for_another_token_count_is_refused(
         p.close()
 
 
-def _mamba_pair(zygote: Zygote, pair: str, mode: str, tp: str, blocks: str = "32-32") -> None:
+def _mamba_pair(
+    zygote: Zygote,
+    pair: str,
+    mode: str,
+    tp: str,
+    blocks: str = "32-32",
+    host_buffer: bool = False,
+) -> None:
+    """``host_buffer``: each kvwire engine of the pair stages through a host copy."""
     p_conn, d_conn, transport = PAIRS[pair]
     engines = []
     sides = zip("PD", (p_conn, d_conn), tp.split("-"), blocks.split("-"), strict=True)
@@ -341,7 +358,7 @@ def _mamba_pair(zygote: Zygote, pair: str, mode: str, tp: str, blocks: str = "32
                 SchedulerEngine(
                     role, connector, zygote, geo=replace(MAMBA_GEO, block_size=int(block)),
                     mode=mode, hma=True, mamba=MAMBA, extra_config={"transport": transport},
-                    tp=int(size),
+                    tp=int(size), host_buffer=host_buffer and connector == "KVWireConnector",
                 )
             )  # fmt: skip
         p, d = engines
