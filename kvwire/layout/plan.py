@@ -696,6 +696,7 @@ class PeerLayout:
         :data:`MAX_TABLE_ROWS` (many small segments per block, as in tokens-first layouts
         between unequal TP sizes): preparing them would cost more than it saves.
         """
+        self._check_group_count((num_groups, num_groups), ("local", "local"))
         spans = self._table_spans(num_groups)
         if spans is None:
             return None

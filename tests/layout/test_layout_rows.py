@@ -275,6 +275,8 @@ def test_more_lists_than_groups_are_refused(mode: str) -> None:
         layout.plan([*local, np.array([3])], remote, num_tokens=16)
     with pytest.raises(RemoteProtocolError, match="remote block ids: expected at most 2 lists"):
         layout.plan(local, [*remote, np.array([3])], num_tokens=16)
+    with pytest.raises(LocalProtocolError, match="local block ids: expected at most 2 lists"):
+        layout.tables(3)  # the prepared tables of requests with three lists
 
 
 def test_a_producer_whose_lists_stop_short_of_the_prompt_is_refused() -> None:
