@@ -332,6 +332,7 @@ class SchedulerEngine:
         tp: int = 1,
         hma: bool | None = None,
         window: int = 0,
+        chunk: int = 0,
         mamba: int = 0,
         indexer: bool = False,
         host_buffer: bool = False,
@@ -350,7 +351,9 @@ class SchedulerEngine:
         layout (the engine checks bytes only in LBHNC); ``tp``: workers in the engine, each
         with its share of the heads, finished by vLLM's output aggregator; ``hma``: vLLM's
         hybrid KV cache manager on or off (``None``: as vLLM resolves it); ``window``:
-        every odd layer sliding-window attention over that many tokens; ``mamba``: after
+        every odd layer sliding-window attention over that many tokens; ``chunk``: Llama
+        4's interleaving, three layers of chunked local attention (chunks of that many
+        tokens) then a full-attention one; ``mamba``: after
         each attention layer that many Mamba2 layers; ``indexer`` (an MLA model): each
         layer also holds DeepSeek-V3.2's indexer keys (sparse MLA); ``host_buffer``: a
         kvwire engine stages its KV through a host copy as on a device platform with
@@ -392,7 +395,7 @@ class SchedulerEngine:
             "engine_id": self.engine_id, "tp_size": tp, "model": self.geo.model,
             "layers": self.geo.layers, "num_blocks": self.geo.num_blocks,
             "block_size": self.geo.block_size, "kv_heads": self.geo.kv_heads, "lease": lease,
-            "hma": hma, "window": window, "mamba": mamba, "indexer": indexer,
+            "hma": hma, "window": window, "chunk": chunk, "mamba": mamba, "indexer": indexer,
             "host_buffer": host_buffer, "drafter": drafter,
             "mode": mode, "extra_config": extra_config, "layout": layout,
             "kernel_block": kernel_block, "layerwise": layerwise, "prefix_caching": prefix_caching,

@@ -250,12 +250,18 @@ def mamba_spec(start: dict[str, Any], page: int) -> Any:
 
 def layer_specs(start: dict[str, Any]) -> dict[str, Any]:
     """vLLM's spec of each layer: full attention, or with ``window`` (tokens) every odd
-    attention layer a sliding-window one (Gemma's and gpt-oss's interleaving), or with
+    attention layer a sliding-window one (Gemma's and gpt-oss's interleaving), with
+    ``chunk`` (tokens) three chunked-local-attention layers then a full one (Llama 4's
+    interleaving), or with
     ``mamba`` (``k``) one attention layer then ``k`` Mamba2 ones, over and over (Jamba's
     and Nemotron-H's interleaving); both together interleave all three kinds. With
     ``indexer`` (an MLA model) each layer also has DeepSeek-V3.2's indexer cache beside its
     latent (:func:`indexer_spec`)."""
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+    from vllm.v1.kv_cache_interface import (
+        ChunkedLocalAttentionSpec,
+        FullAttentionSpec,
+        SlidingWindowSpec,
+    )
 
     if start.get("indexer"):
         return sparse_mla_specs(start)
@@ -273,10 +279,13 @@ def layer_specs(start: dict[str, Any]) -> dict[str, Any]:
         "dtype": torch.bfloat16,
     }
     mamba = int(start.get("mamba") or 0)
+    chunk = int(start.get("chunk") or 0)
     full = FullAttentionSpec(**common)
     specs = {}
     for i, name in enumerate(vllm_peer.layer_names(start)):
-        if mamba and i % (mamba + 1):
+        if chunk and i % 4 != 3:
+            specs[name] = ChunkedLocalAttentionSpec(**common, attention_chunk_size=chunk)
+        elif mamba and i % (mamba + 1):
             specs[name] = mamba_spec(start, full.page_size_bytes)
         elif window and (i // (mamba + 1)) % 2:  # every other attention layer
             specs[name] = SlidingWindowSpec(**common, sliding_window=window)
@@ -538,6 +547,19 @@ def state_groups(kv_cache_config: Any) -> list[bool]:
     return [isinstance(g.kv_cache_spec, MambaSpec) for g in kv_cache_config.kv_cache_groups]
 
 
+def chunks(kv_cache_config: Any) -> list[int]:
+    """Per KV-cache group, its attention chunk in tokens (0: none): a token attends only
+    to its own chunk's tokens (the harness's reading of chunked local attention)."""
+    from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec
+
+    return [
+        int(g.kv_cache_spec.attention_chunk_size)
+        if isinstance(g.kv_cache_spec, ChunkedLocalAttentionSpec)
+        else 0
+        for g in kv_cache_config.kv_cache_groups
+    ]
+
+
 def windows(kv_cache_config: Any) -> list[int]:
     """Per KV-cache group, its sliding window in tokens (0: full attention): which of a
     prompt's tokens D must hold is the harness's own reading of the window, not the
@@ -559,7 +581,7 @@ def allocate(vllm_config: Any, start: dict[str, Any]) -> tuple[Any, dict[str, to
     from vllm.v1.worker.utils import allocate_kv_cache
 
     spec = vllm_peer.cache_spec(start)
-    if start.get("window") or start.get("mamba") or start.get("indexer"):
+    if any(start.get(kind) for kind in ("window", "chunk", "mamba", "indexer")):
         groups = get_kv_cache_groups(vllm_config, layer_specs(start))
     else:
         groups = vllm_peer.build_configs(start)[1].kv_cache_groups
@@ -796,14 +818,18 @@ def fill_tokens(
 
 
 def check_group(
-    spec: Any, kv: Any, seed: int, blocks: list[int], prompt: int, window: int
+    spec: Any, kv: Any, seed: int, blocks: list[int], prompt: int, window: int, chunk: int = 0
 ) -> tuple[int, int]:
     """(wrong, checked) bytes of the prompt's KV that D's next token attends to: every
-    prompt token, or with a ``window`` the tokens from ``prompt - window + 1`` on, in
-    whole blocks (a block the window reaches into holds P's whole block), the last
-    block's prompt tokens included. A null block where KV must be fails the check."""
+    prompt token, or with a ``window`` the tokens from ``prompt - window + 1`` on, or with
+    a ``chunk`` those of the next token's chunk, in whole blocks (a block the window
+    reaches into holds P's whole block), the last block's prompt tokens included. A null
+    block where KV must be fails the check."""
     tokens = spec.block_tokens
-    first = max(0, prompt - window + 1) // tokens if window else 0
+    if chunk:
+        first = prompt // chunk * chunk // tokens
+    else:
+        first = max(0, prompt - window + 1) // tokens if window else 0
     whole, rest = divmod(prompt, tokens)
     want = expected(spec, seed, whole + (1 if rest else 0))
     view = blocks_view(spec, kv)
@@ -945,6 +971,7 @@ class EnginePart:
             self.ranks.append(rank)
         self.kv_cache_config = kv_cache_config
         self.windows = windows(kv_cache_config)
+        self.chunks = chunks(kv_cache_config)
         self.states = state_groups(kv_cache_config)
         lookahead = int(self.vllm_config.num_prefill_lookahead_tokens)
         self.backoff = max(1 if any(self.states) else 0, lookahead - 1)
@@ -953,7 +980,8 @@ class EnginePart:
         lookahead must not reach P's cache (vLLM's rules, read from vLLM's config; both
         connectors follow them, and so P never computes those tokens)."""
         self.layerwise = bool(start.get("layerwise")) and self.start_role == "P"
-        assert not (self.layerwise and any(self.windows + self.states)), "layerwise: dense"
+        local = self.windows + self.chunks + self.states
+        assert not (self.layerwise and any(local)), "layerwise: dense"
         self.layer_at = {
             name: (c, j)
             for c, content in enumerate(self.ranks[0].groups)
@@ -1172,7 +1200,9 @@ class EnginePart:
                 continue
             if rid not in self.checked:
                 prompt = int(request.num_prompt_tokens) - self.backoff
-                wrong, checked = check_group(spec, kv, seed, blocks, prompt, self.windows[g])
+                wrong, checked = check_group(
+                    spec, kv, seed, blocks, prompt, self.windows[g], self.chunks[g]
+                )
                 before = self.pending_checks.get(rid, (0, 0))
                 self.pending_checks[rid] = (before[0] + wrong, before[1] + checked)
             # The KV of the tokens D generated, which it computes after the prompt.

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 from harness import (
+    Geometry,
     SchedulerEngine,
     Zygote,
     engines,
@@ -191,10 +192,16 @@ def test_a_conversation_is_freed_when_its_hold_ends(zygote: Zygote) -> None:
         assert "turn2" not in p.state["checked"]
 
 
-def test_a_model_kvwire_does_not_read_back_keeps_nothing(zygote: Zygote) -> None:
-    """A model with a sliding window: kvwire's D says, naming the key, that it does not
-    keep the conversation, and frees its blocks at once (its params name none)."""
-    with _conversation(zygote, KVWIRE, KVWIRE, window=64) as (p, d):
+@pytest.mark.parametrize(
+    "model", [{"window": 64}, {"chunk": 64, "geo": Geometry(layers=4)}], ids=["window", "chunked"]
+)
+def test_a_model_kvwire_does_not_read_back_keeps_nothing(
+    zygote: Zygote, model: dict[str, Any]
+) -> None:
+    """A model with a sliding window or attention chunks: kvwire's D says, naming the key,
+    that it does not keep the conversation, and frees its blocks at once (its params name
+    none)."""
+    with _conversation(zygote, KVWIRE, KVWIRE, **model) as (p, d):
         transfer(p, d, "turn1", 1, TOKENS)
         assert "turn1" in d.state["checked"]
         assert d.state["outputs"]["turn1"] is None

@@ -25,6 +25,7 @@ PAGE = {"num_kv_heads": 2, "head_size": 64, "dtype": torch.bfloat16}
 
 def _config(kinds: tuple[str, ...], spec_slots: int) -> Any:
     from vllm.v1.kv_cache_interface import (
+        ChunkedLocalAttentionSpec,
         FullAttentionSpec,
         KVCacheConfig,
         KVCacheGroupSpec,
@@ -38,6 +39,9 @@ def _config(kinds: tuple[str, ...], spec_slots: int) -> Any:
     specs = {
         "full": lambda: FullAttentionSpec(block_size=BLOCK, **PAGE),
         "swa": lambda: SlidingWindowSpec(block_size=BLOCK, sliding_window=40, **PAGE),
+        "chunked": lambda: ChunkedLocalAttentionSpec(
+            block_size=BLOCK, attention_chunk_size=2 * BLOCK, **PAGE
+        ),
         # vLLM's windowed MLA layer (one latent a token); its window another length
         "mla-swa": lambda: SlidingWindowMLASpec(
             block_size=BLOCK, sliding_window=72, num_kv_heads=1, head_size=576,
@@ -119,6 +123,7 @@ def requests(draw: st.DrawFn) -> tuple[Any, ...]:
     kinds = draw(st.sampled_from([
         ("full",), ("full", "swa"), ("full", "mamba"), ("full", "swa", "mamba"),
         ("full", "mamba", "mamba"), ("full", "mla-swa"), ("full", "swa", "mla-swa"),
+        ("full", "chunked"), ("full", "chunked", "swa"),
         ("v4-window", "v4-window", "v4-latent", "v4-state", "v4-state-8"),
     ]))  # fmt: skip
     lists = [

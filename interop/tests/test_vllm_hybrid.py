@@ -454,7 +454,6 @@ REFUSED = {
     "mamba-unpadded": (["full", "mamba-unpadded"], "group 1's state pages are 768 bytes"),
     "mamba-replicated": (["full", "mamba-replicated"], "group 1 is a TP-replicated MambaSpec"),
     "mamba-3-states": (["full", "mamba-3-states"], "group 1's MambaSpec has 3 state arrays"),
-    "chunked-local": (["full", "chunked"], "KV-cache group 1 is ChunkedLocalAttentionSpec"),
     "deepseek-v4-beside-attention": (
         ["full", "v4-window"],
         r"\(DeepSeek-V4's caches\) beside FullAttentionSpec",
@@ -463,6 +462,7 @@ REFUSED = {
     "unequal-pages": (["full", "full-64"], "KV-cache group 1's pages"),
     "per-layer-heads": (["per-layer-heads"], "holds layers of several page shapes"),
     "windows-only": (["window"], "no KV-cache group is full attention"),
+    "chunks-only": (["chunked", "window"], "no KV-cache group is full attention"),
     "states-only": (["mamba"], "no KV-cache group is full attention"),
     "mamba-state-first": (["full", "mamba"], "set VLLM_SSM_CONV_STATE_LAYOUT=DS on every"),
     "mamba-short-conv": (["full", "mamba-short-conv"], "is a SHORT_CONV MambaSpec"),
@@ -494,9 +494,10 @@ def test_groups_kvwire_cannot_move_are_refused_by_name(
         with pytest.raises(ConfigError, match=message):
             group_kinds(config, 32)
         conv_layout("DS")
-        accepted = [KVCacheGroupSpec([k], _spec(k)) for k in ("full", "window", "mamba")]
+        moved = ("full", "window", "chunked", "mamba")
+        accepted = [KVCacheGroupSpec([k], _spec(k)) for k in moved]
         ok = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=accepted)
-        assert [k.value for k in group_kinds(ok, 32)] == ["attention", "attention", "ssm"]
+        assert [k.value for k in group_kinds(ok, 32)] == ["attention"] * 3 + ["ssm"]
     finally:
         monkeypatch.undo()
         mamba_utils.get_conv_state_layout.cache_clear()

@@ -215,7 +215,7 @@ def readback(vllm_config: VllmConfig, kv_cache_config: Any) -> Readback | None:
             f"and a whole kv_recompute_threshold >= 0 (got {threshold!r})"
         )
     whole = all(
-        not rule.tail and rule.spec_slots is None
+        not rule.tail and rule.spec_slots is None and not rule.chunked
         for rule in exchanged(kv_cache_config, vllm_config)
     )
     moves = whole and not prefill_backoff(kv_cache_config, vllm_config)
@@ -223,8 +223,8 @@ def readback(vllm_config: VllmConfig, kv_cache_config: Any) -> Readback | None:
         log.warning(
             "bidirectional_kv_xfer is on, and KVWireConnector reads a conversation back only "
             "for models whose every KV-cache group keeps the whole sequence (no sliding "
-            "window, no state) and whose prefill computes the whole prompt: the next turn's "
-            "prefill computes the conversation again"
+            "window or attention chunks, no state) and whose prefill computes the whole "
+            "prompt: the next turn's prefill computes the conversation again"
         )
     return Readback(hold_s=hold, threshold=int(threshold), moves=moves)
 

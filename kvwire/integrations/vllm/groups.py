@@ -35,13 +35,16 @@ def group_kinds(kv_cache_config: Any, block_size: int) -> tuple[RegionKind, ...]
     its latents in one group of per-layer specs (vLLM's ``UniformTypeKVCacheSpecs``), each
     layer its own page size, and every region moves whole. A state-space (Mamba) group's page
     is its state, padded by vLLM to the attention page so both share the slabs: it moves as
-    one state of ``sum(ssm_sizes)`` bytes (:func:`ssm_sizes`). Anything else (rings,
-    chunked local attention, groups whose pages vLLM resized or padded otherwise) would be
-    planned with the wrong page, so it fails the engine's startup instead. So does a model
+    one state of ``sum(ssm_sizes)`` bytes (:func:`ssm_sizes`). A chunked-local-attention
+    group (Llama 4) has the attention page and, as stock exchanges it, the prompt's whole
+    list, its chunks before the last one vLLM's null block: it moves as full attention
+    does. Anything else (rings, groups whose pages vLLM resized or padded otherwise) would
+    be planned with the wrong page, so it fails the engine's startup instead. So does a model
     whose every attention group has a window: no list then holds the whole prompt, which is
     where the planner places the others.
     """
     from vllm.v1.kv_cache_interface import (
+        ChunkedLocalAttentionSpec,
         FullAttentionSpec,
         MambaSpec,
         MLAAttentionSpec,
@@ -50,7 +53,13 @@ def group_kinds(kv_cache_config: Any, block_size: int) -> tuple[RegionKind, ...]
         UniformTypeKVCacheSpecs,
     )
 
-    moved = (FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec, SlidingWindowMLASpec)
+    moved = (
+        FullAttentionSpec,
+        MLAAttentionSpec,
+        SlidingWindowSpec,
+        SlidingWindowMLASpec,
+        ChunkedLocalAttentionSpec,
+    )
     groups = transfer_groups(kv_cache_config)
     ids = getattr(kv_cache_config, "transfer_group_ids", range(len(groups)))
     if row_block_sizes(kv_cache_config):
@@ -75,7 +84,7 @@ def group_kinds(kv_cache_config: Any, block_size: int) -> tuple[RegionKind, ...]
         if type(spec) not in moved:
             raise ConfigError(
                 f"KV-cache group {group_id} is {type(spec).__name__}: KVWireConnector moves "
-                "full-attention, MLA, sliding-window and Mamba groups so far"
+                "full-attention, MLA, sliding-window, chunked-local and Mamba groups so far"
             )
         page = (spec.block_size, spec.num_kv_heads, spec.head_size, spec.dtype)
         padded = getattr(spec, "page_size_padded", None)
@@ -90,10 +99,12 @@ def group_kinds(kv_cache_config: Any, block_size: int) -> tuple[RegionKind, ...]
         attention_page = int(spec.page_size_bytes)
         kinds.append(RegionKind.ATTENTION)
     attention = [g for g, k in zip(groups, kinds, strict=True) if k is RegionKind.ATTENTION]
-    if not attention or all(isinstance(g.kv_cache_spec, SlidingWindowSpec) for g in attention):
+    local = (SlidingWindowSpec, ChunkedLocalAttentionSpec)
+    if not attention or all(isinstance(g.kv_cache_spec, local) for g in attention):
         raise ConfigError(
             "no KV-cache group is full attention: KVWireConnector needs a group that "
-            "holds the whole prompt so far (every group has a sliding window or a state)"
+            "holds the whole prompt so far (every group has a sliding window, attention "
+            "chunks or a state)"
         )
     for group_id, group, kind in zip(ids, groups, kinds, strict=True):
         state_page = int(group.kv_cache_spec.page_size_bytes)
@@ -283,7 +294,8 @@ class Exchanged:
     block. A Mamba group's list ends in ``spec_slots`` scratch slots for speculative
     decoding, which never cross; of the rest only the running state (the last) does,
     unless vLLM 0.31 keeps a state per block position (``mamba_cache_mode`` "all"): 0.32
-    sends the running state alone in every mode."""
+    sends the running state alone in every mode. A chunked-local-attention group crosses
+    whole, the chunks no token attends to anymore vLLM's null block (id 0)."""
 
     tail: int = 0
     """The last blocks that cross; 0: all."""
@@ -293,6 +305,16 @@ class Exchanged:
     spec_slots: int | None = None
     """A Mamba group's trailing scratch slots (``None``: not a Mamba group)."""
     positional: bool = False
+    chunked: bool = False
+    """A chunked-local-attention group: its list may lead with several null blocks."""
+
+    def held(self, blocks: list[int]) -> list[int]:
+        """The exchanged blocks an engine's own transfer holds or fills: a chunked list
+        without its leading null blocks (placeholders, and one block held twice)."""
+        if not self.chunked:
+            return blocks
+        lead = next((i for i, b in enumerate(blocks) if b != 0), len(blocks))
+        return blocks[lead:]
 
     def __call__(self, blocks: list[int]) -> list[int]:
         if self.tail:
@@ -307,7 +329,7 @@ class Exchanged:
 def exchanged(kv_cache_config: Any, vllm_config: Any) -> tuple[Exchanged, ...]:
     """Per transfer group, which of a request's blocks cross (:class:`Exchanged`)."""
     from vllm.distributed.kv_transfer.kv_connector import utils
-    from vllm.v1.kv_cache_interface import MambaSpec, SlidingWindowSpec
+    from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, MambaSpec, SlidingWindowSpec
 
     # 0.32 clips a state list with this helper (the running state, in every mode); 0.31,
     # which lacks it, kept each position's state in mode "all".
@@ -327,7 +349,8 @@ def exchanged(kv_cache_config: Any, vllm_config: Any) -> tuple[Exchanged, ...]:
                 Exchanged(spec_slots=int(spec.num_speculative_blocks), positional=positional)
             )
         else:
-            rules.append(Exchanged(block_size=size))
+            chunked = isinstance(spec, ChunkedLocalAttentionSpec)
+            rules.append(Exchanged(block_size=size, chunked=chunked))
     return tuple(rules)
 
 

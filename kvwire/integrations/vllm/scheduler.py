@@ -156,7 +156,7 @@ class SchedulerSide:
             return
         local: BlockIds = []
         if num_external_tokens > 0:
-            local = self.exchanged(blocks.get_unhashed_block_ids_all_groups())
+            local = self.held(self.exchanged(blocks.get_unhashed_block_ids_all_groups()))
             self.loading.add(request.request_id)
         prompt = self.loaded_tokens(int(request.num_prompt_tokens)) or None
         self.meta.to_recv[request.request_id] = (dict(params), local, prompt)
@@ -176,7 +176,7 @@ class SchedulerSide:
         rid = request.request_id
         local: BlockIds = []
         if num_external_tokens > 0:
-            local = self.exchanged(blocks.get_unhashed_block_ids_all_groups())
+            local = self.held(self.exchanged(blocks.get_unhashed_block_ids_all_groups()))
             self.loading.add(rid)
         self.meta.to_recv[rid] = (dict(params), local, self.held_tokens(request, params))
         self.meta.read_back.add(rid)
@@ -242,7 +242,7 @@ class SchedulerSide:
             # D, read-back: the conversation is kept for the next turn's prefill.
             assert self.readback is not None
             lease = self.meta.held_s[rid] = self.readback.hold_s
-        self.meta.to_send[rid] = (groups, int(request.num_computed_tokens))
+        self.meta.to_send[rid] = (self.held(groups), int(request.num_computed_tokens))
         self.sending.add(rid)
         parallel = self.vllm_config.parallel_config
         return True, {
@@ -267,6 +267,11 @@ class SchedulerSide:
         still begin with the null block."""
         groups = self._transfer_lists(block_ids)
         return [rule(g) for g, rule in zip(groups, self.rules, strict=True)]
+
+    def held(self, groups: BlockIds) -> BlockIds:
+        """The exchanged lists as this engine's own transfer holds or fills them
+        (:meth:`~kvwire.integrations.vllm.groups.Exchanged.held`); a peer gets them whole."""
+        return [rule.held(g) for g, rule in zip(groups, self.rules, strict=True)]
 
     def _transfer_lists(self, block_ids: Any) -> BlockIds:
         """A request's block lists, one per transfer group (vLLM leaves some groups out)."""

@@ -1,0 +1,91 @@
+"""Chunked local attention (Llama 4) through KVWireConnector on vLLM's defaults: three
+layers of vLLM's ``ChunkedLocalAttentionSpec`` (a token attends only to the tokens of its
+own 64-token chunk) then a full-attention one, grouped, planned and allocated by vLLM's own
+code (on 0.31.0 and 0.32.0 the hybrid manager stays on for such a model). vLLM swaps a
+chunked group's blocks before the last chunk for its null block, and stock exchanges the
+list whole, null blocks and all. D checks, the moment its model would first read them,
+every prompt token of the full-attention layers and every token of the chunk its next
+token is in, each group with its own content, and the test asserts how many bytes that
+is."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from harness import Geometry, Zygote, engines, registered_by_each, transfer_many
+
+from kvwire.demo.models import CacheSpec, preset
+
+CHUNK = 64
+"""Tokens of an attention chunk: two 32-token blocks."""
+GEO = Geometry(layers=8)
+"""Layers 0-2 and 4-6 chunked, 3 and 7 full: vLLM makes three chunked groups and a full
+one, two layers each, every group's layer ``j`` in slab ``j``."""
+REQUESTS = {"req-200": 200, "req-300": 300}
+"""Prompt lengths, one content (the longer hits the shorter's blocks in P's prefix cache):
+200 tokens end inside a chunk's first block, 300 inside its second."""
+BOUNDARY = {"req-256": 256}
+"""A prompt ending on a chunk's boundary: D's next token starts a chunk and reads none of
+the prompt's tokens in the chunked layers, and every chunked list is null blocks alone.
+Where a stock engine plans the transfer (a stock D pulling, a stock P pushing) it fails
+as between two stock engines (measured: a pulling stock D stops on an assertion in
+``_read_blocks``, a pushing stock P never finishes the request), so it runs where kvwire
+plans."""
+INDEX = 9
+PAIRS = {
+    "kvwire-shm": ("KVWireConnector", "KVWireConnector", "shm"),
+    "kvwire-nixl": ("KVWireConnector", "KVWireConnector", "nixl"),
+    "stock-P-kvwire-D": ("NixlConnector", "KVWireConnector", "nixl"),
+    "kvwire-P-stock-D": ("KVWireConnector", "NixlConnector", "nixl"),
+}
+CASES = [
+    (pair, tp, mode)
+    for pair in sorted(PAIRS)
+    for tp in (["1-1"] if pair == "kvwire-shm" else ["1-1", "1-2", "2-1"])
+    for mode in ("pull", "push")
+]
+
+
+def checked_bytes(prompt: int) -> int:
+    """What D must check of one prompt: every token in the full-attention layers, and in
+    the chunked ones the tokens of the chunk the next token (position ``prompt``) is in."""
+    spec = CacheSpec(preset(GEO.model), GEO.layers, GEO.num_blocks, 0, 1, GEO.block_size)
+    per_token = spec.block_len // GEO.block_size
+    full = GEO.layers // 4
+    in_chunk = prompt - prompt // CHUNK * CHUNK
+    return per_token * (full * prompt + (GEO.layers - full) * in_chunk)
+
+
+@pytest.mark.parametrize(("pair", "tp", "mode"), CASES)
+def test_chunked_local_attention(zygote: Zygote, pair: str, tp: str, mode: str) -> None:
+    """Every pair, TP size and mode: P's params carry each group's whole list (as stock's
+    do: a chunked list leads with null blocks), and D holds, byte for byte, what its next
+    token reads, on every rank; a prompt on a chunk's boundary too where kvwire plans."""
+    p_conn, d_conn, transport = PAIRS[pair]
+    p_tp, d_tp = (int(n) for n in tp.split("-"))
+    planner = d_conn if mode == "pull" else p_conn
+    prompts = {**REQUESTS, **BOUNDARY} if planner == "KVWireConnector" else REQUESTS
+    with engines(
+        zygote, p_conn, d_conn, {"tp": p_tp}, {"tp": d_tp}, geo=GEO, mode=mode, hma=True,
+        chunk=CHUNK, extra_config={"transport": transport},
+    ) as (p, d):  # fmt: skip
+        state = transfer_many(p, d, INDEX, prompts)
+        outputs: dict[str, Any] = p.state["outputs"]
+    for rid, tokens in prompts.items():
+        lists = outputs[rid]["remote_block_ids"]
+        blocks = -(-tokens // GEO.block_size)
+        dropped = tokens // CHUNK * CHUNK // GEO.block_size  # the chunks before the last
+        assert [len(g) for g in lists] == [blocks] * 4, rid
+        assert [g[:dropped].count(0) for g in lists] == [dropped] * 3 + [0], rid
+        assert state["checked"][rid] == [0, checked_bytes(tokens)], rid
+
+
+def test_chunked_local_regions_are_what_stock_registers(zygote: Zygote) -> None:
+    """Each slab holds one layer of every group: stock registers it once, shared (-1)."""
+    stock, ours = registered_by_each(
+        zygote, geo=GEO, extra_config={"transport": "nixl"}, hma=True, chunk=CHUNK
+    )
+    keys = ("regions", "names", "groups", "blocks")
+    assert {k: ours[k] for k in keys} == {k: stock[k] for k in keys}
+    assert ours["groups"] == [-1] * (GEO.layers // 4)
