@@ -89,3 +89,19 @@ def test_chunked_local_regions_are_what_stock_registers(zygote: Zygote) -> None:
     keys = ("regions", "names", "groups", "blocks")
     assert {k: ours[k] for k in keys} == {k: stock[k] for k in keys}
     assert ours["groups"] == [-1] * (GEO.layers // 4)
+
+
+@pytest.mark.parametrize("mode", ["pull", "push"])
+@pytest.mark.parametrize("pair", ["kvwire-nixl", "stock-P-kvwire-D", "kvwire-P-stock-D"])
+def test_chunked_local_attention_with_chunked_prefill(zygote: Zygote, pair: str, mode: str) -> None:
+    """P computes each prompt in steps of 48 tokens (steps and attention chunks ending apart,
+    vLLM dropping a chunk's blocks as the next one is computed): D holds, byte for byte, what
+    its next token reads."""
+    p_conn, d_conn, transport = PAIRS[pair]
+    with engines(
+        zygote, p_conn, d_conn, {"scheduler": {"batch_tokens": 48}}, None, geo=GEO, mode=mode,
+        hma=True, chunk=CHUNK, extra_config={"transport": transport},
+    ) as (p, d):  # fmt: skip
+        state = transfer_many(p, d, INDEX, REQUESTS)
+    for rid, tokens in REQUESTS.items():
+        assert state["checked"][rid] == [0, checked_bytes(tokens)], rid
