@@ -389,9 +389,12 @@ def _spec(kind: str) -> Any:
     from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
     from vllm.v1.kv_cache_interface import (
         ChunkedLocalAttentionSpec,
+        CircularBufferSpec,
         FullAttentionSpec,
         MambaSpec,
         MLAAttentionSpec,
+        RSWASpec,
+        SinkFullAttentionSpec,
         SlidingWindowMLASpec,
         SlidingWindowSpec,
         UniformTypeKVCacheSpecs,
@@ -418,6 +421,10 @@ def _spec(kind: str) -> Any:
             block_size=32, tokens_per_state=4, alignment=512, model_version="deepseek_v4",
             num_kv_heads=1, head_size=512, dtype=torch.bfloat16,
         ),
+        # stock moves these; kvwire not yet (docs/vllm.md, hybrid models)
+        "ring": lambda: CircularBufferSpec(block_size=32, **page),
+        "static-sinks": lambda: SinkFullAttentionSpec(block_size=32, sink_len=4, **page),
+        "rswa": lambda: RSWASpec(block_size=32, rswa_window=64, **page),
         "chunked": lambda: ChunkedLocalAttentionSpec(
             block_size=32, attention_chunk_size=128, **page
         ),
@@ -463,6 +470,9 @@ REFUSED = {
     "per-layer-heads": (["per-layer-heads"], "holds layers of several page shapes"),
     "windows-only": (["window"], "no KV-cache group is full attention"),
     "chunks-only": (["chunked", "window"], "no KV-cache group is full attention"),
+    "ring": (["full", "ring"], "KV-cache group 1 is CircularBufferSpec"),
+    "static-sinks": (["full", "static-sinks"], "KV-cache group 1 is SinkFullAttentionSpec"),
+    "rswa": (["full", "rswa"], "KV-cache group 1 is RSWASpec"),
     "states-only": (["mamba"], "no KV-cache group is full attention"),
     "mamba-state-first": (["full", "mamba"], "set VLLM_SSM_CONV_STATE_LAYOUT=DS on every"),
     "mamba-short-conv": (["full", "mamba-short-conv"], "is a SHORT_CONV MambaSpec"),
