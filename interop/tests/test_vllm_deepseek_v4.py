@@ -166,12 +166,12 @@ def test_deepseek_v4_tensor_parallel(zygote: Zygote, pair: str, mode: str, tp: s
     assert state["checked"]["req-1000"] == [0, held_bytes(v4_groups(), 1000) * d_tp]
 
 
-CHUNKED = [
+NIXL_CASES = [
     (pair, mode) for pair in sorted(PAIRS) if pair != "kvwire-shm" for mode in ("pull", "push")
 ]
 
 
-@pytest.mark.parametrize(("pair", "mode"), CHUNKED)
+@pytest.mark.parametrize(("pair", "mode"), NIXL_CASES)
 def test_deepseek_v4_chunked_prefill(zygote: Zygote, pair: str, mode: str) -> None:
     """P computes each prompt in steps of 300 tokens (ending inside blocks of every group,
     the windows dropping blocks meanwhile), its pages filling as their tokens are
@@ -195,7 +195,7 @@ and a D that loaded the prompt holds only each window's tail: the one boundary b
 is 1024 for a 1025-token prompt, whose tail in every window group reaches back to it."""
 
 
-@pytest.mark.parametrize(("pair", "mode"), CHUNKED)
+@pytest.mark.parametrize(("pair", "mode"), NIXL_CASES)
 def test_deepseek_v4_prefix_hits(zygote: Zygote, pair: str, mode: str) -> None:
     """A prompt repeated with 5 tokens more: P and D each find its first 1024 tokens in
     their own prefix cache (every group's blocks up to there), D loads only the rest from

@@ -127,7 +127,9 @@ def requests(draw: st.DrawFn) -> tuple[Any, ...]:
         ("v4-window", "v4-window", "v4-latent", "v4-state", "v4-state-8"),
     ]))  # fmt: skip
     lists = [
-        draw(
+        # a chunked list leads with vLLM's null block, once per chunk no token reads now
+        [0] * (draw(st.integers(0, 8)) if k == "chunked" else 0)
+        + draw(
             st.lists(
                 st.integers(0, 63), min_size=0 if k in ("full", "v4-latent") else 1, max_size=20
             )
@@ -155,6 +157,15 @@ def test_kvwire_cuts_every_list_as_stock_does(
     stock, ours, vllm_config, kv_cache_config = sides(kinds, spec_slots, mode)
     want = [list(g) for g in stock.get_exchange_clipped_blocks(tuple(lists))]
     assert ours.exchanged([list(g) for g in lists]) == want, (kinds, spec_slots, mode)
+    # What P holds of them: each list's end, a chunked one without its leading null
+    # blocks, every other one whole.
+    for kind, sent, held in zip(kinds, want, ours.held(want), strict=True):
+        lead = len(sent) - len(held)
+        assert sent[lead:] == held, kind
+        if kind == "chunked":
+            assert set(sent[:lead]) <= {0} and held[:1] != [0], (sent, held)
+        else:
+            assert lead == 0, kind
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(VllmConfig, "num_prefill_lookahead_tokens", property(lambda _: lookahead))
         assert prefill_backoff(kv_cache_config, vllm_config) == stock._prefill_backoff()

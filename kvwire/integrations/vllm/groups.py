@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from kvwire.errors import ConfigError
@@ -309,12 +310,13 @@ class Exchanged:
     """A chunked-local-attention group: its list may lead with several null blocks."""
 
     def held(self, blocks: list[int]) -> list[int]:
-        """The exchanged blocks an engine's own transfer holds or fills: a chunked list
-        without its leading null blocks (placeholders, and one block held twice)."""
+        """The exchanged blocks P's own transfer holds: a chunked list without its leading
+        null blocks (placeholders, and one block held twice). A long prompt's list leads
+        with thousands of them, so the first real block is found in numpy."""
         if not self.chunked:
             return blocks
-        lead = next((i for i, b in enumerate(blocks) if b != 0), len(blocks))
-        return blocks[lead:]
+        real = np.flatnonzero(np.asarray(blocks, dtype=np.int64))
+        return blocks[int(real[0]) :] if real.size else []
 
     def __call__(self, blocks: list[int]) -> list[int]:
         if self.tail:

@@ -156,7 +156,7 @@ class SchedulerSide:
             return
         local: BlockIds = []
         if num_external_tokens > 0:
-            local = self.held(self.exchanged(blocks.get_unhashed_block_ids_all_groups()))
+            local = self.exchanged(blocks.get_unhashed_block_ids_all_groups())
             self.loading.add(request.request_id)
         prompt = self.loaded_tokens(int(request.num_prompt_tokens)) or None
         self.meta.to_recv[request.request_id] = (dict(params), local, prompt)
@@ -176,7 +176,7 @@ class SchedulerSide:
         rid = request.request_id
         local: BlockIds = []
         if num_external_tokens > 0:
-            local = self.held(self.exchanged(blocks.get_unhashed_block_ids_all_groups()))
+            local = self.exchanged(blocks.get_unhashed_block_ids_all_groups())
             self.loading.add(rid)
         self.meta.to_recv[rid] = (dict(params), local, self.held_tokens(request, params))
         self.meta.read_back.add(rid)
@@ -269,8 +269,9 @@ class SchedulerSide:
         return [rule(g) for g, rule in zip(groups, self.rules, strict=True)]
 
     def held(self, groups: BlockIds) -> BlockIds:
-        """The exchanged lists as this engine's own transfer holds or fills them
-        (:meth:`~kvwire.integrations.vllm.groups.Exchanged.held`); a peer gets them whole."""
+        """P: the exchanged lists as its own transfer holds them
+        (:meth:`~kvwire.integrations.vllm.groups.Exchanged.held`); D gets them whole. (D's
+        own lists need nothing: vLLM's unhashed blocks leave the null block out.)"""
         return [rule.held(g) for g, rule in zip(groups, self.rules, strict=True)]
 
     def _transfer_lists(self, block_ids: Any) -> BlockIds:
