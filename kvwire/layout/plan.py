@@ -275,8 +275,7 @@ def _group_ids(block_ids: Sequence[IntArray], group: int, who: str) -> IntArray:
     if not block_ids:  # vLLM's way of saying "nothing": a full prefix-cache hit
         return np.zeros(0, dtype=np.int64)
     if not 0 <= group < len(block_ids):
-        error = LocalProtocolError if who == "local" else RemoteProtocolError
-        raise error(
+        raise _error(who)(
             f"{who} block ids: expected a list for KV-cache group {group}, "
             f"got {len(block_ids)} groups"
         )
@@ -300,15 +299,23 @@ def _attention_chunks(
     c_logical: IntArray,
     num_tokens: int,
     window: tuple[int, int] | None = None,
+    producer_end: int | None = None,
 ) -> _Chunks:
     pk = expand_to_kernel_blocks(p_logical, producer.ppl)
     ck = expand_to_kernel_blocks(c_logical, consumer.ppl)
     unit = min(producer.kernel, consumer.kernel)
-    # Where each list starts in the sequence: both end with it, except a producer's list of
-    # a prompt still being computed (a window), which starts with it.
-    p_start = 0 if window else _list_start(num_tokens, producer.logical, len(p_logical))
+    # Where each list starts in the sequence: both end with it (the producer's with the
+    # tokens it computed), except a producer's list of a prompt still being computed (a
+    # window), which starts with it.
+    p_end = num_tokens if producer_end is None else producer_end
+    p_start = 0 if window else _list_start(p_end, producer.logical, len(p_logical))
     c_start = _list_start(num_tokens, consumer.logical, len(c_logical))
     c_end = c_start + len(ck) * consumer.kernel
+    if p_end > num_tokens and c_start < min(p_start, num_tokens) and len(ck):
+        # Computed past the consumer's end, the producer clipped its list (a window, the
+        # last chunk) at its own end: what it dropped, the consumer may still attend to,
+        # and with one count for both the slots would be zeroed and the request done.
+        raise _Unheld(c_start, min(p_start, num_tokens))
     lo = max(p_start, c_start)
     hi = min(p_start + len(pk) * producer.kernel, c_end, -(-num_tokens // unit) * unit)
     if window:
@@ -338,6 +345,14 @@ def _attention_chunks(
         zero_blocks=ck[zero_rel // consumer.kernel],
         zero_sub=(zero_rel % consumer.kernel) // unit,
     )
+
+
+class _Unheld(Exception):
+    """Tokens ``[start, stop)`` of the consumer's list that the producer no longer holds."""
+
+    def __init__(self, start: int, stop: int) -> None:
+        super().__init__(start, stop)
+        self.start, self.stop = start, stop
 
 
 def _state_chunks(p_ids: IntArray, c_ids: IntArray) -> _Chunks:
@@ -380,11 +395,33 @@ def _sequence_end(
             )
         return held
     if num_tokens > held:
-        error = LocalProtocolError if p_who == "local" else RemoteProtocolError
-        raise error(
+        raise _error(p_who)(
             f"num_tokens {num_tokens} is more than the producer's blocks hold ({held} tokens)"
         )
     return num_tokens
+
+
+def _producer_end(producer_tokens: int | None, end: int, held: int | None, p_who: str) -> int:
+    """Where the producer's lists end: at ``end`` unless it computed more (never fewer:
+    the consumer would wait for tokens that do not exist), and within what they hold."""
+    if producer_tokens is None or producer_tokens == end:
+        return end
+    if held is not None and producer_tokens > held:
+        raise _error(p_who)(
+            f"the producer computed {producer_tokens} tokens, more than its blocks hold "
+            f"({held} tokens)"
+        )
+    if held is None or producer_tokens < end:
+        raise _error(p_who)(
+            f"the producer computed {producer_tokens} tokens and the consumer's lists end "
+            f"at token {end}: "
+            + ("a streamed window needs one count" if held is None else "it lacks the rest")
+        )
+    return producer_tokens
+
+
+def _error(who: str) -> type[LocalProtocolError] | type[RemoteProtocolError]:
+    return LocalProtocolError if who == "local" else RemoteProtocolError
 
 
 # ---------------------------------------------------------------------------------------
@@ -673,8 +710,7 @@ class PeerLayout:
         groups = len(self._by_group)
         for count, who in zip(counts, whose, strict=True):
             if groups and count > groups:
-                error = LocalProtocolError if who == "local" else RemoteProtocolError
-                raise error(
+                raise _error(who)(
                     f"{who} block ids: expected at most {groups} lists (one per KV-cache "
                     f"group of block sizes {list(self.local.group_block_sizes)}), got {count}"
                 )
@@ -753,6 +789,7 @@ class PeerLayout:
         rows: bool = False,
         regions: tuple[int, int] | None = None,
         window: tuple[int, int] | None = None,
+        producer_tokens: int | None = None,
     ) -> TransferPlan:
         """Descriptors moving one request between this rank and the remote rank.
 
@@ -763,6 +800,13 @@ class PeerLayout:
         token, whatever the two block sizes. ``num_tokens`` (``remote_num_tokens``) is that
         length; without it the producer's longest list stands in for it, which is exact
         unless the consumer's blocks are smaller (then the plan is refused, by name).
+
+        ``producer_tokens``: where the producer's lists end when it computed past the
+        consumer's ``num_tokens`` (a prefill engine that generated more than one token: its
+        ``remote_num_tokens``); the consumer's lists still end at ``num_tokens`` and only
+        those tokens move. A list the producer clipped at its own end (a window, the last
+        attention chunk) may then lack tokens the consumer's list asks for, and a state is
+        for the producer's count only: such a plan is refused by name, never zero-filled.
 
         ``rows``: also name every row, uncoalesced, by its index in :meth:`tables` (for the
         same number of block lists), when the tables exist.
@@ -795,10 +839,11 @@ class PeerLayout:
                     f"a window of tokens {window} needs the prompt's length, at least "
                     f"its end (num_tokens={num_tokens})"
                 )
-            end = num_tokens
+            end, held = num_tokens, 0
         else:
             held = self._held(p_groups)
             end = _sequence_end(num_tokens, self._producer, self._consumer, held, p_who)
+        p_end = _producer_end(producer_tokens, end, None if window else held, p_who)
         num_groups = max(len(p_groups), len(c_groups), 1)
         clusters, reorder = self._clusters(num_groups, regions)
         whole = regions is None and window is None
@@ -814,10 +859,25 @@ class PeerLayout:
                 if cluster.state:
                     if window and window[0]:
                         continue
+                    if p_end != end and len(c_ids):
+                        raise _error(p_who)(
+                            f"region {cluster.labels[0]} holds a state for the producer's "
+                            f"{p_end} tokens, and the consumer's lists end at token {end}: "
+                            "a state is for one token count"
+                        )
                     chunks = _state_chunks(p_ids, c_ids)
                 else:
                     p_side, c_side = self._group_sides(cluster.p_group)
-                    chunks = _attention_chunks(p_side, c_side, p_ids, c_ids, end, window)
+                    try:
+                        chunks = _attention_chunks(p_side, c_side, p_ids, c_ids, end, window, p_end)
+                    except _Unheld as gap:
+                        raise _error(p_who)(
+                            f"{p_who} block ids of KV-cache group {cluster.p_group}: the "
+                            f"producer computed {p_end} tokens and its list starts past "
+                            f"tokens [{gap.start}, {gap.stop}) that the consumer's list, "
+                            f"ending at token {end}, asks for (a window or chunk it "
+                            "dropped)"
+                        ) from None
                 chunk_cache[key] = chunks
             self._check_bounds(cluster, chunks, p_who, c_who)
             p_rows, c_rows, z_rows = _emit(cluster, chunks)
@@ -860,8 +920,7 @@ class PeerLayout:
             (chunks.zero_blocks, cluster.c_limit, c_who),
         ):
             if blocks.size and (int(blocks.min()) < 0 or int(blocks.max()) >= limit):
-                error = LocalProtocolError if who == "local" else RemoteProtocolError
-                raise error(
+                raise _error(who)(
                     f"{who} block ids for region {cluster.labels[0]}: expected kernel ids in "
                     f"[0, {limit}), got [{int(blocks.min())}, {int(blocks.max())}]"
                 )

@@ -37,14 +37,17 @@ def cases(
     unsupported: bool = False,
 ) -> Case:
     """A pair and a request. With ``unsupported`` the producer may omit the token count
-    (which kvwire needs when the consumer's blocks are smaller than the producer's) and the
-    engines may pass their block ids in a wrong form."""
+    (which kvwire needs when the consumer's blocks are smaller than the producer's), the
+    engines may pass their block ids in a wrong form, and a producer that passes its count
+    may have computed past the consumer's prompt (generating more than one token)."""
     p, d = draw(sides(tp)), draw(sides(tp))
     tokens = draw(st.integers(1, max_tokens))
     d_total = -(-tokens // d.block)
     mla = draw(st.booleans())
     packed = draw(st.sampled_from(["", "", "p", "d"]))
     groups = 1 if packed else 2
+    pass_tokens = not unsupported or draw(st.sampled_from([True, True, True, False]))
+    past = draw(st.sampled_from([0, 0, 0, 3, 17, 30])) if unsupported and pass_tokens else 0
     return Case(
         p,
         d,
@@ -58,7 +61,8 @@ def cases(
         window=draw(st.sampled_from([0, 0, 5, 24])),
         coalesce=draw(st.booleans()),
         contiguous=draw(st.booleans()),
-        pass_tokens=not unsupported or draw(st.sampled_from([True, True, True, False])),
+        pass_tokens=pass_tokens,
+        past=past,
         mode=draw(st.sampled_from(["pull", "push"])),
         members=bool(packed) or draw(st.booleans()),
         packed=packed,

@@ -83,6 +83,9 @@ class Case:
     """``p`` or ``d``: that side packs every layer's page into one row (v13)."""
     window: int = 0
     """Group 1 is a sliding window of this many tokens (both sides' lists are clipped)."""
+    past: int = 0
+    """Tokens the producer computed beyond the consumer's prompt (it generated past it):
+    its lists, and its window, end that much later."""
     ids_form: str = "lists"
     """How the engines pass their block ids: ``lists`` (one list of ints per group, right)
     or a mistake kvwire must refuse at the call: ``flat`` (one list for all groups),
@@ -101,6 +104,8 @@ class Case:
             bits.append(f"packed{self.packed}")
         if self.window:
             bits.append(f"win{self.window}")
+        if self.past:
+            bits.append(f"past{self.past}")
         for flag in ("kv_split", "mla", "contiguous", "members"):
             if getattr(self, flag):
                 bits.append(flag)
@@ -263,6 +268,8 @@ class Request:
     p_starts: list[int]
     d_starts: list[int]
     kv: npt.NDArray[np.int32]
+    attended: list[int]
+    """Per group, the consumer's first token its next one attends to (its window's)."""
 
 
 def engine_ids(case: Case, ids: list[IntArray]) -> list[Any]:
@@ -286,10 +293,12 @@ def _pick(rng: np.random.Generator, count: int, contiguous: bool) -> IntArray:
 def make_request(case: Case) -> Request:
     """The case's request; the same case gives the same ids in every process."""
     rng = np.random.default_rng(zlib.crc32(str(case).encode()))
-    p_total = -(-case.tokens // case.p.block)
+    computed = case.tokens + case.past
+    p_total = -(-computed // case.p.block)
     d_total = -(-case.tokens // case.d.block)
+    p_window = max(0, computed - case.window) if case.window else 0
     window_start = max(0, case.tokens - case.window) if case.window else 0
-    p_first = [window_start // case.p.block if g == 1 else 0 for g in range(case.groups)]
+    p_first = [p_window // case.p.block if g == 1 else 0 for g in range(case.groups)]
     d_first = [
         max(case.hits, window_start // case.d.block if g == 1 else 0) for g in range(case.groups)
     ]
@@ -304,6 +313,7 @@ def make_request(case: Case) -> Request:
         [f * case.p.block for f in p_first],
         [f * case.d.block for f in d_first],
         kv,
+        [window_start if g == 1 else 0 for g in range(case.groups)],
     )
 
 
@@ -378,7 +388,9 @@ def check_consumer(
             rows[kernel_ids, : spec.block_len], case.d.layout, case.d.kernel, len(consumer.heads)
         )
         want = _expected(request.kv, spec, consumer.heads, tokens)
-        real = (tokens < case.tokens) & (tokens >= request.p_starts[group])
+        # What the consumer attends to, and whatever else of the producer's it listed.
+        first = min(request.p_starts[group], request.attended[group])
+        real = (tokens < case.tokens) & (tokens >= first)
         wrong = np.argwhere((got != want).any(axis=-1) & real[:, :, None])
         where = f"rank {consumer.geometry.tp_rank} region {spec.name}"
         if wrong.size:

@@ -18,7 +18,7 @@ from typing import Any
 
 from kvwire.errors import KVWireError
 from kvwire.framing import close_pipes, read_frame, spawn, wait_or_kill, write_frame
-from kvwire.pairs.oracle import Case
+from kvwire.pairs.oracle import Case, make_request
 
 
 class PairProcessError(KVWireError):
@@ -48,6 +48,10 @@ def unsupported(case: Case) -> str | None:
     refused at the call. Without the prompt's token count a consumer with smaller blocks
     cannot tell where the prompt ends inside the producer's last block, so kvwire refuses
     rather than guess; a push producer plans every write, so it always needs the count.
+    A producer that computed past the consumer's prompt places the consumer's lists by
+    its own count when pushing (PUSH_REG carries none), so the consumer refuses that; a
+    pulling consumer places both, and refuses where the producer's list no longer starts
+    early enough for its own (a window clipped at the producer's end).
     """
     if case.ids_form != "lists":
         return f"block ids passed as {case.ids_form}"
@@ -55,7 +59,21 @@ def unsupported(case: Case) -> str | None:
         return "push mode needs the token count"
     if not case.pass_tokens and case.p.block > case.d.block:
         return "token count needed"
+    if case.past and case.mode == "push":
+        return "a pushing producer that computed past the prompt"
+    if case.past and _unheld(case):
+        return "tokens the consumer's list asks for are outside the producer's window"
     return None
+
+
+def _unheld(case: Case) -> bool:
+    """Whether a list of the consumer's starts before the producer's, below the prompt's
+    end, in a group that has layers (layer ``i`` is in group ``i % groups``)."""
+    request = make_request(case)
+    return any(
+        len(request.d_ids[g]) and request.d_starts[g] < min(request.p_starts[g], case.tokens)
+        for g in range(min(case.groups, case.layers))
+    )
 
 
 class _Child:

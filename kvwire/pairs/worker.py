@@ -110,7 +110,8 @@ class Side:
         return engine_ids(self.case, own)
 
     def prefill(self) -> dict[str, Any]:
-        num_tokens = self.case.tokens if self.case.pass_tokens else None
+        case = self.case
+        num_tokens = case.tokens + case.past if case.pass_tokens else None
         params: dict[str, Any] = {}
         try:
             for rank in self.ranks:
@@ -125,7 +126,9 @@ class Side:
         try:
             for rank in self.ranks:
                 assert isinstance(rank, Consumer)
-                rank.add_request(self.request_id, params, self.ids())
+                # The prompt's own length, where the producer computed past it.
+                own = self.case.tokens if self.case.past else None
+                rank.add_request(self.request_id, params, self.ids(), num_tokens=own)
         except KVWireError as exc:
             return {"refused": refusal(exc)}
         outcomes: list[dict[str, Any]] = []

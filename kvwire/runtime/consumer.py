@@ -86,14 +86,19 @@ class Consumer(_Endpoint[Finished]):
         """Request ``request_id`` arrived with the producer's params; with ``block_ids`` the
         blocks to fill are allocated too (else call :meth:`blocks_allocated` later).
 
-        ``num_tokens`` is the prompt's length for producers whose params do not carry it
-        (``remote_num_tokens``): a consumer whose blocks are smaller than the producer's
-        needs it to place the prompt's end. ``readback``: read only the first
-        ``num_tokens`` tokens of what the producer holds, which may be more (a prefill
-        engine reading back a conversation a decode engine kept: the new prompt shares its
-        beginning); ``num_tokens`` is then required and wins over the params' count.
-        Malformed params raise ``WireDecodeError``, arguments that cannot be honoured
-        ``LocalProtocolError`` naming them.
+        ``num_tokens`` is where this consumer's lists end, the tokens it loads; without it
+        the params' count (``remote_num_tokens``, the tokens the producer computed) stands
+        in. A consumer whose blocks are smaller than the producer's needs one of them to
+        place the prompt's end. A producer that computed more (it generated past the
+        prompt) has its lists placed by its own count: pulling, the tokens ``num_tokens``
+        asks for move when the producer still holds them and the request fails by name
+        when it clipped some away (a window); pushing, the producer places this consumer's
+        lists by its count alone (vLLM's PUSH_REG carries none), so counts that differ
+        are refused here. ``readback``: read only the first ``num_tokens`` tokens of what
+        the producer holds, which may be more (a prefill engine reading back a
+        conversation a decode engine kept: the new prompt shares its beginning);
+        ``num_tokens`` is then required. Malformed params raise ``WireDecodeError``,
+        arguments that cannot be honoured ``LocalProtocolError`` naming them.
         """
         if self._driver.machine is None:
             raise ConfigError("register_kv_caches before add_request")
@@ -122,10 +127,21 @@ class Consumer(_Endpoint[Finished]):
         events: list[Event] = [RequestAdded(request_id, remote=prefill)]
         if blocks is not None:
             events.append(AllocationDone(request_id, blocks))
-        if not readback and remote.num_tokens is not None:
-            tokens = remote.num_tokens
+        computed = None if readback else remote.num_tokens
+        if tokens is None:
+            tokens = computed
+        elif computed is not None and computed != tokens and (computed < tokens or not pull):
+            raise LocalProtocolError(
+                f"request {request_id!r}: num_tokens {tokens}, and the producer computed "
+                f"{computed} tokens: "
+                + (
+                    "it cannot send tokens it never computed"
+                    if computed < tokens
+                    else "a pushing producer places this consumer's blocks by its own count"
+                )
+            )
         # The planner places a list longer than the tokens need as starting with them.
-        self._driver.request_started(request_id, tokens)
+        self._driver.request_started(request_id, tokens, computed)
         self._driver.feed(*events)
 
     def blocks_allocated(self, request_id: str, block_ids: BlockIdsLike) -> None:

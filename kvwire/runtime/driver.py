@@ -219,6 +219,8 @@ class Driver:
         self._engines: dict[str, _PeerEngine] = {}
         self._xfers: dict[int, _Xfer] = {}
         self._num_tokens: dict[str, int] = {}
+        self._producer_tokens: dict[str, int] = {}
+        """Consumer: the producer's count where it computed past ``_num_tokens``."""
         self._client = HandshakeClient(config.handshake, secret=config.secret)
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._asking: set[str] = set()
@@ -392,11 +394,16 @@ class Driver:
             for action in actions:
                 self._execute(action)
 
-    def request_started(self, request_id: str, num_tokens: int | None) -> None:
+    def request_started(
+        self, request_id: str, num_tokens: int | None, producer_tokens: int | None = None
+    ) -> None:
         """Start the request's metrics record on the driver's clock (the one its end is
-        stamped with) and keep its token count for planning the partial last block."""
+        stamped with) and keep its token counts for planning: where this side's lists end,
+        and a consumer's producer's where it computed more (its lists end there)."""
         if num_tokens is not None:
             self._num_tokens[request_id] = num_tokens
+        if producer_tokens is not None and producer_tokens != num_tokens:
+            self._producer_tokens[request_id] = producer_tokens
         self.metrics.request_started(request_id, self._clock())
 
     # ------------------------------------------------------------------ actions
@@ -444,6 +451,7 @@ class Driver:
                     action.local_block_ids,
                     action.remote_block_ids,
                     num_tokens=self._num_tokens.get(action.request_id),
+                    producer_tokens=self._producer_tokens.get(action.request_id),
                     rows=rank.prepared,
                 )
             if plan.local_zero.shape[0]:
@@ -591,6 +599,7 @@ class Driver:
         now = self._clock()
         rid = action.request_id
         self._num_tokens.pop(rid, None)
+        self._producer_tokens.pop(rid, None)
         extra = {"request_id": rid}
         if isinstance(action, FreeBlocks):
             self.metrics.request_ended(rid, now, "freed", action.reason.value)

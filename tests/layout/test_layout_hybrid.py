@@ -23,6 +23,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvwire.errors import RemoteProtocolError
 from kvwire.layout import PeerLayout
 from kvwire.layout.geometry import (
     SHARED_GROUP_ID,
@@ -275,3 +276,16 @@ def test_attention_next_to_mamba_state_in_one_slab(mode: str) -> None:
     the state moves whole at its own id, not as the full group's next tokens."""
     run(Hybrid(("full", "ssm"), (1, 1), 16, 16, 1, 1, 40, 0, 20, mode))
     run(Hybrid(("full", "swa", "ssm"), (2, 2, 1), 16, 16, 1, 1, 70, 1, 20, mode))
+
+
+@pytest.mark.parametrize("producer_tokens", [39, 41, 47])
+def test_a_state_for_another_count_is_refused(producer_tokens: int) -> None:
+    """A state is the prompt's last one: a producer that computed another count than the
+    consumer's lists end at (even within the same last block) holds the wrong state."""
+    h = Hybrid(("full", "ssm"), (1, 1), 16, 16, 1, 1, 40, 0, 20, "pull")
+    p_groups, d_groups = lists(h, np.random.default_rng(0))
+    p, d = make_side(h, 0), make_side(h, 1)
+    layout = PeerLayout(d.geometry, RemoteGeometry.from_local(p.geometry), mode="pull")
+    words = "a state is for one token count" if producer_tokens > 40 else "it lacks the rest"
+    with pytest.raises(RemoteProtocolError, match=words):
+        layout.plan(d_groups, p_groups, num_tokens=40, producer_tokens=producer_tokens)

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from kvwire.errors import LocalProtocolError, RemoteProtocolError
 from kvwire.layout import Descs, PeerLayout, TransferPlan, coalesce, topology
 from kvwire.layout.alignment import Mode
 from kvwire.layout.geometry import RemoteGeometry
@@ -61,7 +62,11 @@ def zero_rows(buffers: dict[int, RankBuffer], rows: Descs) -> None:
 
 
 def assert_rows_in_tables(
-    layout: PeerLayout, local_ids: Any, remote_ids: Any, num_tokens: int | None
+    layout: PeerLayout,
+    local_ids: Any,
+    remote_ids: Any,
+    num_tokens: int | None,
+    producer_tokens: int | None = None,
 ) -> None:
     """The request's rows named by index in the layout's prepared tables (what a transport
     prepares once per peer, then makes requests from) are its rows: uncoalesced, equal
@@ -69,7 +74,14 @@ def assert_rows_in_tables(
     tables = layout.tables(max(len(local_ids), len(remote_ids)))
     assert tables is not None
     for merge in (False, True):
-        plan = layout.plan(local_ids, remote_ids, num_tokens=num_tokens, coalesce=merge, rows=True)
+        plan = layout.plan(
+            local_ids,
+            remote_ids,
+            num_tokens=num_tokens,
+            producer_tokens=producer_tokens,
+            coalesce=merge,
+            rows=True,
+        )
         assert plan.local_rows is not None and plan.remote_rows is not None
         local, remote = tables[0][plan.local_rows], tables[1][plan.remote_rows]
         if merge:
@@ -98,6 +110,7 @@ def run_case(case: Case) -> dict[str, int]:
     request, producers, consumers, buffers = ranks(case)
 
     num_tokens = case.tokens if case.pass_tokens else None
+    computed = case.tokens + case.past if case.past else None
     stats = {"descs": 0, "empty_plans": 0}
     zeros: list[Descs] = []
 
@@ -111,8 +124,8 @@ def run_case(case: Case) -> dict[str, int]:
         local_ids, remote_ids = (
             (request.d_ids, request.p_ids) if mode == "pull" else (request.p_ids, request.d_ids)
         )
-        assert_rows_in_tables(layout, local_ids, remote_ids, num_tokens)
-        return layout.plan(local_ids, remote_ids, num_tokens=num_tokens)
+        assert_rows_in_tables(layout, local_ids, remote_ids, num_tokens, computed)
+        return layout.plan(local_ids, remote_ids, num_tokens=num_tokens, producer_tokens=computed)
 
     if case.mode == "pull":
         for d, consumer in enumerate(consumers):
@@ -327,3 +340,36 @@ def cases(draw: st.DrawFn) -> Case:
 @given(cases())
 def test_random_geometries_move_the_right_bytes(case: Case) -> None:
     run_case(case)
+
+
+@st.composite
+def past_cases(draw: st.DrawFn) -> Case:
+    """A producer that generated past the consumer's prompt (up to 36 tokens: its lists
+    stay within the oracle's 32 blocks per region)."""
+    case = draw(cases())
+    return replace(case, past=draw(st.integers(1, 36)), window=draw(st.sampled_from([0, 5, 24])))
+
+
+@settings(max_examples=150, deadline=None, derandomize=True)
+@given(past_cases())
+def test_a_producer_that_computed_past_the_prompt_moves_it_or_is_refused(case: Case) -> None:
+    """Its lists end at its own count and the consumer's at the prompt's. The request moves
+    with every token the consumer attends to right, or is refused by name: it must be
+    where the producer's window no longer holds a token the consumer attends to, and may
+    be only where it lacks one the consumer's list holds (the planner sees lists, not
+    windows)."""
+    request = make_request(case)
+    spans = [
+        (max(request.attended[g], request.d_starts[g]), request.d_starts[g], request.p_starts[g])
+        for g in range(min(case.groups, case.layers))  # layer i is in group i % groups
+        if len(request.d_ids[g])
+    ]
+    must = any(needed < min(held, case.tokens) for needed, _, held in spans)
+    may = any(listed < min(held, case.tokens) for _, listed, held in spans)
+    try:
+        run_case(case)
+    except (LocalProtocolError, RemoteProtocolError) as exc:
+        assert may, f"{case}: refused with every listed token held: {exc}"
+        assert "asks for" in str(exc), exc
+    else:
+        assert not must, f"{case}: moved though the producer dropped attended tokens"

@@ -154,6 +154,31 @@ def test_the_runtime_calls_refuse_at_the_call() -> None:
             consumer.register_kv_caches({"regions": []})  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize(
+    ("mode", "num_tokens", "words"),
+    [
+        ("pull", 21, "num_tokens 21, and the producer computed 20 tokens: it cannot send"),
+        ("push", 21, "num_tokens 21, and the producer computed 20 tokens: it cannot send"),
+        ("push", 19, "a pushing producer places this consumer's blocks by its own count"),
+    ],
+)
+def test_a_count_the_producer_cannot_fill_is_refused_at_the_call(
+    mode: str, num_tokens: int, words: str
+) -> None:
+    """The params say the producer computed 20 tokens. A consumer loading more waits for
+    tokens that do not exist; a push consumer loading fewer gets its blocks placed by the
+    producer's count. (A pull consumer loading fewer is placed by both counts.)"""
+    with Producer(KVWireConfig(engine_id="p", mode=mode, compat=_factors(mode))) as producer:
+        producer.register_kv_caches(geometry())
+        params = producer.prefill_finished("r", [[0, 1]], num_tokens=20)
+    config = KVWireConfig(engine_id="d", mode=mode, compat=_factors(mode))
+    with Consumer(config) as consumer:
+        consumer.register_kv_caches(geometry())
+        with pytest.raises(LocalProtocolError, match=words):
+            consumer.add_request("r", params, [[2, 3]], num_tokens=num_tokens)
+        consumer.add_request("r", params, [[2, 3]], num_tokens=20)  # the same count: taken
+
+
 def test_push_producers_need_the_prompt_length() -> None:
     config = KVWireConfig(engine_id="p", mode="push", compat=_factors("push"))
     with Producer(config) as producer:

@@ -215,15 +215,14 @@ class WorkerSide:
         steps)."""
         if self.consumer is not None:
             for rid, (params, local, prompt) in meta.to_recv.items():
-                if local and not self._counts_agree(rid, params, prompt):
+                readback = rid in meta.read_back
+                if local and not self._counts_agree(rid, params, prompt, readback):
                     # Nothing read; P frees its blocks as for a request D never allocated.
-                    self.consumer.add_request(rid, params, [], num_tokens=prompt)
+                    self.consumer.add_request(rid, params, [])
                     self.recving.add(rid)
                     self.failed.add(rid)
                     continue
-                self.consumer.add_request(
-                    rid, params, local, num_tokens=prompt, readback=rid in meta.read_back
-                )
+                self.consumer.add_request(rid, params, local, num_tokens=prompt, readback=readback)
                 if local:
                     self.recving.add(rid)
                     if self.staging is not None:
@@ -232,19 +231,33 @@ class WorkerSide:
                 self.consumer.abort(rid)
                 self.loading.pop(rid, None)
 
-    def _counts_agree(self, rid: str, params: dict[str, Any], loaded: int | None) -> bool:
-        """D of a model with state (Mamba): P computed exactly the tokens D loads, or the
-        state D gets is for another count and D's model would apply a token twice or skip
-        one. The two engines decide the count apart (each cuts the prompt by its own
-        rule), so a mismatch, such as a drafter's lookahead on one side only, fails the
-        request, naming both counts."""
+    def _counts_agree(
+        self, rid: str, params: dict[str, Any], loaded: int | None, readback: bool = False
+    ) -> bool:
+        """D: whether what P computed (``remote_num_tokens``) can fill the tokens D loads.
+        Fewer cannot. Another count cannot for a model with state (Mamba): the state is
+        for P's count, and D's model would apply tokens twice or skip some; the engines
+        cut the prompt apart (each by its own rule), so a drafter's lookahead on one side
+        only does it. Nor can it in push, where P places D's blocks by its own count
+        (PUSH_REG carries none), so a P that generated past the prompt would write them
+        shifted. A pulling D without state places both counts (and refuses by name a
+        window P clipped away), as does a read-back, the first tokens of a longer
+        conversation. A refusal fails the request, naming both counts, rather than
+        completing it with P's bytes in the wrong tokens."""
         sent = params.get("remote_num_tokens")
-        if not self.has_state or sent is None or loaded is None or int(sent) == loaded:
+        if sent is None or loaded is None or sent == loaded:
+            return True
+        if self.has_state:
+            why = "a Mamba state is for one count (do both engines cut the prompt alike?)"
+        elif type(sent) is int and sent < loaded:
+            why = "P lacks the rest"
+        elif self.config.mode == "push" and not readback:
+            why = "a pushing P places them by its own count"
+        else:
             return True
         log.warning(
-            "KV of %s not loaded: P computed %s of its tokens and this engine loads %s; a "
-            "Mamba state is for one count (do both engines cut the prompt alike?)",
-            rid, sent, loaded,
+            "KV of %s not loaded: P computed %s of its tokens and this engine loads %s; %s",
+            rid, sent, loaded, why,
         )  # fmt: skip
         return False
 

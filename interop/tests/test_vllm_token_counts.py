@@ -1,0 +1,103 @@
+"""A prefill engine whose token count is not the prompt D loads, through vLLM's own
+scheduler and KV cache manager on its defaults.
+
+A P asked for more than one token (``max_tokens`` above 1) finishes past the prompt: its
+``remote_num_tokens`` is what it computed and its block lists end there, a window's list
+clipped at that end by vLLM. A D sent the original prompt loads only the prompt. Before
+kvwire placed the two counts apart, a kvwire D placed P's lists at its own prompt's end:
+every byte of a dense model landed one block off and the request still completed
+(8,192,000 of 8,192,000 checked bytes wrong, from a stock P and a kvwire P alike).
+
+Now, pulling, D places P's lists by P's count and its own by the prompt: a dense model's
+prompt moves with every byte right, and a window P no longer holds all of fails the
+request by name. Pushing, P places D's blocks by its own count (PUSH_REG carries no
+count), so D refuses the request, naming both counts. A P that computed fewer tokens
+than D loads is refused the same way. A stock D pulling from a P past the prompt reads
+the end of P's lists into its blocks and completes, wrong (measured between two stock
+engines); a kvwire P cannot see D's count, so that cell is stock's and not claimed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from harness import Geometry, Zygote, engines, step_both, wait_until
+
+PROMPT = 250
+"""D's prompt: 16 blocks of 16 tokens, its last partly filled."""
+GENERATED = 12
+"""P's ``max_tokens``: it computes 261 tokens, into a 17th block."""
+WINDOW = 64
+"""The sliding window of every other layer: P's list at 261 tokens starts after the
+tokens D's window at 250 attends to."""
+GEO = Geometry(layers=8)
+PAIRS = {
+    "kvwire-P-kvwire-D": "KVWireConnector",
+    "stock-P-kvwire-D": "NixlConnector",
+}
+
+
+def _run(
+    zygote: Zygote, p_connector: str, mode: str, max_tokens: int, sent: int | None = None,
+    **model: Any,
+) -> tuple[dict[str, Any], list[str]]:  # fmt: skip
+    """P prefills with ``max_tokens``; D (kvwire) gets its params (their count replaced by
+    ``sent``) with the original prompt. D's state once it is done, and its log."""
+    with engines(
+        zygote, p_connector, "KVWireConnector", geo=GEO, hma=True, mode=mode,
+        extra_config={"transport": "nixl"}, **model,
+    ) as (p, d):  # fmt: skip
+        p.add("req", 5, PROMPT, {"do_remote_decode": True}, max_tokens=max_tokens)
+        wait_until(lambda: "req" in p.state.get("outputs", {}), p.step, 30, "P to finish")
+        params = dict(p.state["outputs"]["req"])
+        assert params["remote_num_tokens"] == PROMPT + max_tokens - 1, params
+        if sent is not None:
+            params["remote_num_tokens"] = sent
+        d.add("req", 5, PROMPT, params)
+        step_both(
+            p, d,
+            lambda: "req" in d.state.get("outputs", {}) and "req" in p.state["sent"],
+            "D to end the request and P to free its blocks",
+        )  # fmt: skip
+        return d.state, list(d.peer.log)
+
+
+@pytest.mark.parametrize("pair", list(PAIRS))
+def test_a_pulling_d_loads_its_prompt_from_a_p_that_generated_past_it(
+    zygote: Zygote, pair: str
+) -> None:
+    state, _ = _run(zygote, PAIRS[pair], "pull", GENERATED)
+    assert state["failed"] == []
+    # Every prompt token of the eight layers: 250 tokens x 8 layers x 4096 bytes.
+    assert state["checked"]["req"] == [0, PROMPT * 8 * 4096]
+
+
+@pytest.mark.parametrize("pair", list(PAIRS))
+def test_a_window_p_no_longer_holds_is_refused_by_name(zygote: Zygote, pair: str) -> None:
+    state, log = _run(zygote, PAIRS[pair], "pull", GENERATED, window=WINDOW)
+    assert state["failed"] == ["req"] and "req" not in state["checked"]
+    assert any(
+        "the producer computed 261 tokens and its list starts past tokens" in line for line in log
+    ), log[-3:]
+
+
+@pytest.mark.parametrize("pair", list(PAIRS))
+@pytest.mark.parametrize(
+    ("mode", "max_tokens", "sent", "why"),
+    [
+        ("push", GENERATED, None, "P computed 261 of its tokens and this engine loads 250; "
+         "a pushing P places them by its own count"),
+        ("pull", 1, 200, "P computed 200 of its tokens and this engine loads 250; P lacks "
+         "the rest"),
+        ("push", 1, 200, "P computed 200 of its tokens and this engine loads 250; P lacks "
+         "the rest"),
+    ],
+)  # fmt: skip
+def test_counts_d_cannot_place_fail_the_request_by_name(
+    zygote: Zygote, pair: str, mode: str, max_tokens: int, sent: int | None, why: str
+) -> None:
+    """D reads nothing, reports the request failed, and P frees its blocks."""
+    state, log = _run(zygote, PAIRS[pair], mode, max_tokens, sent)
+    assert state["failed"] == ["req"] and "req" not in state["checked"]
+    assert any(why in line for line in log), log[-3:]
