@@ -333,6 +333,7 @@ class SchedulerEngine:
         hma: bool | None = None,
         window: int = 0,
         chunk: int = 0,
+        rswa: int = 0,
         mamba: int = 0,
         indexer: bool = False,
         host_buffer: bool = False,
@@ -353,7 +354,8 @@ class SchedulerEngine:
         hybrid KV cache manager on or off (``None``: as vLLM resolves it); ``window``:
         every odd layer sliding-window attention over that many tokens; ``chunk``: Llama
         4's interleaving, three layers of chunked local attention (chunks of that many
-        tokens) then a full-attention one; ``mamba``: after
+        tokens) then a full-attention one; ``rswa``: every layer R-SWA (vLLM's
+        ``RSWASpec``) over a decode window of that many tokens; ``mamba``: after
         each attention layer that many Mamba2 layers; ``indexer`` (an MLA model): each
         layer also holds DeepSeek-V3.2's indexer keys (sparse MLA); ``host_buffer``: a
         kvwire engine stages its KV through a host copy as on a device platform with
@@ -395,7 +397,8 @@ class SchedulerEngine:
             "engine_id": self.engine_id, "tp_size": tp, "model": self.geo.model,
             "layers": self.geo.layers, "num_blocks": self.geo.num_blocks,
             "block_size": self.geo.block_size, "kv_heads": self.geo.kv_heads, "lease": lease,
-            "hma": hma, "window": window, "chunk": chunk, "mamba": mamba, "indexer": indexer,
+            "hma": hma, "window": window, "chunk": chunk, "rswa": rswa, "mamba": mamba,
+            "indexer": indexer,
             "host_buffer": host_buffer, "drafter": drafter,
             "mode": mode, "extra_config": extra_config, "layout": layout,
             "kernel_block": kernel_block, "layerwise": layerwise, "prefix_caching": prefix_caching,
@@ -604,6 +607,7 @@ def transfer_many(
 
 __all__ = [
     "BLOCK",
+    "PAIRS",
     "DecodeEngine",
     "Geometry",
     "PrefillEngine",
@@ -611,6 +615,7 @@ __all__ = [
     "Zygote",
     "factors",
     "kvwire_options",
+    "pair_cases",
     "params_ahead",
     "prefill",
     "step_both",
@@ -621,6 +626,26 @@ __all__ = [
     "vllm_compatible_extra",
     "wait_until",
 ]
+
+
+PAIRS = {
+    "kvwire-shm": ("KVWireConnector", "KVWireConnector", "shm"),
+    "kvwire-nixl": ("KVWireConnector", "KVWireConnector", "nixl"),
+    "stock-P-kvwire-D": ("NixlConnector", "KVWireConnector", "nixl"),
+    "kvwire-P-stock-D": ("KVWireConnector", "NixlConnector", "nixl"),
+}
+"""A model's pairs: (P's connector, D's connector, kvwire's transport), by name."""
+
+
+def pair_cases() -> list[tuple[str, str, str]]:
+    """(pair, TP sizes ``P-D``, mode) for every pair of :data:`PAIRS`: the unequal TP
+    sizes over NIXL (the shared-memory loopback is one host's TP 1-1), pull and push."""
+    return [
+        (pair, tp, mode)
+        for pair in sorted(PAIRS)
+        for tp in (["1-1"] if pair == "kvwire-shm" else ["1-1", "1-2", "2-1"])
+        for mode in ("pull", "push")
+    ]
 
 
 @contextlib.contextmanager

@@ -252,7 +252,9 @@ def layer_specs(start: dict[str, Any]) -> dict[str, Any]:
     """vLLM's spec of each layer: full attention, or with ``window`` (tokens) every odd
     attention layer a sliding-window one (Gemma's and gpt-oss's interleaving), with
     ``chunk`` (tokens) three chunked-local-attention layers then a full one (Llama 4's
-    interleaving), or with
+    interleaving), with ``rswa`` (tokens) every layer R-SWA over that decode window
+    (vLLM's ``RSWASpec``, which its ``deepseek_v2`` attention makes for Unlimited-OCR), or
+    with
     ``mamba`` (``k``) one attention layer then ``k`` Mamba2 ones, over and over (Jamba's
     and Nemotron-H's interleaving); both together interleave all three kinds. With
     ``indexer`` (an MLA model) each layer also has DeepSeek-V3.2's indexer cache beside its
@@ -260,6 +262,7 @@ def layer_specs(start: dict[str, Any]) -> dict[str, Any]:
     from vllm.v1.kv_cache_interface import (
         ChunkedLocalAttentionSpec,
         FullAttentionSpec,
+        RSWASpec,
         SlidingWindowSpec,
     )
 
@@ -280,7 +283,8 @@ def layer_specs(start: dict[str, Any]) -> dict[str, Any]:
     }
     mamba = int(start.get("mamba") or 0)
     chunk = int(start.get("chunk") or 0)
-    full = FullAttentionSpec(**common)
+    rswa = int(start.get("rswa") or 0)
+    full = RSWASpec(**common, rswa_window=rswa) if rswa else FullAttentionSpec(**common)
     specs = {}
     for i, name in enumerate(vllm_peer.layer_names(start)):
         if chunk and i % 4 != 3:
@@ -581,7 +585,7 @@ def allocate(vllm_config: Any, start: dict[str, Any]) -> tuple[Any, dict[str, to
     from vllm.v1.worker.utils import allocate_kv_cache
 
     spec = vllm_peer.cache_spec(start)
-    if any(start.get(kind) for kind in ("window", "chunk", "mamba", "indexer")):
+    if any(start.get(kind) for kind in ("window", "chunk", "rswa", "mamba", "indexer")):
         groups = get_kv_cache_groups(vllm_config, layer_specs(start))
     else:
         groups = vllm_peer.build_configs(start)[1].kv_cache_groups

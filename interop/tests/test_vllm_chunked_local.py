@@ -13,7 +13,15 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from harness import Geometry, Zygote, engines, registered_by_each, transfer_many
+from harness import (
+    PAIRS,
+    Geometry,
+    Zygote,
+    engines,
+    pair_cases,
+    registered_by_each,
+    transfer_many,
+)
 
 from kvwire.demo.models import CacheSpec, preset
 
@@ -33,18 +41,7 @@ as between two stock engines (measured: a pulling stock D stops on an assertion 
 ``_read_blocks``, a pushing stock P never finishes the request), so it runs where kvwire
 plans."""
 INDEX = 9
-PAIRS = {
-    "kvwire-shm": ("KVWireConnector", "KVWireConnector", "shm"),
-    "kvwire-nixl": ("KVWireConnector", "KVWireConnector", "nixl"),
-    "stock-P-kvwire-D": ("NixlConnector", "KVWireConnector", "nixl"),
-    "kvwire-P-stock-D": ("KVWireConnector", "NixlConnector", "nixl"),
-}
-CASES = [
-    (pair, tp, mode)
-    for pair in sorted(PAIRS)
-    for tp in (["1-1"] if pair == "kvwire-shm" else ["1-1", "1-2", "2-1"])
-    for mode in ("pull", "push")
-]
+CASES = pair_cases()
 
 
 def checked_bytes(prompt: int) -> int:

@@ -424,6 +424,7 @@ def _spec(kind: str) -> Any:
         # stock moves these; kvwire not yet (docs/vllm.md, hybrid models)
         "ring": lambda: CircularBufferSpec(block_size=32, **page),
         "static-sinks": lambda: SinkFullAttentionSpec(block_size=32, sink_len=4, **page),
+        # R-SWA: the whole prompt when a prefill ends, as full attention
         "rswa": lambda: RSWASpec(block_size=32, rswa_window=64, **page),
         "chunked": lambda: ChunkedLocalAttentionSpec(
             block_size=32, attention_chunk_size=128, **page
@@ -472,7 +473,6 @@ REFUSED = {
     "chunks-only": (["chunked", "window"], "no KV-cache group is full attention"),
     "ring": (["full", "ring"], "KV-cache group 1 is CircularBufferSpec"),
     "static-sinks": (["full", "static-sinks"], "KV-cache group 1 is SinkFullAttentionSpec"),
-    "rswa": (["full", "rswa"], "KV-cache group 1 is RSWASpec"),
     "states-only": (["mamba"], "no KV-cache group is full attention"),
     "mamba-state-first": (["full", "mamba"], "set VLLM_SSM_CONV_STATE_LAYOUT=DS on every"),
     "mamba-short-conv": (["full", "mamba-short-conv"], "is a SHORT_CONV MambaSpec"),
@@ -504,10 +504,10 @@ def test_groups_kvwire_cannot_move_are_refused_by_name(
         with pytest.raises(ConfigError, match=message):
             group_kinds(config, 32)
         conv_layout("DS")
-        moved = ("full", "window", "chunked", "mamba")
+        moved = ("full", "window", "chunked", "rswa", "mamba")
         accepted = [KVCacheGroupSpec([k], _spec(k)) for k in moved]
         ok = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=accepted)
-        assert [k.value for k in group_kinds(ok, 32)] == ["attention"] * 3 + ["ssm"]
+        assert [k.value for k in group_kinds(ok, 32)] == ["attention"] * 4 + ["ssm"]
     finally:
         monkeypatch.undo()
         mamba_utils.get_conv_state_layout.cache_clear()

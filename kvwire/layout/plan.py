@@ -403,7 +403,8 @@ def _sequence_end(
 
 def _producer_end(producer_tokens: int | None, end: int, held: int | None, p_who: str) -> int:
     """Where the producer's lists end: at ``end`` unless it computed more (never fewer:
-    the consumer would wait for tokens that do not exist), and within what they hold."""
+    the consumer would wait for tokens that do not exist), and within what they hold
+    (``held``; None for a streamed window, whose pieces take one count)."""
     if producer_tokens is None or producer_tokens == end:
         return end
     if held is not None and producer_tokens > held:
@@ -833,17 +834,20 @@ class PeerLayout:
         order_parts: list[IntArray] = []
         chunk_cache: dict[tuple[int, int, bool], _Chunks] = {}
         self._check_group_count((len(p_groups), len(c_groups)), (p_who, c_who))
+        if num_tokens is None:  # the consumer's lists end where the producer's do
+            num_tokens = producer_tokens
         if window is not None:
             if num_tokens is None or not 0 <= window[0] <= window[1] <= num_tokens:
                 raise LocalProtocolError(
                     f"a window of tokens {window} needs the prompt's length, at least "
                     f"its end (num_tokens={num_tokens})"
                 )
-            end, held = num_tokens, 0
+            end = num_tokens
+            p_end = _producer_end(producer_tokens, end, None, p_who)
         else:
             held = self._held(p_groups)
             end = _sequence_end(num_tokens, self._producer, self._consumer, held, p_who)
-        p_end = _producer_end(producer_tokens, end, None if window else held, p_who)
+            p_end = _producer_end(producer_tokens, end, held, p_who)
         num_groups = max(len(p_groups), len(c_groups), 1)
         clusters, reorder = self._clusters(num_groups, regions)
         whole = regions is None and window is None

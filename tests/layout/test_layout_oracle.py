@@ -373,3 +373,16 @@ def test_a_producer_that_computed_past_the_prompt_moves_it_or_is_refused(case: C
         assert "asks for" in str(exc), exc
     else:
         assert not must, f"{case}: moved though the producer dropped attended tokens"
+
+
+def test_the_producers_count_alone_places_both_sides() -> None:
+    """Without the consumer's count its lists end where the producer's do."""
+    case = Case(Side(1, "HND", 16), Side(1, "NHD", 8), tokens=40, groups=2, window=24)
+    request, producers, consumers, _ = ranks(case)
+    layout = PeerLayout(
+        consumers[0].geometry, RemoteGeometry.from_local(producers[0].geometry), mode="pull"
+    )
+    alone = layout.plan(request.d_ids, request.p_ids, producer_tokens=40)
+    both = layout.plan(request.d_ids, request.p_ids, num_tokens=40, producer_tokens=40)
+    np.testing.assert_array_equal(alone.local_descs, both.local_descs)
+    np.testing.assert_array_equal(alone.remote_descs, both.remote_descs)

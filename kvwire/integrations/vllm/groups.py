@@ -39,7 +39,10 @@ def group_kinds(kv_cache_config: Any, block_size: int) -> tuple[RegionKind, ...]
     one state of ``sum(ssm_sizes)`` bytes (:func:`ssm_sizes`). A chunked-local-attention
     group (Llama 4) has the attention page and, as stock exchanges it, the prompt's whole
     list, its chunks before the last one vLLM's null block: it moves as full attention
-    does. Anything else (rings, groups whose pages vLLM resized or padded otherwise) would
+    does. So does an R-SWA group (``RSWASpec``, full attention whose blocks between the
+    prompt and the decode window vLLM frees while decoding): when a prefill ends it holds
+    the whole prompt, and stock moves it whole. Anything else (rings, static sinks, groups
+    whose pages vLLM resized or padded otherwise) would
     be planned with the wrong page, so it fails the engine's startup instead. So does a model
     whose every attention group has a window: no list then holds the whole prompt, which is
     where the planner places the others.
@@ -49,6 +52,7 @@ def group_kinds(kv_cache_config: Any, block_size: int) -> tuple[RegionKind, ...]
         FullAttentionSpec,
         MambaSpec,
         MLAAttentionSpec,
+        RSWASpec,
         SlidingWindowMLASpec,
         SlidingWindowSpec,
         UniformTypeKVCacheSpecs,
@@ -56,6 +60,7 @@ def group_kinds(kv_cache_config: Any, block_size: int) -> tuple[RegionKind, ...]
 
     moved = (
         FullAttentionSpec,
+        RSWASpec,
         MLAAttentionSpec,
         SlidingWindowSpec,
         SlidingWindowMLASpec,
@@ -85,7 +90,8 @@ def group_kinds(kv_cache_config: Any, block_size: int) -> tuple[RegionKind, ...]
         if type(spec) not in moved:
             raise ConfigError(
                 f"KV-cache group {group_id} is {type(spec).__name__}: KVWireConnector moves "
-                "full-attention, MLA, sliding-window, chunked-local and Mamba groups so far"
+                "full-attention (R-SWA too), MLA, sliding-window, chunked-local and Mamba "
+                "groups so far"
             )
         page = (spec.block_size, spec.num_kv_heads, spec.head_size, spec.dtype)
         padded = getattr(spec, "page_size_padded", None)
@@ -296,7 +302,9 @@ class Exchanged:
     decoding, which never cross; of the rest only the running state (the last) does,
     unless vLLM 0.31 keeps a state per block position (``mamba_cache_mode`` "all"): 0.32
     sends the running state alone in every mode. A chunked-local-attention group crosses
-    whole, the chunks no token attends to anymore vLLM's null block (id 0)."""
+    whole, the chunks no token attends to anymore vLLM's null block (id 0). An R-SWA group
+    crosses whole too; once its request decodes, vLLM frees the blocks between the prompt
+    and the decode window (``gaps``)."""
 
     tail: int = 0
     """The last blocks that cross; 0: all."""
@@ -308,6 +316,8 @@ class Exchanged:
     positional: bool = False
     chunked: bool = False
     """A chunked-local-attention group: its list may lead with several null blocks."""
+    gaps: bool = False
+    """An R-SWA group: a conversation kept past its prompt has null blocks inside."""
 
     def held(self, blocks: list[int]) -> list[int]:
         """The exchanged blocks P's own transfer holds: a chunked list without its leading
@@ -315,10 +325,7 @@ class Exchanged:
         and group; a long prompt's list leads with thousands of them (measured, 7680 before
         512 real blocks: 153 us in numpy, 178 us with a generator; the conversion of the
         list is most of either)."""
-        if not self.chunked:
-            return blocks
-        real = np.flatnonzero(np.asarray(blocks, dtype=np.int64))
-        return blocks[int(real[0]) :] if real.size else []
+        return past_placeholders(blocks) if self.chunked else blocks
 
     def __call__(self, blocks: list[int]) -> list[int]:
         if self.tail:
@@ -330,10 +337,23 @@ class Exchanged:
         return blocks if self.positional else blocks[-1:]
 
 
+def past_placeholders(blocks: list[int]) -> list[int]:
+    """A list without its leading null blocks (vLLM's id 0): they stand for blocks a window
+    or a chunk dropped, which stock's exchanged lists keep in place (a window's tail may
+    start with one, a chunked list with many)."""
+    real = np.flatnonzero(np.asarray(blocks, dtype=np.int64))
+    return blocks[int(real[0]) :] if real.size else []
+
+
 def exchanged(kv_cache_config: Any, vllm_config: Any) -> tuple[Exchanged, ...]:
     """Per transfer group, which of a request's blocks cross (:class:`Exchanged`)."""
     from vllm.distributed.kv_transfer.kv_connector import utils
-    from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, MambaSpec, SlidingWindowSpec
+    from vllm.v1.kv_cache_interface import (
+        ChunkedLocalAttentionSpec,
+        MambaSpec,
+        RSWASpec,
+        SlidingWindowSpec,
+    )
 
     # 0.32 clips a state list with this helper (the running state, in every mode); 0.31,
     # which lacks it, kept each position's state in mode "all".
@@ -354,7 +374,8 @@ def exchanged(kv_cache_config: Any, vllm_config: Any) -> tuple[Exchanged, ...]:
             )
         else:
             chunked = isinstance(spec, ChunkedLocalAttentionSpec)
-            rules.append(Exchanged(block_size=size, chunked=chunked))
+            gaps = isinstance(spec, RSWASpec)
+            rules.append(Exchanged(block_size=size, chunked=chunked, gaps=gaps))
     return tuple(rules)
 
 

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 from kvwire.config import KVWireConfig
 from kvwire.errors import ConfigError
 from kvwire.integrations.vllm import staging
-from kvwire.integrations.vllm.config import readback
+from kvwire.integrations.vllm.config import log, readback
 from kvwire.integrations.vllm.groups import exchanged, prefill_backoff
 from kvwire.integrations.vllm.messages import BlockIds, KVWireHandshake, KVWireMetadata
 from kvwire.sidechannel import HandshakeListener
@@ -235,6 +235,17 @@ class SchedulerSide:
             return False, None
         groups = self.exchanged(block_ids)
         if not any(groups):
+            return False, None
+        if prefill and any(r.gaps and 0 in g for g, r in zip(groups, self.rules, strict=True)):
+            # P decoded past the prompt by more than the R-SWA window: vLLM freed blocks
+            # inside the list, and kvwire's transfer holds each block once, so none is
+            # offered; D computes the prompt (a stock P offers the list, placeholders too).
+            log.warning(
+                "KV of %s not offered: P computed %d tokens, past its %d-token prompt by "
+                "more than the R-SWA window, and vLLM freed the blocks between them",
+                rid, request.num_computed_tokens, request.num_prompt_tokens,
+            )  # fmt: skip
+            self.meta.to_abort.append(rid)
             return False, None
         cfg = self.config
         lease = cfg.lease_s if cfg.mode == "pull" else None

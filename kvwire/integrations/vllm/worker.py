@@ -18,6 +18,7 @@ from kvwire.errors import ConfigError
 from kvwire.integrations.vllm import staging
 from kvwire.integrations.vllm.config import sides
 from kvwire.integrations.vllm.geometry import layer_geometry, layer_order
+from kvwire.integrations.vllm.groups import past_placeholders
 from kvwire.integrations.vllm.messages import KVWireHandshake, KVWireMetadata, KVWireStats
 from kvwire.layout.geometry import KVGeometry
 from kvwire.runtime import Consumer, Producer
@@ -222,7 +223,12 @@ class WorkerSide:
                     self.recving.add(rid)
                     self.failed.add(rid)
                     continue
-                self.consumer.add_request(rid, params, local, num_tokens=prompt, readback=readback)
+                if local and not readback:
+                    params = _placeholders_dropped(params, prompt)
+                self.consumer.add_request(
+                    rid, params, local, num_tokens=prompt if local or readback else None,
+                    readback=readback,
+                )  # fmt: skip
                 if local:
                     self.recving.add(rid)
                     if self.staging is not None:
@@ -351,6 +357,21 @@ def _agent(config: KVWireConfig) -> Transport:
     if not isinstance(transport, str):  # vLLM's config is JSON: a name, always
         raise ConfigError(f"transport must be named, got {type(transport).__name__}")
     return create(transport, agent_name(config, "both"), **config.transport_kwargs())
+
+
+def _placeholders_dropped(params: dict[str, Any], loaded: int | None) -> dict[str, Any]:
+    """D: P's params for a P that computed past the tokens D loads, its lists without their
+    leading null blocks. Such lists are placed by P's own count, where a null block
+    standing for a block P's window dropped would pass for one P holds, and D would take
+    vLLM's null block for P's KV; without it the plan is refused by name. (Equal counts
+    place the lists alike, and D lists none of those blocks.) Malformed params are left
+    for the consumer to refuse."""
+    sent, lists = params.get("remote_num_tokens"), params.get("remote_block_ids")
+    if type(sent) is not int or loaded is None or sent <= loaded or not isinstance(lists, list):
+        return params
+    if not all(isinstance(g, list) and all(type(b) is int for b in g) for g in lists):
+        return params
+    return {**params, "remote_block_ids": [past_placeholders(g) for g in lists]}
 
 
 def _recorded_event(device: torch.device) -> Any:

@@ -1,0 +1,66 @@
+"""R-SWA (vLLM's ``RSWASpec``, the attention its ``deepseek_v2`` model makes for
+Unlimited-OCR) through KVWireConnector on vLLM's defaults: every layer full attention
+whose blocks between the prompt and the last ``rswa_window`` generated tokens vLLM frees
+while decoding. When a prefill ends, nothing is freed yet: the group holds the whole
+prompt, and stock exchanges its list whole, as a full-attention group's. Built from vLLM's
+spec class, planned and allocated by vLLM's own code (its ``RSWAManager`` runs the group);
+D checks every prompt token of every layer, and the test asserts how many bytes that is."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from harness import PAIRS, Geometry, Zygote, engines, pair_cases, transfer_many, wait_until
+
+from kvwire.demo.models import CacheSpec, preset
+
+RSWA_WINDOW = 128
+"""The decode window (vLLM's default for the model)."""
+GEO = Geometry(layers=4)
+REQUESTS = {"req-200": 200, "req-300": 300}
+"""One content: the longer prompt hits the shorter's blocks in P's prefix cache."""
+INDEX = 11
+CASES = pair_cases()
+
+
+@pytest.mark.parametrize(("pair", "tp", "mode"), CASES)
+def test_rswa(zygote: Zygote, pair: str, tp: str, mode: str) -> None:
+    """Every pair, TP size and mode: P's params carry the whole prompt's list, no null
+    block in it, and D holds every prompt token of every layer, byte for byte, on every
+    rank."""
+    p_conn, d_conn, transport = PAIRS[pair]
+    p_tp, d_tp = (int(n) for n in tp.split("-"))
+    with engines(
+        zygote, p_conn, d_conn, {"tp": p_tp}, {"tp": d_tp}, geo=GEO, mode=mode, hma=True,
+        rswa=RSWA_WINDOW, extra_config={"transport": transport},
+    ) as (p, d):  # fmt: skip
+        state = transfer_many(p, d, INDEX, REQUESTS)
+        outputs: dict[str, Any] = p.state["outputs"]
+    spec = CacheSpec(preset(GEO.model), GEO.layers, GEO.num_blocks, 0, 1, GEO.block_size)
+    per_token = spec.block_len // GEO.block_size
+    for rid, tokens in REQUESTS.items():
+        (blocks,) = outputs[rid]["remote_block_ids"]
+        assert len(blocks) == -(-tokens // GEO.block_size) and 0 not in blocks, rid
+        assert state["checked"][rid] == [0, per_token * GEO.layers * tokens], rid
+
+
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_a_p_that_decoded_past_its_window_offers_nothing(zygote: Zygote, mode: str) -> None:
+    """P asked for 100 tokens with a 16-token decode window: vLLM frees the blocks between
+    the prompt and the window, leaving its null block twice in the list (measured: the
+    producer refused the list and the engine's step stopped). P offers no KV, frees every
+    block at once and keeps serving; D computes the prompt."""
+    with engines(
+        zygote, "KVWireConnector", "KVWireConnector", geo=GEO, mode=mode, hma=True, rswa=16,
+        extra_config={"transport": "nixl"},
+    ) as (p, d):  # fmt: skip
+        p.step()
+        free = p.state["free_blocks"]
+        p.add("req", INDEX, 250, {"do_remote_decode": True}, max_tokens=100)
+        wait_until(lambda: "req" in p.state.get("outputs", {}), p.step, 30, "P to finish")
+        assert p.state["outputs"]["req"] is None
+        assert any("KV of req not offered: P computed 349 tokens" in line for line in p.peer.log)
+        assert p.state["free_blocks"] == free
+        state = transfer_many(p, d, INDEX + 1, {"req-next": 200})  # and P keeps serving
+        assert state["checked"]["req-next"][0] == 0
