@@ -9,10 +9,12 @@ every byte of a dense model landed one block off and the request still completed
 (8,192,000 of 8,192,000 checked bytes wrong, from a stock P and a kvwire P alike).
 
 Now, pulling, D places P's lists by P's count and its own by the prompt: a dense model's
-prompt moves with every byte right, and a window P no longer holds all of fails the
-request by name. Pushing, P places D's blocks by its own count (PUSH_REG carries no
-count), so D refuses the request, naming both counts. A P that computed fewer tokens
-than D loads is refused the same way. A stock D pulling from a P past the prompt reads
+prompt moves with every byte right, as does a chunked model's while P stays in D's last
+chunk, and a window or chunk P no longer holds all of fails the request by name (D drops
+the null blocks leading P's lists first: placed by P's count, one would pass for a block
+P holds). Pushing, P places D's blocks by its own count (PUSH_REG carries no count), so D
+refuses the request, naming both counts. A P that computed fewer tokens than D loads is
+refused the same way. A stock D pulling from a P past the prompt reads
 the end of P's lists into its blocks and completes, wrong (measured between two stock
 engines); a kvwire P cannot see D's count, so that cell is stock's and not claimed.
 """
@@ -31,7 +33,13 @@ GENERATED = 12
 WINDOW = 64
 """The sliding window of every other layer: P's list at 261 tokens starts after the
 tokens D's window at 250 attends to."""
-GEO = Geometry(layers=8)
+CHUNK = 64
+"""Llama 4's attention chunks (three chunked layers, then a full one): D's next token
+attends to tokens [192, 250) of the chunked layers, which P past 255 no longer holds."""
+GEO = Geometry(layers=8, num_blocks=128)
+"""Room for a 250-token prompt in four groups' blocks."""
+PAGE = 4096
+"""Bytes of one token of one layer."""
 PAIRS = {
     "kvwire-P-kvwire-D": "KVWireConnector",
     "stock-P-kvwire-D": "NixlConnector",
@@ -63,25 +71,37 @@ def _run(
         return d.state, list(d.peer.log)
 
 
+@pytest.mark.parametrize(
+    ("model", "generated", "checked"),
+    [
+        # every prompt token of the eight layers
+        ({}, GENERATED, PROMPT * 8 * PAGE),
+        # P at 255 tokens, still in D's last chunk: the two full layers' prompt, and the
+        # six chunked layers' tokens of that chunk
+        ({"chunk": CHUNK}, 6, (2 * PROMPT + 6 * (PROMPT - 192)) * PAGE),
+    ],
+    ids=["dense", "chunked"],
+)
 @pytest.mark.parametrize("pair", list(PAIRS))
 def test_a_pulling_d_loads_its_prompt_from_a_p_that_generated_past_it(
-    zygote: Zygote, pair: str
+    zygote: Zygote, pair: str, model: dict[str, int], generated: int, checked: int
 ) -> None:
-    state, _ = _run(zygote, PAIRS[pair], "pull", GENERATED)
+    state, _ = _run(zygote, PAIRS[pair], "pull", generated, **model)
     assert state["failed"] == []
-    # Every prompt token of the eight layers: 250 tokens x 8 layers x 4096 bytes.
-    assert state["checked"]["req"] == [0, PROMPT * 8 * 4096]
+    assert state["checked"]["req"] == [0, checked]
 
 
 @pytest.mark.parametrize("generated", [GENERATED, 7])
+@pytest.mark.parametrize("model", [{"window": WINDOW}, {"chunk": CHUNK}], ids=["window", "chunked"])
 @pytest.mark.parametrize("pair", list(PAIRS))
 def test_a_window_p_no_longer_holds_is_refused_by_name(
-    zygote: Zygote, pair: str, generated: int
+    zygote: Zygote, pair: str, model: dict[str, int], generated: int
 ) -> None:
     """At 261 tokens P's window list starts blocks after what D's attends to; at 256 its
     first block is vLLM's null block standing for the one D's window starts in (stock's
-    lists keep such placeholders), which D must not take for P's KV."""
-    state, log = _run(zygote, PAIRS[pair], "pull", generated, window=WINDOW)
+    lists keep such placeholders), which D must not take for P's KV. Past 255 tokens P's
+    chunked lists hold the next chunk only, their earlier blocks null blocks."""
+    state, log = _run(zygote, PAIRS[pair], "pull", generated, **model)
     assert state["failed"] == ["req"] and "req" not in state["checked"]
     computed = PROMPT + generated - 1
     assert any(
