@@ -11,7 +11,16 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from harness import PAIRS, Geometry, Zygote, engines, pair_cases, transfer_many, wait_until
+from harness import (
+    PAIRS,
+    Geometry,
+    Zygote,
+    engines,
+    pair_cases,
+    step_both,
+    transfer_many,
+    wait_until,
+)
 
 from kvwire.demo.models import CacheSpec, preset
 
@@ -45,22 +54,55 @@ def test_rswa(zygote: Zygote, pair: str, tp: str, mode: str) -> None:
         assert state["checked"][rid] == [0, per_token * GEO.layers * tokens], rid
 
 
+def _past_prompt(p: Any, max_tokens: int) -> dict[str, Any] | None:
+    """P prefills a 250-token prompt with a 16-token decode window and decodes on to
+    ``max_tokens``; its params (None: none offered)."""
+    p.add("req", INDEX, 250, {"do_remote_decode": True}, max_tokens=max_tokens)
+    wait_until(lambda: "req" in p.state.get("outputs", {}), p.step, 30, "P to finish")
+    params: dict[str, Any] | None = p.state["outputs"]["req"]
+    return params
+
+
+@pytest.mark.parametrize("p_conn", ["KVWireConnector", "NixlConnector"])
+def test_a_p_that_decoded_within_its_window_moves_the_prompt(zygote: Zygote, p_conn: str) -> None:
+    """At 279 tokens vLLM has freed no whole block between the prompt's last block (tokens
+    224-255) and the window (263 on): P's list is whole, and a D loading the 250-token
+    prompt gets every byte of it."""
+    with engines(
+        zygote, p_conn, "KVWireConnector", geo=GEO, hma=True, rswa=16,
+        extra_config={"transport": "nixl"},
+    ) as (p, d):  # fmt: skip
+        params = _past_prompt(p, 30)
+        assert params is not None and 0 not in params["remote_block_ids"][0]
+        d.add("req", INDEX, 250, params)
+        step_both(p, d, lambda: "req" in d.state.get("outputs", {}), "D to load the prompt")
+        spec = CacheSpec(preset(GEO.model), GEO.layers, GEO.num_blocks, 0, 1, GEO.block_size)
+        checked = spec.block_len // GEO.block_size * GEO.layers * 250
+        assert d.state["checked"]["req"] == [0, checked]
+
+
+@pytest.mark.parametrize("max_tokens", [60, 100])
 @pytest.mark.parametrize("mode", ["pull", "push"])
-def test_a_p_that_decoded_past_its_window_offers_nothing(zygote: Zygote, mode: str) -> None:
-    """P asked for 100 tokens with a 16-token decode window: vLLM frees the blocks between
-    the prompt and the window, leaving its null block twice in the list (measured: the
-    producer refused the list and the engine's step stopped). P offers no KV, frees every
-    block at once and keeps serving; D computes the prompt."""
+def test_a_p_that_decoded_past_its_window_offers_nothing(
+    zygote: Zygote, mode: str, max_tokens: int
+) -> None:
+    """At 309 tokens vLLM has freed the block after the prompt's last one (the window
+    starts at 293), at 349 two: its null block stands in the list once or twice (measured
+    with two: the producer refused the list and the engine's step stopped; with one, a D
+    whose prompt reached into the gap would read the null block as P's KV). P offers no
+    KV, frees every block at once and keeps serving; a proxy's D computes the prompt."""
     with engines(
         zygote, "KVWireConnector", "KVWireConnector", geo=GEO, mode=mode, hma=True, rswa=16,
         extra_config={"transport": "nixl"},
     ) as (p, d):  # fmt: skip
         p.step()
         free = p.state["free_blocks"]
-        p.add("req", INDEX, 250, {"do_remote_decode": True}, max_tokens=100)
-        wait_until(lambda: "req" in p.state.get("outputs", {}), p.step, 30, "P to finish")
-        assert p.state["outputs"]["req"] is None
-        assert any("KV of req not offered: P computed 349 tokens" in line for line in p.peer.log)
+        assert _past_prompt(p, max_tokens) is None
+        computed = 250 + max_tokens - 1
+        assert any(
+            f"KV of req not offered: vLLM freed R-SWA blocks inside its list ({computed} " in line
+            for line in p.peer.log
+        ), p.peer.log[-3:]
         assert p.state["free_blocks"] == free
         state = transfer_many(p, d, INDEX + 1, {"req-next": 200})  # and P keeps serving
         assert state["checked"]["req-next"][0] == 0

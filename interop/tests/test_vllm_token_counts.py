@@ -27,9 +27,9 @@ import pytest
 from harness import Geometry, Zygote, engines, step_both, wait_until
 
 PROMPT = 250
-"""D's prompt: 16 blocks of 16 tokens, its last partly filled."""
+"""D's prompt: 8 blocks of 32 tokens, its last partly filled."""
 GENERATED = 12
-"""P's ``max_tokens``: it computes 261 tokens, into a 17th block."""
+"""P's ``max_tokens``: it computes 261 tokens, into a 9th block."""
 WINDOW = 64
 """The sliding window of every other layer: P's list at 261 tokens starts after the
 tokens D's window at 250 attends to."""

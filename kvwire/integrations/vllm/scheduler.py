@@ -237,12 +237,14 @@ class SchedulerSide:
         if not any(groups):
             return False, None
         if prefill and any(r.gaps and 0 in g for g, r in zip(groups, self.rules, strict=True)):
-            # P decoded past the prompt by more than the R-SWA window: vLLM freed blocks
-            # inside the list, and kvwire's transfer holds each block once, so none is
-            # offered; D computes the prompt (a stock P offers the list, placeholders too).
+            # vLLM freed a whole R-SWA block between the prompt's last block and the decode
+            # window (P decoded that far past its prompt, or a session's prompt holds an
+            # earlier turn's decode): a D whose prompt reaches into it would read vLLM's null
+            # block as P's KV, and kvwire's transfer holds each block once, so nothing is
+            # offered and D computes the prompt (a stock P offers the list, placeholders too).
             log.warning(
-                "KV of %s not offered: P computed %d tokens, past its %d-token prompt by "
-                "more than the R-SWA window, and vLLM freed the blocks between them",
+                "KV of %s not offered: vLLM freed R-SWA blocks inside its list (%d tokens "
+                "computed, a %d-token prompt)",
                 rid, request.num_computed_tokens, request.num_prompt_tokens,
             )  # fmt: skip
             self.meta.to_abort.append(rid)

@@ -367,11 +367,13 @@ def _placeholders_dropped(params: dict[str, Any], loaded: int | None) -> dict[st
     place the lists alike, and D lists none of those blocks.) Malformed params are left
     for the consumer to refuse."""
     sent, lists = params.get("remote_num_tokens"), params.get("remote_block_ids")
-    if type(sent) is not int or loaded is None or sent <= loaded or not isinstance(lists, list):
+    if type(sent) is not int or loaded is None or sent <= loaded:
         return params
-    if not all(isinstance(g, list) and all(type(b) is int for b in g) for g in lists):
+    if not isinstance(lists, list | tuple) or not all(
+        isinstance(g, list | tuple) and all(type(b) is int for b in g) for g in lists
+    ):
         return params
-    return {**params, "remote_block_ids": [past_placeholders(g) for g in lists]}
+    return {**params, "remote_block_ids": [past_placeholders(list(g)) for g in lists]}
 
 
 def _recorded_event(device: torch.device) -> Any:
