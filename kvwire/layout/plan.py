@@ -421,6 +421,15 @@ def _producer_end(producer_tokens: int | None, end: int, held: int | None, p_who
     return producer_tokens
 
 
+def _check_counts(**counts: object) -> None:
+    """Token counts are whole numbers of tokens, or None."""
+    for name, value in counts.items():
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 0:
+            raise LocalProtocolError(f"{name} must be an int >= 0 or None, got {value!r}")
+
+
 def _error(who: str) -> type[LocalProtocolError] | type[RemoteProtocolError]:
     return LocalProtocolError if who == "local" else RemoteProtocolError
 
@@ -819,6 +828,7 @@ class PeerLayout:
         whole length, which places the consumer's lists. SSM states move only in a window
         from token 0 (they are the prompt's last state, not per token).
         """
+        _check_counts(num_tokens=num_tokens, producer_tokens=producer_tokens)
         merge = self.coalesce if coalesce is None else coalesce
         local_groups = as_groups(local_block_ids)
         remote_groups = as_groups(remote_block_ids)

@@ -386,3 +386,20 @@ def test_the_producers_count_alone_places_both_sides() -> None:
     both = layout.plan(request.d_ids, request.p_ids, num_tokens=40, producer_tokens=40)
     np.testing.assert_array_equal(alone.local_descs, both.local_descs)
     np.testing.assert_array_equal(alone.remote_descs, both.remote_descs)
+
+
+@pytest.mark.parametrize(
+    "counts",
+    [{"num_tokens": "40"}, {"producer_tokens": -5}, {"producer_tokens": True}, {"num_tokens": 4.0}],
+)
+def test_token_counts_that_are_not_whole_numbers_are_refused_by_name(
+    counts: dict[str, Any],
+) -> None:
+    case = Case(Side(1, "HND", 16), Side(1, "NHD", 8), tokens=40)
+    request, producers, consumers, _ = ranks(case)
+    layout = PeerLayout(
+        consumers[0].geometry, RemoteGeometry.from_local(producers[0].geometry), mode="pull"
+    )
+    (name,) = counts
+    with pytest.raises(LocalProtocolError, match=f"{name} must be an int >= 0 or None"):
+        layout.plan(request.d_ids, request.p_ids, **counts)
