@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from kvwire.demo.engines import DecodeEngine, EngineOptions, PrefillEngine
-from kvwire.demo.models import preset
+from kvwire.demo.models import CacheSpec, preset
 from kvwire.framing import FrameWriter, read_frame, wait_or_kill
 from kvwire.testing.ports import free_port
 from kvwire.wire.compat import CompatFactors
@@ -123,6 +123,12 @@ class Geometry:
     kv_heads: int = 0
     """KV heads in all (0: the model's); 1 with Llama-3-70B is one rank of a TP-8 engine.
     Read by :class:`SchedulerEngine` only (the hash factors here are the model's)."""
+
+    @property
+    def token_bytes(self) -> int:
+        """Bytes of one token of one attention layer, every head: what D checks per token."""
+        spec = CacheSpec(preset(self.model), self.layers, self.num_blocks, 0, 1, self.block_size)
+        return spec.block_len // self.block_size
 
 
 def factors(
@@ -616,6 +622,7 @@ __all__ = [
     "factors",
     "kvwire_options",
     "pair_cases",
+    "pair_transfer",
     "params_ahead",
     "prefill",
     "step_both",
@@ -646,6 +653,22 @@ def pair_cases() -> list[tuple[str, str, str]]:
         for tp in (["1-1"] if pair == "kvwire-shm" else ["1-1", "1-2", "2-1"])
         for mode in ("pull", "push")
     ]
+
+
+def pair_transfer(
+    zygote: Zygote, pair: str, tp: str, mode: str, index: int, prompts: dict[str, int],
+    **options: Any,
+) -> tuple[dict[str, Any], dict[str, Any]]:  # fmt: skip
+    """:func:`transfer_many` between the engines of one of :data:`PAIRS` at TP sizes
+    ``P-D``, each engine with ``options``: D's state and P's outputs (the params)."""
+    p_conn, d_conn, transport = PAIRS[pair]
+    p_tp, d_tp = (int(n) for n in tp.split("-"))
+    with engines(
+        zygote, p_conn, d_conn, {"tp": p_tp}, {"tp": d_tp}, mode=mode, hma=True,
+        extra_config={"transport": transport}, **options,
+    ) as (p, d):  # fmt: skip
+        state = transfer_many(p, d, index, prompts)
+        return state, dict(p.state["outputs"])
 
 
 @contextlib.contextmanager

@@ -556,12 +556,7 @@ def chunks(kv_cache_config: Any) -> list[int]:
     to its own chunk's tokens (the harness's reading of chunked local attention)."""
     from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec
 
-    return [
-        int(g.kv_cache_spec.attention_chunk_size)
-        if isinstance(g.kv_cache_spec, ChunkedLocalAttentionSpec)
-        else 0
-        for g in kv_cache_config.kv_cache_groups
-    ]
+    return _spans(kv_cache_config, ChunkedLocalAttentionSpec, "attention_chunk_size")
 
 
 def windows(kv_cache_config: Any) -> list[int]:
@@ -570,8 +565,13 @@ def windows(kv_cache_config: Any) -> list[int]:
     connector's."""
     from vllm.v1.kv_cache_interface import SlidingWindowSpec
 
+    return _spans(kv_cache_config, SlidingWindowSpec, "sliding_window")
+
+
+def _spans(kv_cache_config: Any, kind: type, field: str) -> list[int]:
+    """Per KV-cache group, ``field`` of a group of ``kind`` (0 for any other group)."""
     return [
-        int(g.kv_cache_spec.sliding_window) if isinstance(g.kv_cache_spec, SlidingWindowSpec) else 0
+        int(getattr(g.kv_cache_spec, field)) if isinstance(g.kv_cache_spec, kind) else 0
         for g in kv_cache_config.kv_cache_groups
     ]
 

@@ -10,8 +10,6 @@ is."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 from harness import (
     PAIRS,
@@ -19,11 +17,10 @@ from harness import (
     Zygote,
     engines,
     pair_cases,
+    pair_transfer,
     registered_by_each,
     transfer_many,
 )
-
-from kvwire.demo.models import CacheSpec, preset
 
 CHUNK = 64
 """Tokens of an attention chunk: two 32-token blocks."""
@@ -47,8 +44,7 @@ CASES = pair_cases()
 def checked_bytes(prompt: int) -> int:
     """What D must check of one prompt: every token in the full-attention layers, and in
     the chunked ones the tokens of the chunk the next token (position ``prompt``) is in."""
-    spec = CacheSpec(preset(GEO.model), GEO.layers, GEO.num_blocks, 0, 1, GEO.block_size)
-    per_token = spec.block_len // GEO.block_size
+    per_token = GEO.token_bytes
     full = GEO.layers // 4
     in_chunk = prompt - prompt // CHUNK * CHUNK
     return per_token * (full * prompt + (GEO.layers - full) * in_chunk)
@@ -59,16 +55,10 @@ def test_chunked_local_attention(zygote: Zygote, pair: str, tp: str, mode: str) 
     """Every pair, TP size and mode: P's params carry each group's whole list (as stock's
     do: a chunked list leads with null blocks), and D holds, byte for byte, what its next
     token reads, on every rank; a prompt on a chunk's boundary too where kvwire plans."""
-    p_conn, d_conn, transport = PAIRS[pair]
-    p_tp, d_tp = (int(n) for n in tp.split("-"))
+    p_conn, d_conn, _ = PAIRS[pair]
     planner = d_conn if mode == "pull" else p_conn
     prompts = {**REQUESTS, **BOUNDARY} if planner == "KVWireConnector" else REQUESTS
-    with engines(
-        zygote, p_conn, d_conn, {"tp": p_tp}, {"tp": d_tp}, geo=GEO, mode=mode, hma=True,
-        chunk=CHUNK, extra_config={"transport": transport},
-    ) as (p, d):  # fmt: skip
-        state = transfer_many(p, d, INDEX, prompts)
-        outputs: dict[str, Any] = p.state["outputs"]
+    state, outputs = pair_transfer(zygote, pair, tp, mode, INDEX, prompts, geo=GEO, chunk=CHUNK)
     for rid, tokens in prompts.items():
         lists = outputs[rid]["remote_block_ids"]
         blocks = -(-tokens // GEO.block_size)

@@ -12,17 +12,15 @@ from typing import Any
 
 import pytest
 from harness import (
-    PAIRS,
     Geometry,
     Zygote,
     engines,
     pair_cases,
+    pair_transfer,
     step_both,
     transfer_many,
     wait_until,
 )
-
-from kvwire.demo.models import CacheSpec, preset
 
 RSWA_WINDOW = 128
 """The decode window (vLLM's default for the model)."""
@@ -38,20 +36,13 @@ def test_rswa(zygote: Zygote, pair: str, tp: str, mode: str) -> None:
     """Every pair, TP size and mode: P's params carry the whole prompt's list, no null
     block in it, and D holds every prompt token of every layer, byte for byte, on every
     rank."""
-    p_conn, d_conn, transport = PAIRS[pair]
-    p_tp, d_tp = (int(n) for n in tp.split("-"))
-    with engines(
-        zygote, p_conn, d_conn, {"tp": p_tp}, {"tp": d_tp}, geo=GEO, mode=mode, hma=True,
-        rswa=RSWA_WINDOW, extra_config={"transport": transport},
-    ) as (p, d):  # fmt: skip
-        state = transfer_many(p, d, INDEX, REQUESTS)
-        outputs: dict[str, Any] = p.state["outputs"]
-    spec = CacheSpec(preset(GEO.model), GEO.layers, GEO.num_blocks, 0, 1, GEO.block_size)
-    per_token = spec.block_len // GEO.block_size
+    state, outputs = pair_transfer(
+        zygote, pair, tp, mode, INDEX, REQUESTS, geo=GEO, rswa=RSWA_WINDOW
+    )
     for rid, tokens in REQUESTS.items():
         (blocks,) = outputs[rid]["remote_block_ids"]
         assert len(blocks) == -(-tokens // GEO.block_size) and 0 not in blocks, rid
-        assert state["checked"][rid] == [0, per_token * GEO.layers * tokens], rid
+        assert state["checked"][rid] == [0, GEO.token_bytes * GEO.layers * tokens], rid
 
 
 def _past_prompt(p: Any, max_tokens: int) -> dict[str, Any] | None:
@@ -76,9 +67,7 @@ def test_a_p_that_decoded_within_its_window_moves_the_prompt(zygote: Zygote, p_c
         assert params is not None and 0 not in params["remote_block_ids"][0]
         d.add("req", INDEX, 250, params)
         step_both(p, d, lambda: "req" in d.state.get("outputs", {}), "D to load the prompt")
-        spec = CacheSpec(preset(GEO.model), GEO.layers, GEO.num_blocks, 0, 1, GEO.block_size)
-        checked = spec.block_len // GEO.block_size * GEO.layers * 250
-        assert d.state["checked"]["req"] == [0, checked]
+        assert d.state["checked"]["req"] == [0, GEO.token_bytes * GEO.layers * 250]
 
 
 @pytest.mark.parametrize("max_tokens", [60, 100])

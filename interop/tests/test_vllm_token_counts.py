@@ -38,8 +38,6 @@ CHUNK = 64
 attends to tokens [192, 250) of the chunked layers, which P past 255 no longer holds."""
 GEO = Geometry(layers=8, num_blocks=128)
 """Room for a 250-token prompt in four groups' blocks."""
-PAGE = 4096
-"""Bytes of one token of one layer."""
 PAIRS = {
     "kvwire-P-kvwire-D": "KVWireConnector",
     "stock-P-kvwire-D": "NixlConnector",
@@ -75,10 +73,10 @@ def _run(
     ("model", "generated", "checked"),
     [
         # every prompt token of the eight layers
-        ({}, GENERATED, PROMPT * 8 * PAGE),
+        ({}, GENERATED, PROMPT * 8 * GEO.token_bytes),
         # P at 255 tokens, still in D's last chunk: the two full layers' prompt, and the
         # six chunked layers' tokens of that chunk
-        ({"chunk": CHUNK}, 6, (2 * PROMPT + 6 * (PROMPT - 192)) * PAGE),
+        ({"chunk": CHUNK}, 6, (2 * PROMPT + 6 * (PROMPT - 192)) * GEO.token_bytes),
     ],
     ids=["dense", "chunked"],
 )

@@ -272,6 +272,21 @@ class Request:
     """Per group, the consumer's first token its next one attends to (its window's)."""
 
 
+def producer_lacks(case: Case, request: Request) -> tuple[bool, bool]:
+    """Whether, below the prompt's end, the producer's lists start after a token the
+    consumer attends to, and after one its lists hold (a producer past the prompt whose
+    window moved on), in a group that has layers (layer ``i`` is in group ``i % groups``).
+    """
+    spans = [
+        (max(request.attended[g], request.d_starts[g]), request.d_starts[g], request.p_starts[g])
+        for g in range(min(case.groups, case.layers))
+        if len(request.d_ids[g])
+    ]
+    attended = any(needed < min(held, case.tokens) for needed, _, held in spans)
+    listed = any(first < min(held, case.tokens) for _, first, held in spans)
+    return attended, listed
+
+
 def engine_ids(case: Case, ids: list[IntArray]) -> list[Any]:
     """Block ids as the case's engine passes them (``ids_form``), mistakes included."""
     if case.ids_form == "flat":

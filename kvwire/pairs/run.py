@@ -18,7 +18,7 @@ from typing import Any
 
 from kvwire.errors import KVWireError
 from kvwire.framing import close_pipes, read_frame, spawn, wait_or_kill, write_frame
-from kvwire.pairs.oracle import Case, make_request
+from kvwire.pairs.oracle import Case, make_request, producer_lacks
 
 
 class PairProcessError(KVWireError):
@@ -61,19 +61,9 @@ def unsupported(case: Case) -> str | None:
         return "token count needed"
     if case.past and case.mode == "push":
         return "a pushing producer that computed past the prompt"
-    if case.past and _unheld(case):
+    if case.past and producer_lacks(case, make_request(case))[1]:
         return "tokens the consumer's list asks for are outside the producer's window"
     return None
-
-
-def _unheld(case: Case) -> bool:
-    """Whether a list of the consumer's starts before the producer's, below the prompt's
-    end, in a group that has layers (layer ``i`` is in group ``i % groups``)."""
-    request = make_request(case)
-    return any(
-        len(request.d_ids[g]) and request.d_starts[g] < min(request.p_starts[g], case.tokens)
-        for g in range(min(case.groups, case.layers))
-    )
 
 
 class _Child:

@@ -31,6 +31,7 @@ from kvwire.pairs.oracle import (
     lay_out,
     make_rank,
     make_request,
+    producer_lacks,
 )
 
 # ----------------------------------------------------------------------------------------
@@ -358,14 +359,7 @@ def test_a_producer_that_computed_past_the_prompt_moves_it_or_is_refused(case: C
     where the producer's window no longer holds a token the consumer attends to, and may
     be only where it lacks one the consumer's list holds (the planner sees lists, not
     windows)."""
-    request = make_request(case)
-    spans = [
-        (max(request.attended[g], request.d_starts[g]), request.d_starts[g], request.p_starts[g])
-        for g in range(min(case.groups, case.layers))  # layer i is in group i % groups
-        if len(request.d_ids[g])
-    ]
-    must = any(needed < min(held, case.tokens) for needed, _, held in spans)
-    may = any(listed < min(held, case.tokens) for _, listed, held in spans)
+    must, may = producer_lacks(case, make_request(case))
     try:
         run_case(case)
     except (LocalProtocolError, RemoteProtocolError) as exc:

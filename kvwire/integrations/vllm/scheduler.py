@@ -3,13 +3,14 @@ metadata for the workers, and the engine's one handshake listener."""
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import TYPE_CHECKING, Any
 
 from kvwire.config import KVWireConfig
 from kvwire.errors import ConfigError
 from kvwire.integrations.vllm import staging
-from kvwire.integrations.vllm.config import log, readback
+from kvwire.integrations.vllm.config import readback
 from kvwire.integrations.vllm.groups import exchanged, prefill_backoff
 from kvwire.integrations.vllm.messages import BlockIds, KVWireHandshake, KVWireMetadata
 from kvwire.sidechannel import HandshakeListener
@@ -23,6 +24,8 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
+
+log = logging.getLogger("vllm.kvwire")
 
 
 class SchedulerSide:
