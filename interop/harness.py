@@ -340,6 +340,7 @@ class SchedulerEngine:
         window: int = 0,
         chunk: int = 0,
         rswa: int = 0,
+        ring: bool = False,
         mamba: int = 0,
         indexer: bool = False,
         host_buffer: bool = False,
@@ -361,7 +362,9 @@ class SchedulerEngine:
         every odd layer sliding-window attention over that many tokens; ``chunk``: Llama
         4's interleaving, three layers of chunked local attention (chunks of that many
         tokens) then a full-attention one; ``rswa``: every layer R-SWA (vLLM's
-        ``RSWASpec``) over a decode window of that many tokens; ``mamba``: after
+        ``RSWASpec``) over a decode window of that many tokens; ``ring``: every odd layer
+        a ring of the latest tokens' keys (vLLM's ``CircularBufferSpec``, one block a
+        request, its capacity the block size); ``mamba``: after
         each attention layer that many Mamba2 layers; ``indexer`` (an MLA model): each
         layer also holds DeepSeek-V3.2's indexer keys (sparse MLA); ``host_buffer``: a
         kvwire engine stages its KV through a host copy as on a device platform with
@@ -404,7 +407,7 @@ class SchedulerEngine:
             "layers": self.geo.layers, "num_blocks": self.geo.num_blocks,
             "block_size": self.geo.block_size, "kv_heads": self.geo.kv_heads, "lease": lease,
             "hma": hma, "window": window, "chunk": chunk, "rswa": rswa, "mamba": mamba,
-            "indexer": indexer,
+            "ring": ring, "indexer": indexer,
             "host_buffer": host_buffer, "drafter": drafter,
             "mode": mode, "extra_config": extra_config, "layout": layout,
             "kernel_block": kernel_block, "layerwise": layerwise, "prefix_caching": prefix_caching,
@@ -531,6 +534,22 @@ def step_both(
     wait_until(done, both, timeout, what)
 
 
+def load_refused(
+    p: SchedulerEngine, d: SchedulerEngine, rid: str, index: int, tokens: int,
+    params: dict[str, Any],
+) -> list[str]:  # fmt: skip
+    """D is given P's ``params`` for ``rid`` and fails the request without reading any of
+    it, and P frees its blocks: D's log, which says why."""
+    d.add(rid, index, tokens, params)
+    step_both(
+        p, d,
+        lambda: rid in d.state.get("outputs", {}) and rid in p.state["sent"],
+        "D to fail the request and P to free its blocks",
+    )  # fmt: skip
+    assert d.state["failed"] == [rid] and rid not in d.state["checked"]
+    return list(d.peer.log)
+
+
 def transfer(
     p: SchedulerEngine, d: SchedulerEngine, rid: str, index: int, tokens: int
 ) -> dict[str, Any]:
@@ -621,6 +640,7 @@ __all__ = [
     "Zygote",
     "factors",
     "kvwire_options",
+    "load_refused",
     "pair_cases",
     "pair_transfer",
     "params_ahead",

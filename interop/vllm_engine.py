@@ -253,7 +253,10 @@ def layer_specs(start: dict[str, Any]) -> dict[str, Any]:
     attention layer a sliding-window one (Gemma's and gpt-oss's interleaving), with
     ``chunk`` (tokens) three chunked-local-attention layers then a full one (Llama 4's
     interleaving), with ``rswa`` (tokens) every layer R-SWA over that decode window
-    (vLLM's ``RSWASpec``, which its ``deepseek_v2`` attention makes for Unlimited-OCR), or
+    (vLLM's ``RSWASpec``, which its ``deepseek_v2`` attention makes for Unlimited-OCR),
+    with ``ring`` every odd layer a ring of the latest tokens' keys (vLLM's
+    ``CircularBufferSpec``: one block a request, as a compressor's or an indexer's ring in
+    DeepSeek-V4.1 and Qwen4Exp, here of the attention page: its capacity the block), or
     with
     ``mamba`` (``k``) one attention layer then ``k`` Mamba2 ones, over and over (Jamba's
     and Nemotron-H's interleaving); both together interleave all three kinds. With
@@ -261,6 +264,7 @@ def layer_specs(start: dict[str, Any]) -> dict[str, Any]:
     latent (:func:`indexer_spec`)."""
     from vllm.v1.kv_cache_interface import (
         ChunkedLocalAttentionSpec,
+        CircularBufferSpec,
         FullAttentionSpec,
         RSWASpec,
         SlidingWindowSpec,
@@ -293,6 +297,8 @@ def layer_specs(start: dict[str, Any]) -> dict[str, Any]:
             specs[name] = mamba_spec(start, full.page_size_bytes)
         elif window and (i // (mamba + 1)) % 2:  # every other attention layer
             specs[name] = SlidingWindowSpec(**common, sliding_window=window)
+        elif start.get("ring") and i % 2:
+            specs[name] = CircularBufferSpec(**common)
         else:
             specs[name] = full
     return specs
@@ -551,6 +557,41 @@ def state_groups(kv_cache_config: Any) -> list[bool]:
     return [isinstance(g.kv_cache_spec, MambaSpec) for g in kv_cache_config.kv_cache_groups]
 
 
+def ring_groups(kv_cache_config: Any) -> list[bool]:
+    """Per KV-cache group, whether it is a ring (one block a request, slot ``t % block``
+    holding token ``t``'s keys: the latest ``block`` tokens')."""
+    from vllm.v1.kv_cache_interface import CircularBufferSpec
+
+    return [
+        isinstance(g.kv_cache_spec, CircularBufferSpec) for g in kv_cache_config.kv_cache_groups
+    ]
+
+
+def ring_values(spec: Any, seed: int, tokens: int) -> tuple[Any, Any]:
+    """(slots, values) of one rank's ring layers after a prompt's first ``tokens`` tokens:
+    the latest ``block`` tokens, each the values a full-attention layer would hold for it
+    (``expected``), in slot ``t % block``; values ``[tokens, layers, heads, elements]``.
+    A ring of another request, layer or count differs."""
+    size = spec.block_tokens
+    at = np.arange(max(0, tokens - size), tokens)
+    want = expected(spec, seed, -(-tokens // size))
+    return at % size, want[:, at // size, :, at % size]
+
+
+def fill_ring(spec: Any, kv: Any, seed: int, block: int, tokens: int) -> None:
+    """P's ring layers after computing ``tokens`` of the prompt."""
+    slots, values = ring_values(spec, seed, tokens)
+    blocks_view(spec, kv)[:, block, :, slots] = values
+
+
+def check_ring(spec: Any, kv: Any, seed: int, block: int, tokens: int) -> tuple[int, int]:
+    """(wrong, checked) bytes of the ring D's next token reads after the ``tokens`` it
+    loaded: every slot holding one of them, in every layer."""
+    slots, values = ring_values(spec, seed, tokens)
+    got = blocks_view(spec, kv)[:, block, :, slots]
+    return int(np.count_nonzero(got.view(np.uint8) != values.view(np.uint8))), int(values.nbytes)
+
+
 def chunks(kv_cache_config: Any) -> list[int]:
     """Per KV-cache group, its attention chunk in tokens (0: none): a token attends only
     to its own chunk's tokens (the harness's reading of chunked local attention)."""
@@ -585,7 +626,7 @@ def allocate(vllm_config: Any, start: dict[str, Any]) -> tuple[Any, dict[str, to
     from vllm.v1.worker.utils import allocate_kv_cache
 
     spec = vllm_peer.cache_spec(start)
-    if any(start.get(kind) for kind in ("window", "chunk", "rswa", "mamba", "indexer")):
+    if any(start.get(k) for k in ("window", "chunk", "rswa", "ring", "mamba", "indexer")):
         groups = get_kv_cache_groups(vllm_config, layer_specs(start))
     else:
         groups = vllm_peer.build_configs(start)[1].kv_cache_groups
@@ -977,6 +1018,7 @@ class EnginePart:
         self.windows = windows(kv_cache_config)
         self.chunks = chunks(kv_cache_config)
         self.states = state_groups(kv_cache_config)
+        self.rings = ring_groups(kv_cache_config)
         lookahead = int(self.vllm_config.num_prefill_lookahead_tokens)
         self.backoff = max(1 if any(self.states) else 0, lookahead - 1)
         """The prompt's last tokens D computes itself: a Mamba layer's next token starts
@@ -984,7 +1026,7 @@ class EnginePart:
         lookahead must not reach P's cache (vLLM's rules, read from vLLM's config; both
         connectors follow them, and so P never computes those tokens)."""
         self.layerwise = bool(start.get("layerwise")) and self.start_role == "P"
-        local = self.windows + self.chunks + self.states
+        local = self.windows + self.chunks + self.states + self.rings
         assert not (self.layerwise and any(local)), "layerwise: dense"
         self.layer_at = {
             name: (c, j)
@@ -1195,6 +1237,17 @@ class EnginePart:
                     loaded = int(request.num_prompt_tokens) - self.backoff
                     ids = list(all_blocks[g])
                     wrong, checked = check_state(kv, seed, ids, loaded, block_tokens, at)
+                    before = self.pending_checks.get(rid, (0, 0))
+                    self.pending_checks[rid] = (before[0] + wrong, before[1] + checked)
+                continue
+            if self.rings[g]:  # the ring after the tokens computed (P) or loaded (D)
+                (block,) = all_blocks[g]
+                if producing:
+                    done = min(int(request.num_computed_tokens), int(request.num_prompt_tokens))
+                    fill_ring(spec, kv, seed, block, done)
+                elif rid not in self.checked:
+                    loaded = int(request.num_prompt_tokens) - self.backoff
+                    wrong, checked = check_ring(spec, kv, seed, block, loaded)
                     before = self.pending_checks.get(rid, (0, 0))
                     self.pending_checks[rid] = (before[0] + wrong, before[1] + checked)
                 continue

@@ -92,6 +92,12 @@ class RegionKind(str, enum.Enum):
     """Every TP rank holds the same bytes (MLA latent caches); read once, never sliced."""
     SSM = "ssm"
     """One state page per logical block; never split by tokens."""
+    RING = "ring"
+    """A group's kind only (:attr:`KVGeometry.group_kinds`): one block per request holding
+    a ring of the latest tokens' rows (vLLM's ``CircularBufferSpec``: a compressor's or an
+    indexer's keys still being gathered), overwritten as tokens are computed. Its page
+    has the attention page's shape, so it is sliced across TP as its region is; it pairs
+    by position, not by token, and like a state it is for one token count."""
 
 
 def parse_layout(value: str | KVLayout, *, who: str = "local") -> KVLayout:
@@ -217,7 +223,8 @@ class KVGeometry:
     (``group_id`` -1), which hold a page of every group, as vLLM's hybrid KV cache manager
     lays them out (all groups' tensors in one allocation, a block id owned by one group at a
     time): each group's blocks there are moved as that group's kind, an SSM group's as the
-    state at the start of its page (``sum(ssm_sizes)`` bytes) at logical block ids. Empty:
+    state at the start of its page (``sum(ssm_sizes)`` bytes) at logical block ids, a ring
+    group's (:attr:`RegionKind.RING`) as its one block, sliced as the region is. Empty:
     every group has its regions' kind."""
     group_block_sizes: tuple[int, ...] = ()
     """Tokens per block of each KV-cache group, by group index, where the groups' block
@@ -238,6 +245,12 @@ class KVGeometry:
         object.__setattr__(self, "group_kinds", tuple(RegionKind(k) for k in self.group_kinds))
         if RegionKind.SSM in self.group_kinds and sum(self.ssm_sizes) <= 0:
             raise ConfigError("a geometry with an SSM group needs its ssm_sizes")
+        rings_split = self.has_rings and self.physical_blocks_per_logical != 1
+        if rings_split or any(r.kind is RegionKind.RING for r in self.regions):
+            raise ConfigError(
+                "ring is a KV-cache group's kind (group_kinds), in regions of attention "
+                "pages of one kernel block a block (a ring's page is one block, never split)"
+            )
         parts = tuple(int(p) for p in self.ssm_parts)
         object.__setattr__(self, "ssm_parts", parts)
         ends = np.cumsum(parts).tolist()
@@ -313,8 +326,8 @@ class KVGeometry:
             problems.append("a group's block is not split into kernel blocks")
         if self.group_kinds and len(self.group_kinds) != len(sizes):
             problems.append(f"one per group of group_kinds ({len(self.group_kinds)})")
-        if self.has_ssm:
-            problems.append("rows of state groups are not modelled")
+        if self.has_ssm or self.has_rings:
+            problems.append("rows of state or ring groups are not modelled")
         if not self.is_mla:
             problems.append(
                 "a row moves whole from one TP rank, so it must hold MLA pages (is_mla)"
@@ -367,6 +380,10 @@ class KVGeometry:
     def state_parts(self) -> tuple[int, ...]:
         """:attr:`ssm_parts`, or the conv and temporal states as one part each."""
         return self.ssm_parts or tuple(int(x) for x in self.ssm_sizes if x)
+
+    @property
+    def has_rings(self) -> bool:
+        return RegionKind.RING in self.group_kinds
 
     @property
     def has_ssm(self) -> bool:

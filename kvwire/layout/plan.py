@@ -603,7 +603,8 @@ class PeerLayout:
         per group, each group's blocks as that group's kind: joining the groups' lists into
         one sequence moved a sliding window's or an SSM group's blocks as if they were the
         full-attention group's next tokens. An SSM group's page in a region laid out for
-        attention (a slab of vLLM's one allocation) is its states at the page's start."""
+        attention (a slab of vLLM's one allocation) is its states at the page's start. A
+        ring group's block is an attention page paired by position, as a state is."""
         attention: list[_Entry] = []
         states: list[_Entry] = []
         for pair in self.pairs:
@@ -622,9 +623,15 @@ class PeerLayout:
                 elif self.local.group_kind(g, pair.local.index) is RegionKind.SSM:
                     slab_state = self._slab_state_pattern()
                     states.append(_Entry(pair, p_group, c_group, True, slab_state, True))
+                elif self._is_ring(g):
+                    attention.append(_Entry(pair, p_group, c_group, True, self._pattern(pair)))
                 else:
                     attention.append(_Entry(pair, p_group, c_group, False, self._pattern(pair)))
         return attention + states
+
+    def _is_ring(self, group: int) -> bool:
+        kinds = self.local.group_kinds
+        return 0 <= group < len(kinds) and kinds[group] is RegionKind.RING
 
     def _slab_state_pattern(self) -> _Pattern:
         """An SSM group's page in a slab: the states at its start, then padding up to the
@@ -875,9 +882,9 @@ class PeerLayout:
                         continue
                     if p_end != end and len(c_ids):
                         raise _error(p_who)(
-                            f"region {cluster.labels[0]} holds a state for the producer's "
-                            f"{p_end} tokens, and the consumer's lists end at token {end}: "
-                            "a state is for one token count"
+                            f"region {cluster.labels[0]} holds a state or a ring for the "
+                            f"producer's {p_end} tokens, and the consumer's lists end at token "
+                            f"{end}: a state is for one token count"
                         )
                     chunks = _state_chunks(p_ids, c_ids)
                 else:

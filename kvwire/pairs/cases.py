@@ -7,6 +7,8 @@ process-level test draw from here, so a new axis is exercised at both levels at 
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from hypothesis import strategies as st
 
 from kvwire.pairs.oracle import Case, Side
@@ -42,10 +44,13 @@ def cases(
     may have computed past the consumer's prompt (generating more than one token)."""
     p, d = draw(sides(tp)), draw(sides(tp))
     tokens = draw(st.integers(1, max_tokens))
-    d_total = -(-tokens // d.block)
     mla = draw(st.booleans())
     packed = draw(st.sampled_from(["", "", "p", "d"]))
     groups = 1 if packed else 2
+    ring = not packed and draw(st.integers(0, 5)) == 0
+    if ring:  # group 1 a ring: its capacity is the model's, one block size, never split
+        p, d = replace(p, ppl=1), replace(d, block=p.block, ppl=1)
+    d_total = -(-tokens // d.block)
     pass_tokens = not unsupported or draw(st.sampled_from([True, True, True, False]))
     past = draw(st.sampled_from([0, 0, 0, 3, 17, 30])) if unsupported and pass_tokens else 0
     return Case(
@@ -67,4 +72,5 @@ def cases(
         members=bool(packed) or draw(st.booleans()),
         packed=packed,
         ids_form=draw(st.sampled_from(FORMS)) if unsupported else "lists",
+        ring=ring,
     )

@@ -11,8 +11,8 @@ neither moved nor zeroed.
 
 A :class:`Case` names one P/D pair: each side's TP size, layout, logical block size,
 kernel blocks per logical block and padding; the model's heads and layers, K and V apart
-or together, MLA, KV-cache groups (group 1 a sliding window when ``window`` is set),
-the consumer's prefix-cache hits, and the mode.
+or together, MLA, KV-cache groups (group 1 a sliding window when ``window`` is set, the
+last a ring when ``ring`` is), the consumer's prefix-cache hits, and the mode.
 """
 
 from __future__ import annotations
@@ -86,6 +86,10 @@ class Case:
     past: int = 0
     """Tokens the producer computed beyond the consumer's prompt (it generated past it):
     its lists, and its window, end that much later."""
+    ring: bool = False
+    """The last group is a ring (vLLM's ``CircularBufferSpec``): one block a side whose
+    slot ``t % block`` holds token ``t``, the latest ``block`` tokens' (both sides' blocks
+    equal, one kernel block each: its capacity is the model's)."""
     ids_form: str = "lists"
     """How the engines pass their block ids: ``lists`` (one list of ints per group, right)
     or a mistake kvwire must refuse at the call: ``flat`` (one list for all groups),
@@ -106,6 +110,8 @@ class Case:
             bits.append(f"win{self.window}")
         if self.past:
             bits.append(f"past{self.past}")
+        if self.ring:
+            bits.append("ring")
         for flag in ("kv_split", "mla", "contiguous", "members"):
             if getattr(self, flag):
                 bits.append(flag)
@@ -250,6 +256,12 @@ def make_rank(case: Case, who: int, rank: int, *, real: bool = False) -> RankBuf
         tp_size=side.tp,
         is_mla=case.mla,
         device_id=device,
+        group_kinds=tuple(
+            RegionKind.RING if g == ring_group(case) else RegionKind.ATTENTION
+            for g in range(case.groups)
+        )
+        if case.ring
+        else (),
     )
     return RankBuffer(base, device, buf, specs, heads, geometry, side, packed)
 
@@ -257,6 +269,20 @@ def make_rank(case: Case, who: int, rank: int, *, real: bool = False) -> RankBuf
 # ----------------------------------------------------------------------------------------
 # The request: block lists and the logical KV
 # ----------------------------------------------------------------------------------------
+
+
+def ring_group(case: Case) -> int | None:
+    """The case's ring group (its last), or None."""
+    return case.groups - 1 if case.ring else None
+
+
+def ring_tokens(count: int, block: int) -> IntArray:
+    """The token each slot of a ring holds after ``count`` tokens, ``[1, block]``: the
+    latest with its slot's remainder; a slot no token reached yet holds its own index's
+    (what the engine happened to leave there, the same on both sides once moved)."""
+    slots = np.arange(block, dtype=np.int64)
+    latest = slots + (count - 1 - slots) // block * block
+    return np.where(slots < count, latest, slots)[None, :]
 
 
 @dataclass(frozen=True)
@@ -270,12 +296,15 @@ class Request:
     kv: npt.NDArray[np.int32]
     attended: list[int]
     """Per group, the consumer's first token its next one attends to (its window's)."""
+    computed: int = 0
+    """Tokens the producer computed (its ring holds the latest of them)."""
 
 
 def producer_lacks(case: Case, request: Request) -> tuple[bool, bool]:
     """Whether, below the prompt's end, the producer's lists start after a token the
     consumer attends to, and after one its lists hold (a producer past the prompt whose
-    window moved on), in a group that has layers (layer ``i`` is in group ``i % groups``).
+    window moved on), in a group that has layers (layer ``i`` is in group ``i % groups``);
+    both when the producer's ring holds its own count's tokens, not the consumer's.
     """
     spans = [
         (max(request.attended[g], request.d_starts[g]), request.d_starts[g], request.p_starts[g])
@@ -284,6 +313,9 @@ def producer_lacks(case: Case, request: Request) -> tuple[bool, bool]:
     ]
     attended = any(needed < min(held, case.tokens) for needed, _, held in spans)
     listed = any(first < min(held, case.tokens) for _, first, held in spans)
+    ring = ring_group(case)
+    if ring is not None and ring < case.layers and case.past:  # a ring of another count
+        return True, True
     return attended, listed
 
 
@@ -317,8 +349,14 @@ def make_request(case: Case) -> Request:
     d_first = [
         max(case.hits, window_start // case.d.block if g == 1 else 0) for g in range(case.groups)
     ]
-    p_ids = [_pick(rng, p_total - p_first[g], case.contiguous) for g in range(case.groups)]
-    d_ids = [_pick(rng, max(0, d_total - d_first[g]), case.contiguous) for g in range(case.groups)]
+    p_counts = [p_total - p_first[g] for g in range(case.groups)]
+    d_counts = [max(0, d_total - d_first[g]) for g in range(case.groups)]
+    ring = ring_group(case)
+    if ring is not None:  # one block a side, whatever the tokens and hits
+        p_first[ring] = d_first[ring] = 0
+        p_counts[ring] = d_counts[ring] = 1
+    p_ids = [_pick(rng, n, case.contiguous) for n in p_counts]
+    d_ids = [_pick(rng, n, case.contiguous) for n in d_counts]
     padded = max(p_total * case.p.block, d_total * case.d.block)
     shape = (case.layers, 2, padded, case.total_heads, HEAD_DIM)
     kv = np.arange(np.prod(shape), dtype=np.int32).reshape(shape)
@@ -328,7 +366,8 @@ def make_request(case: Case) -> Request:
         [f * case.p.block for f in p_first],
         [f * case.d.block for f in d_first],
         kv,
-        [window_start if g == 1 else 0 for g in range(case.groups)],
+        [window_start if g == 1 and g != ring else 0 for g in range(case.groups)],
+        computed,
     )
 
 
@@ -375,10 +414,23 @@ def _expected(
     return sel.reshape(*sel.shape[:3], -1)
 
 
-def lay_out(rb: RankBuffer, ids: list[IntArray], starts: list[int], request: Request) -> None:
+def _slots(
+    case: Case, side: Side, spec: RegionSpec, ids: list[IntArray], start: int, count: int
+) -> tuple[IntArray, IntArray]:
+    """Kernel block ids of a region's list and the token of each slot (a ring's after
+    ``count`` tokens)."""
+    if spec.group == ring_group(case):
+        return ids[spec.group], ring_tokens(count, side.block)
+    return kernel_tokens(side, ids[spec.group], start)
+
+
+def lay_out(
+    case: Case, rb: RankBuffer, ids: list[IntArray], starts: list[int], request: Request
+) -> None:
     """Write the request's KV into the listed blocks, as the engine's prefill would."""
     for spec in rb.regions:
-        kernel_ids, tokens = kernel_tokens(rb.side, ids[spec.group], starts[spec.group])
+        start, count = starts[spec.group], request.computed
+        kernel_ids, tokens = _slots(case, rb.side, spec, ids, start, count)
         values = _expected(request.kv, spec, rb.heads, tokens)
         block_view(rb, spec)[kernel_ids, : spec.block_len] = _to_blocks(values, rb.side.layout)
 
@@ -397,7 +449,8 @@ def check_consumer(
     problems: list[str] = []
     for spec in consumer.regions:
         group = spec.group
-        kernel_ids, tokens = kernel_tokens(case.d, request.d_ids[group], request.d_starts[group])
+        start = request.d_starts[group]
+        kernel_ids, tokens = _slots(case, case.d, spec, request.d_ids, start, case.tokens)
         rows = block_view(consumer, spec)
         got = _from_blocks(
             rows[kernel_ids, : spec.block_len], case.d.layout, case.d.kernel, len(consumer.heads)
@@ -405,7 +458,7 @@ def check_consumer(
         want = _expected(request.kv, spec, consumer.heads, tokens)
         # What the consumer attends to, and whatever else of the producer's it listed.
         first = min(request.p_starts[group], request.attended[group])
-        real = (tokens < case.tokens) & (tokens >= first)
+        real = (tokens < case.tokens) & (tokens >= first) | (group == ring_group(case))
         wrong = np.argwhere((got != want).any(axis=-1) & real[:, :, None])
         where = f"rank {consumer.geometry.tp_rank} region {spec.name}"
         if wrong.size:
@@ -430,7 +483,7 @@ def check_consumer(
 def check_producer(case: Case, producer: RankBuffer, request: Request) -> list[str]:
     """A producer's KV is only read: its buffer still equals what prefill wrote."""
     fresh = make_rank(case, 0, producer.geometry.tp_rank)
-    lay_out(fresh, request.p_ids, request.p_starts, request)
+    lay_out(case, fresh, request.p_ids, request.p_starts, request)
     if np.array_equal(fresh.buf, producer.buf):
         return []
     return [f"producer rank {producer.geometry.tp_rank}: its KV was written"]

@@ -51,7 +51,8 @@ def unsupported(case: Case) -> str | None:
     A producer that computed past the consumer's prompt places the consumer's lists by
     its own count when pushing (PUSH_REG carries none), so the consumer refuses that; a
     pulling consumer places both, and refuses where the producer's list no longer starts
-    early enough for its own (a window clipped at the producer's end).
+    early enough for its own (a window clipped at the producer's end) or its ring is for
+    its own count.
     """
     if case.ids_form != "lists":
         return f"block ids passed as {case.ids_form}"
@@ -62,7 +63,7 @@ def unsupported(case: Case) -> str | None:
     if case.past and case.mode == "push":
         return "a pushing producer that computed past the prompt"
     if case.past and producer_lacks(case, make_request(case))[1]:
-        return "tokens the consumer's list asks for are outside the producer's window"
+        return "the producer's window or ring no longer holds what the consumer's lists ask for"
     return None
 
 

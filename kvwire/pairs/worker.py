@@ -101,7 +101,7 @@ class Side:
                 if isinstance(runtime, Producer):
                     self.listener.set_lease_source((0, rank), runtime.lease_deadlines)
             if who == 0:
-                lay_out(rb, self.request.p_ids, self.request.p_starts, self.request)
+                lay_out(self.case, rb, self.request.p_ids, self.request.p_starts, self.request)
         if self.listener is not None:
             self.listener.set_payloads(payloads)
 

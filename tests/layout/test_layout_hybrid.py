@@ -9,9 +9,13 @@ The planner must move each group's blocks as that group's kind: attention pages 
 page at its logical id. It once joined the groups' lists into one token sequence: the
 window's blocks and the state moved as if they were the next tokens of the full group.
 
+A ring group (vLLM's ``CircularBufferSpec``) has one block per request whose slot
+``t % block`` holds token ``t``'s rows, the latest ``block`` tokens': it pairs by position
+and moves whole, for the one token count it was written at.
+
 The oracle below writes and reads slabs with plain numpy, no kvwire code; Hypothesis draws
-the groups, layers per group, block sizes either way, kernel blocks, prompt lengths, prefix
-hits and the mode.
+the groups, layers per group, block sizes either way (equal beside a ring, whose capacity
+is the model's), kernel blocks, prompt lengths, prefix hits and the mode.
 """
 
 from __future__ import annotations
@@ -45,7 +49,7 @@ SPACE = 1 << 32
 
 @dataclass(frozen=True)
 class Hybrid:
-    kinds: tuple[str, ...]  # per group: "full", "swa" or "ssm"
+    kinds: tuple[str, ...]  # per group: "full", "swa", "ring" or "ssm"
     layers: tuple[int, ...]  # layers per group
     p_block: int
     d_block: int
@@ -96,7 +100,8 @@ def make_side(h: Hybrid, who: int) -> Side:
         )
         for j in range(slabs)
     ]
-    kinds = tuple(RegionKind.SSM if k == "ssm" else RegionKind.ATTENTION for k in h.kinds)
+    by_name = {"ssm": RegionKind.SSM, "ring": RegionKind.RING}
+    kinds = tuple(by_name.get(k, RegionKind.ATTENTION) for k in h.kinds)
     geometry = KVGeometry(
         regions,
         block_size=block,
@@ -118,7 +123,7 @@ def lists(h: Hybrid, rng: np.random.Generator) -> tuple[list[np.ndarray], list[n
         window_first = max(0, h.tokens - h.window) // block
         counts = []
         for kind in h.kinds:
-            if kind == "ssm":
+            if kind in ("ssm", "ring"):
                 counts.append(1)
             else:
                 first = window_first if kind == "swa" else 0
@@ -141,6 +146,14 @@ def state(g: int, layer: int) -> np.ndarray:
     return ((np.arange(sum(SSM)) * 7 + g * 53 + layer * 11) % 249 + 1).astype(np.uint8)
 
 
+def ring_rows(h: Hybrid, g: int, layer: int) -> tuple[np.ndarray, np.ndarray]:
+    """(slots, rows) of a ring page after the prompt: slot ``t % block`` of each of the
+    latest ``block`` tokens, its heads' bytes in the page's head-major order."""
+    tokens = np.arange(max(0, h.tokens - h.p_block), h.tokens)
+    rows = np.stack([value(g, layer, tokens, head) for head in range(HEADS)])
+    return tokens % h.p_block, rows
+
+
 def page_view(side: Side, layer: int, block: int) -> np.ndarray:
     start = layer * POOL * side.page + block * side.page
     return side.buf[start : start + side.page]
@@ -161,6 +174,11 @@ def write_side(h: Hybrid, side: Side, who: int, groups: list[np.ndarray]) -> Non
         for layer in range(h.layers[g]):
             if kind == "ssm":
                 page_view(side, layer, int(groups[g][0]))[: sum(SSM)] = state(g, layer)
+                continue
+            if kind == "ring":
+                page = page_view(side, layer, int(groups[g][0]))
+                slots, rows = ring_rows(h, g, layer)
+                page[: HEADS * block * CONTENT].reshape(HEADS, block, CONTENT)[:, slots] = rows
                 continue
             tokens = attention_tokens(h, who, groups[g], kind)
             for row, b in enumerate(groups[g].tolist()):
@@ -193,6 +211,12 @@ def check_consumer(
             if kind == "ssm":
                 got = page_view(d, layer, int(d_groups[g][0]))
                 assert (got[: sum(SSM)] == state(g, layer)).all(), f"group {g} state, {h}"
+                continue
+            if kind == "ring":
+                got = page_view(d, layer, int(d_groups[g][0]))
+                heads = got[: HEADS * h.d_block * CONTENT].reshape(HEADS, h.d_block, CONTENT)
+                slots, rows = ring_rows(h, g, layer)
+                assert (heads[:, slots] == rows).all(), f"group {g} layer {layer} ring, {h}"
                 continue
             tokens = attention_tokens(h, 1, d_groups[g], kind)
             for row, b in enumerate(d_groups[g].tolist()):
@@ -244,10 +268,15 @@ def run(h: Hybrid) -> int:
 
 @st.composite
 def hybrids(draw: st.DrawFn) -> Hybrid:
-    extra = draw(st.sampled_from([("swa",), ("ssm",), ("swa", "ssm"), ()]))
+    extra = draw(
+        st.sampled_from(
+            [("swa",), ("ssm",), ("swa", "ssm"), (), ("ring",), ("swa", "ring"), ("ring", "ssm")]
+        )
+    )
     kinds = ("full", *extra)
+    ring = "ring" in kinds  # its capacity is the model's: one block size, never split
     p_block = draw(st.sampled_from([8, 16, 32]))
-    d_block = draw(st.sampled_from([8, 16, 32]))
+    d_block = p_block if ring else draw(st.sampled_from([8, 16, 32]))
     tokens = draw(st.integers(1, 96))
     d_total = -(-tokens // d_block)
     return Hybrid(
@@ -255,8 +284,8 @@ def hybrids(draw: st.DrawFn) -> Hybrid:
         layers=tuple(draw(st.integers(1, 2)) for _ in kinds),
         p_block=p_block,
         d_block=d_block,
-        p_ppl=draw(st.sampled_from([1, 2])),
-        d_ppl=draw(st.sampled_from([1, 2])),
+        p_ppl=1 if ring else draw(st.sampled_from([1, 2])),
+        d_ppl=1 if ring else draw(st.sampled_from([1, 2])),
         tokens=tokens,
         hits=draw(st.integers(0, d_total - 1)),
         window=draw(st.sampled_from([5, 20, 40])),
@@ -278,14 +307,43 @@ def test_attention_next_to_mamba_state_in_one_slab(mode: str) -> None:
     run(Hybrid(("full", "swa", "ssm"), (2, 2, 1), 16, 16, 1, 1, 70, 1, 20, mode))
 
 
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_a_ring_beside_attention_moves_whole_at_its_own_id(mode: str) -> None:
+    """A ring's one block pairs with the consumer's one block, all its slots moved: a
+    prompt longer than the ring (slots overwritten) and one shorter."""
+    run(Hybrid(("full", "ring"), (2, 2), 16, 16, 1, 1, 40, 0, 20, mode))
+    run(Hybrid(("full", "swa", "ring"), (2, 1, 2), 16, 16, 1, 1, 9, 0, 20, mode))
+
+
+@pytest.mark.parametrize("kind", ["ssm", "ring"])
 @pytest.mark.parametrize("producer_tokens", [39, 41, 47])
-def test_a_state_for_another_count_is_refused(producer_tokens: int) -> None:
-    """A state is the prompt's last one: a producer that computed another count than the
-    consumer's lists end at (even within the same last block) holds the wrong state."""
-    h = Hybrid(("full", "ssm"), (1, 1), 16, 16, 1, 1, 40, 0, 20, "pull")
+def test_a_state_for_another_count_is_refused(producer_tokens: int, kind: str) -> None:
+    """A state or a ring is the prompt's last one: a producer that computed another count
+    than the consumer's lists end at (even within the same last block) holds the wrong
+    one."""
+    h = Hybrid(("full", kind), (1, 1), 16, 16, 1, 1, 40, 0, 20, "pull")
     p_groups, d_groups = lists(h, np.random.default_rng(0))
     p, d = make_side(h, 0), make_side(h, 1)
     layout = PeerLayout(d.geometry, RemoteGeometry.from_local(p.geometry), mode="pull")
     words = "a state is for one token count" if producer_tokens > 40 else "it lacks the rest"
     with pytest.raises(RemoteProtocolError, match=words):
         layout.plan(d_groups, p_groups, num_tokens=40, producer_tokens=producer_tokens)
+
+
+def test_a_ring_pairs_only_with_rings_of_its_own_block() -> None:
+    """A ring's capacity is the model's, one page a side: kernel blocks smaller than the
+    block, a peer of another block size, or a region of ring kind are refused by name."""
+    from kvwire.errors import ConfigError, IncompatiblePeerError
+
+    h = Hybrid(("full", "ring"), (1, 1), 16, 16, 1, 1, 40, 0, 20, "pull")
+    d = make_side(h, 1).geometry
+    with pytest.raises(ConfigError, match="ring is a KV-cache group's kind"):
+        KVGeometry(
+            d.regions, block_size=32, physical_blocks_per_logical=2, group_kinds=d.group_kinds
+        )
+    ring_region = BlockRegion(base_addr=1 << 20, block_len=256, num_blocks=4, kind=RegionKind.RING)
+    with pytest.raises(ConfigError, match="ring is a KV-cache group's kind"):
+        KVGeometry([ring_region], block_size=16, total_kv_heads=HEADS)
+    other = make_side(Hybrid(("full", "ring"), (1, 1), 32, 32, 1, 1, 40, 0, 20, "pull"), 0)
+    with pytest.raises(IncompatiblePeerError, match="a ring group's block is the model's ring"):
+        PeerLayout(d, RemoteGeometry.from_local(other.geometry), mode="pull")

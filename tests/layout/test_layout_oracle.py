@@ -103,7 +103,7 @@ def ranks(case: Case) -> tuple[Request, list[RankBuffer], list[RankBuffer], dict
     producers = [make_rank(case, 0, r) for r in range(case.p.tp)]
     consumers = [make_rank(case, 1, r) for r in range(case.d.tp)]
     for rb in producers:
-        lay_out(rb, request.p_ids, request.p_starts, request)
+        lay_out(case, rb, request.p_ids, request.p_starts, request)
     return request, producers, consumers, {rb.base: rb for rb in producers + consumers}
 
 
@@ -311,20 +311,24 @@ def sides(draw: st.DrawFn) -> Side:
 
 
 @st.composite
-def cases(draw: st.DrawFn) -> Case:
+def cases(draw: st.DrawFn, rings: bool = False) -> Case:
+    """Any pair; with ``rings``, one whose last KV-cache group is a ring with layers."""
     p, d = draw(sides()), draw(sides())
     tokens = draw(st.integers(1, 90))
-    d_total = -(-tokens // d.block)
     mla = draw(st.booleans())
-    packed = draw(st.sampled_from(["", "", "p", "d"]))
+    packed = "" if rings else draw(st.sampled_from(["", "", "p", "d"]))
+    groups = draw(st.sampled_from([2, 3])) if rings else 1 if packed else 2
+    if rings:  # a ring's capacity is the model's: one block size, never split
+        p, d = replace(p, ppl=1), replace(d, block=p.block, ppl=1)
+    d_total = -(-tokens // d.block)
     return Case(
         p,
         d,
         heads=draw(st.sampled_from([1, 2, 4, 8])),
-        layers=draw(st.integers(1, 3)),
+        layers=draw(st.integers(groups if rings else 1, 4 if rings else 3)),
         kv_split=not mla and draw(st.booleans()),
         mla=mla,
-        groups=1 if packed else 2,
+        groups=groups,
         tokens=tokens,
         hits=draw(st.integers(0, d_total - 1)),
         window=draw(st.sampled_from([0, 0, 5, 24])),
@@ -334,6 +338,7 @@ def cases(draw: st.DrawFn) -> Case:
         mode=draw(st.sampled_from(["pull", "push"])),
         members=bool(packed) or draw(st.booleans()),
         packed=packed,
+        ring=rings,
     )
 
 
@@ -343,11 +348,20 @@ def test_random_geometries_move_the_right_bytes(case: Case) -> None:
     run_case(case)
 
 
+@settings(max_examples=100, deadline=None, derandomize=True)
+@given(cases(rings=True))
+def test_a_ring_moves_whole_and_sliced_as_its_region(case: Case) -> None:
+    """A ring group beside attention (and a window): its one block pairs with the
+    consumer's, every slot right on every consumer rank, heads sliced between unequal TP
+    sizes and read once where replicated (MLA)."""
+    run_case(case)
+
+
 @st.composite
 def past_cases(draw: st.DrawFn) -> Case:
     """A producer that generated past the consumer's prompt (up to 36 tokens: its lists
-    stay within the oracle's 32 blocks per region)."""
-    case = draw(cases())
+    stay within the oracle's 32 blocks per region), a quarter of them with a ring."""
+    case = draw(cases(rings=draw(st.integers(0, 3)) == 0))
     return replace(case, past=draw(st.integers(1, 36)), window=draw(st.sampled_from([0, 5, 24])))
 
 
@@ -356,15 +370,15 @@ def past_cases(draw: st.DrawFn) -> Case:
 def test_a_producer_that_computed_past_the_prompt_moves_it_or_is_refused(case: Case) -> None:
     """Its lists end at its own count and the consumer's at the prompt's. The request moves
     with every token the consumer attends to right, or is refused by name: it must be
-    where the producer's window no longer holds a token the consumer attends to, and may
-    be only where it lacks one the consumer's list holds (the planner sees lists, not
-    windows)."""
+    where the producer's window no longer holds a token the consumer attends to or its
+    ring is its own count's, and may be only where it lacks one the consumer's list holds
+    (the planner sees lists, not windows)."""
     must, may = producer_lacks(case, make_request(case))
     try:
         run_case(case)
     except (LocalProtocolError, RemoteProtocolError) as exc:
         assert may, f"{case}: refused with every listed token held: {exc}"
-        assert "asks for" in str(exc), exc
+        assert "asks for" in str(exc) or "a state is for one token count" in str(exc), exc
     else:
         assert not must, f"{case}: moved though the producer dropped attended tokens"
 

@@ -201,7 +201,7 @@ class Readback:
 def readback(vllm_config: VllmConfig, kv_cache_config: Any) -> Readback | None:
     """This engine's :class:`Readback`, or None when ``bidirectional_kv_xfer`` is off.
     kvwire moves conversations only for models whose every group's list is the whole
-    sequence (no sliding window's tail, no chunks, no R-SWA gaps, no Mamba state) and
+    sequence (no sliding window's tail, no chunks, no R-SWA gaps, no Mamba state or ring) and
     whose prefill computes the whole prompt; for others the engine warns, naming the key,
     and its next turns compute the conversation again (no request gets bytes that are not
     its own)."""
@@ -216,7 +216,7 @@ def readback(vllm_config: VllmConfig, kv_cache_config: Any) -> Readback | None:
             f"and a whole kv_recompute_threshold >= 0 (got {threshold!r})"
         )
     whole = all(
-        not rule.tail and rule.spec_slots is None and not rule.chunked and not rule.gaps
+        not rule.tail and rule.spec_slots is None and not (rule.chunked or rule.gaps or rule.ring)
         for rule in exchanged(kv_cache_config, vllm_config)
     )
     moves = whole and not prefill_backoff(kv_cache_config, vllm_config)
@@ -224,7 +224,8 @@ def readback(vllm_config: VllmConfig, kv_cache_config: Any) -> Readback | None:
         log.warning(
             "bidirectional_kv_xfer is on, and KVWireConnector reads a conversation back only "
             "for models whose every KV-cache group keeps the whole sequence (no sliding "
-            "window, attention chunks or R-SWA, no state) and whose prefill computes the whole "
+            "window, attention chunks or R-SWA, no state or ring) and whose prefill computes the "
+            "whole "
             "prompt: the next turn's prefill computes the conversation again"
         )
     return Readback(hold_s=hold, threshold=int(threshold), moves=moves)

@@ -17,11 +17,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
+from kvwire.errors import ConfigError
+from kvwire.integrations.vllm import staging
 from kvwire.integrations.vllm.config import kvwire_config, tp_rank
 from kvwire.integrations.vllm.groups import group_kinds
 from kvwire.integrations.vllm.messages import KVWireMetadata
 from kvwire.integrations.vllm.scheduler import SchedulerSide
 from kvwire.integrations.vllm.worker import WorkerSide
+from kvwire.layout.geometry import RegionKind
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -44,7 +47,12 @@ class KVWireConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
     ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         # A group kvwire cannot move fails the engine's startup, on either role.
-        group_kinds(kv_cache_config, int(vllm_config.cache_config.block_size))
+        kinds = group_kinds(kv_cache_config, int(vllm_config.cache_config.block_size))
+        if RegionKind.RING in kinds and staging.wants_host_buffer(vllm_config):
+            raise ConfigError(
+                "a ring group (CircularBufferSpec) with a host buffer (kv_buffer_device "
+                '"cpu"): KVWireConnector, as stock, does not stage such a model'
+            )
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:

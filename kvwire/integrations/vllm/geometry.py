@@ -119,6 +119,7 @@ def layer_regions(
     layout: str,
     group_of: Mapping[str, int] | None = None,
     state_layers: frozenset[str] = frozenset(),
+    allocation_order: bool = False,
 ) -> list[BlockRegion]:
     """The worker's regions, read from each layer's own view of ``num_blocks`` region
     blocks (kernel blocks: :func:`kernel_ratio` times vLLM's block count).
@@ -137,6 +138,9 @@ def layer_regions(
     ``state_layers`` (Mamba) only mark the slab they live in as theirs too: vLLM pads
     their state to the attention page, so the slab is registered once, by its attention
     layer, as stock registers it.
+
+    ``allocation_order``: regions in the order vLLM allocated the layers (``kv_caches``'),
+    not in model-layer order: a stock engine registers a model with ring groups so.
     """
     spans: dict[int, tuple[str, int, int, torch.Tensor]] = {}
     rows: dict[int, dict[str, tuple[int, int]]] = {}
@@ -144,7 +148,8 @@ def layer_regions(
     states: dict[int, str] = {}
     first: dict[int, str] = {}
     """Per span, the first layer of any kind on it, in stock's order."""
-    for name in sorted(kv_caches, key=layer_order):
+    names = list(kv_caches) if allocation_order else sorted(kv_caches, key=layer_order)
+    for name in names:
         view = kv_caches[name]
         group = group_of.get(name, 0) if group_of is not None else 0
         if name in state_layers:
@@ -270,10 +275,18 @@ def layer_geometry(
     moved = {name: view for name, view in kv_caches.items() if name in group_of}
     states = frozenset(n for n in moved if kinds[group_of[n]] is RegionKind.SSM)
     ratio = kernel_ratio({n: v for n, v in moved.items() if n not in states}, num_blocks)
+    rings = RegionKind.RING in kinds
+    if rings and layout_name == "BLNHC":
+        raise ConfigError(
+            f"KV cache layout {layout_name} with a ring group (CircularBufferSpec): a stock "
+            "engine registers each layer's page of such a model as one span, which in this "
+            "layout it is not; KVWireConnector moves rings in the other layouts"
+        )
     if sizes:
         regions = row_regions(moved, num_blocks * ratio, layout_name, group_of)
     else:
-        regions = layer_regions(moved, num_blocks * ratio, layout_name, group_of, states)
+        n = num_blocks * ratio
+        regions = layer_regions(moved, n, layout_name, group_of, states, allocation_order=rings)
     return KVGeometry(
         regions=regions,
         physical_blocks_per_logical=ratio,

@@ -41,14 +41,18 @@ def group_kinds(kv_cache_config: Any, block_size: int) -> tuple[RegionKind, ...]
     list, its chunks before the last one vLLM's null block: it moves as full attention
     does. So does an R-SWA group (``RSWASpec``, full attention whose blocks between the
     prompt and the decode window vLLM frees while decoding): when a prefill ends it holds
-    the whole prompt, and stock moves it whole. Anything else (rings, static sinks, groups
-    whose pages vLLM resized or padded otherwise) would
-    be planned with the wrong page, so it fails the engine's startup instead. So does a model
+    the whole prompt, and stock moves it whole. A ring group (``CircularBufferSpec``: one
+    block a request, a compressor's or an indexer's latest keys) with the attention page
+    moves its block whole, as a state for the prompt's count (:attr:`RegionKind.RING`).
+    Anything else (static sinks, rings of another page, groups whose pages vLLM resized or
+    padded otherwise) would be planned with the wrong page, so it fails the engine's
+    startup instead. So does a model
     whose every attention group has a window: no list then holds the whole prompt, which is
     where the planner places the others.
     """
     from vllm.v1.kv_cache_interface import (
         ChunkedLocalAttentionSpec,
+        CircularBufferSpec,
         FullAttentionSpec,
         MambaSpec,
         MLAAttentionSpec,
@@ -65,6 +69,7 @@ def group_kinds(kv_cache_config: Any, block_size: int) -> tuple[RegionKind, ...]
         SlidingWindowSpec,
         SlidingWindowMLASpec,
         ChunkedLocalAttentionSpec,
+        CircularBufferSpec,
     )
     groups = transfer_groups(kv_cache_config)
     ids = getattr(kv_cache_config, "transfer_group_ids", range(len(groups)))
@@ -90,8 +95,8 @@ def group_kinds(kv_cache_config: Any, block_size: int) -> tuple[RegionKind, ...]
         if type(spec) not in moved:
             raise ConfigError(
                 f"KV-cache group {group_id} is {type(spec).__name__}: KVWireConnector moves "
-                "full-attention (R-SWA too), MLA, sliding-window, chunked-local and Mamba "
-                "groups so far"
+                "full-attention (R-SWA too), MLA, sliding-window, chunked-local, ring and "
+                "Mamba groups so far"
             )
         page = (spec.block_size, spec.num_kv_heads, spec.head_size, spec.dtype)
         padded = getattr(spec, "page_size_padded", None)
@@ -104,7 +109,8 @@ def group_kinds(kv_cache_config: Any, block_size: int) -> tuple[RegionKind, ...]
             )
         first = page
         attention_page = int(spec.page_size_bytes)
-        kinds.append(RegionKind.ATTENTION)
+        ring = type(spec) is CircularBufferSpec
+        kinds.append(RegionKind.RING if ring else RegionKind.ATTENTION)
     attention = [g for g, k in zip(groups, kinds, strict=True) if k is RegionKind.ATTENTION]
     local = (SlidingWindowSpec, ChunkedLocalAttentionSpec)
     if not attention or all(isinstance(g.kv_cache_spec, local) for g in attention):
@@ -304,7 +310,7 @@ class Exchanged:
     sends the running state alone in every mode. A chunked-local-attention group crosses
     whole, the chunks no token attends to anymore vLLM's null block (id 0). An R-SWA group
     crosses whole too; once its request decodes, vLLM frees the blocks between the prompt
-    and the decode window (``gaps``)."""
+    and the decode window (``gaps``). A ring group's list is its one block (``ring``)."""
 
     tail: int = 0
     """The last blocks that cross; 0: all."""
@@ -318,6 +324,8 @@ class Exchanged:
     """A chunked-local-attention group: its list may lead with several null blocks."""
     gaps: bool = False
     """An R-SWA group: a conversation kept past its prompt has null blocks inside."""
+    ring: bool = False
+    """A ring group: one block, the latest tokens' rows, not the sequence."""
 
     def held(self, blocks: list[int]) -> list[int]:
         """The exchanged blocks P's own transfer holds: a chunked list without its leading
@@ -350,6 +358,7 @@ def exchanged(kv_cache_config: Any, vllm_config: Any) -> tuple[Exchanged, ...]:
     from vllm.distributed.kv_transfer.kv_connector import utils
     from vllm.v1.kv_cache_interface import (
         ChunkedLocalAttentionSpec,
+        CircularBufferSpec,
         MambaSpec,
         RSWASpec,
         SlidingWindowSpec,
@@ -375,7 +384,8 @@ def exchanged(kv_cache_config: Any, vllm_config: Any) -> tuple[Exchanged, ...]:
         else:
             chunked = isinstance(spec, ChunkedLocalAttentionSpec)
             gaps = isinstance(spec, RSWASpec)
-            rules.append(Exchanged(block_size=size, chunked=chunked, gaps=gaps))
+            ring = isinstance(spec, CircularBufferSpec)
+            rules.append(Exchanged(block_size=size, chunked=chunked, gaps=gaps, ring=ring))
     return tuple(rules)
 
 

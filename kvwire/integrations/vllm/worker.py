@@ -18,7 +18,7 @@ from kvwire.errors import ConfigError
 from kvwire.integrations.vllm import staging
 from kvwire.integrations.vllm.config import sides
 from kvwire.integrations.vllm.geometry import layer_geometry, layer_order
-from kvwire.integrations.vllm.groups import past_placeholders
+from kvwire.integrations.vllm.groups import exchanged, past_placeholders
 from kvwire.integrations.vllm.messages import KVWireHandshake, KVWireMetadata, KVWireStats
 from kvwire.layout.geometry import KVGeometry
 from kvwire.runtime import Consumer, Producer
@@ -68,8 +68,11 @@ class WorkerSide:
         """A block id names a page in one KV-cache group only, so with several groups vLLM
         takes failed loads by request (``failed_recving``), never by block: it stops the
         engine on a block-level report."""
-        self.has_state = bool(getattr(kv_cache_config, "has_mamba_layers", False))
-        """D checks that P computed the token count it loads (:meth:`_counts_agree`)."""
+        self.has_state = bool(getattr(kv_cache_config, "has_mamba_layers", False)) or any(
+            rule.ring for rule in exchanged(kv_cache_config, vllm_config)
+        )
+        """A Mamba state or a ring, each for one token count: D checks that P computed the
+        count it loads (:meth:`_counts_agree`)."""
         self.batch: tuple[str, ...] = ()
         """P, streaming: the requests this step computes prompt tokens of."""
         self.layers: frozenset[str] = frozenset()
@@ -241,8 +244,8 @@ class WorkerSide:
         self, rid: str, params: dict[str, Any], loaded: int | None, readback: bool = False
     ) -> bool:
         """D: whether what P computed (``remote_num_tokens``) can fill the tokens D loads.
-        Fewer cannot. Another count cannot for a model with state (Mamba): the state is
-        for P's count, and D's model would apply tokens twice or skip some; the engines
+        Fewer cannot. Another count cannot for a model with state (Mamba, a ring): the
+        state is for P's count, and D's model would apply tokens twice or skip some; the engines
         cut the prompt apart (each by its own rule), so a drafter's lookahead on one side
         only does it. Nor can it in push, where P places D's blocks by its own count
         (PUSH_REG carries none), so a P that generated past the prompt would write them
@@ -254,7 +257,7 @@ class WorkerSide:
         if sent is None or loaded is None or sent == loaded:
             return True
         if self.has_state:
-            why = "a Mamba state is for one count (do both engines cut the prompt alike?)"
+            why = "a Mamba state or a ring is for one count (do both engines cut the prompt alike?)"
         elif type(sent) is int and sent < loaded:
             why = "P lacks the rest"
         elif self.config.mode == "push" and not readback:
