@@ -25,8 +25,6 @@ from harness import (
     wait_until,
 )
 
-from kvwire.demo.models import CacheSpec, preset
-
 WINDOW = 64
 """Tokens: engines exchange a window group's last cdiv(64, 32) + 1 = 3 blocks of 32."""
 REQUESTS = {"req-even": 288, "req-odd": 300}
@@ -58,8 +56,7 @@ def checked_bytes(prompt: int) -> int:
     """What D must check of one prompt: every token in the full-attention layers, the
     window layers' tokens from ``prompt - W + 1`` on in whole blocks, the last block's
     prompt tokens included."""
-    spec = CacheSpec(preset(GEO.model), GEO.layers, GEO.num_blocks, 0, 1, GEO.block_size)
-    per_token = spec.block_len // GEO.block_size
+    per_token = GEO.token_bytes
     window_first = (prompt - WINDOW + 1) // GEO.block_size * GEO.block_size
     per_kind = GEO.layers // 2
     return per_token * per_kind * (prompt + (prompt - window_first))
@@ -160,8 +157,7 @@ def _mamba_sizes() -> tuple[int, int]:
 def mamba_checked_bytes(tokens: int) -> int:
     """What D must check of one prompt: every loaded token (all but the last) of the
     attention layers, and every Mamba layer's state after them."""
-    spec = CacheSpec(preset(MAMBA_GEO.model), MAMBA_GEO.layers, MAMBA_GEO.num_blocks, 0, 1, 32)
-    per_token = spec.block_len // MAMBA_GEO.block_size
+    per_token = MAMBA_GEO.token_bytes
     attention = MAMBA_GEO.layers // (MAMBA + 1)
     state = sum(_mamba_sizes())
     return per_token * attention * (tokens - 1) + state * (MAMBA_GEO.layers - attention)
@@ -262,8 +258,7 @@ def test_mamba_beside_a_sliding_window(zygote: Zygote, pair: str, mode: str) -> 
     ) as (p, d):  # fmt: skip
         for rid, (index, tokens) in MAMBA_REQUESTS.items():
             state = transfer(p, d, rid, index, tokens)
-    spec = CacheSpec(preset(geo.model), geo.layers, geo.num_blocks, 0, 1, geo.block_size)
-    per_token = spec.block_len // geo.block_size
+    per_token = geo.token_bytes
     for rid, (_, tokens) in MAMBA_REQUESTS.items():
         loaded = tokens - 1  # D computes the last token itself (the Mamba layers' rule)
         window_first = (loaded - WINDOW + 1) // geo.block_size * geo.block_size
