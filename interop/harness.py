@@ -352,6 +352,7 @@ class SchedulerEngine:
         multimodal: bool = False,
         deepseek_v4: list[int] | None = None,
         v4_bf16: bool = False,
+        v41: bool = False,
     ) -> None:
         """``engine_id`` and ``port``: a restarted engine keeps its predecessor's;
         ``scheduler``: ``batch_tokens`` (tokens per step) and ``chunk_tokens`` (per request
@@ -412,7 +413,7 @@ class SchedulerEngine:
             "mode": mode, "extra_config": extra_config, "layout": layout,
             "kernel_block": kernel_block, "layerwise": layerwise, "prefix_caching": prefix_caching,
             "kv_role": kv_role, "multimodal": multimodal, "deepseek_v4": deepseek_v4,
-            "bf16": v4_bf16,
+            "bf16": v4_bf16, "v41": v41,
             **(scheduler or {}),
         }  # fmt: skip
         self.peer = Peer(start, zygote, env)
@@ -639,9 +640,12 @@ __all__ = [
     "VllmEngine",
     "Zygote",
     "factors",
+    "held_bytes",
     "kvwire_options",
     "load_refused",
+    "move_all",
     "pair_cases",
+    "pair_moved",
     "pair_transfer",
     "params_ahead",
     "prefill",
@@ -664,6 +668,39 @@ PAIRS = {
 """A model's pairs: (P's connector, D's connector, kvwire's transport), by name."""
 
 
+def held_bytes(groups: list[tuple[int, int, list[int]]], tokens: int) -> int:
+    """Bytes of the pages D must hold after a prompt of ``tokens``: per group, every
+    block of the prompt, or with a window those from the one holding token
+    ``tokens - window + 1`` on, each block a page per layer, the last block's pages their
+    share of the prompt's tokens in it."""
+    total = 0
+    for block, window, pages in groups:
+        first = max(0, tokens - window + 1) // block if window else 0
+        last = -(-tokens // block) - 1
+        total += (last - first) * sum(pages)
+        total += sum(page * (tokens - last * block) // block for page in pages)
+    return total
+
+
+def move_all(
+    p: SchedulerEngine, d: SchedulerEngine, prompts: dict[str, tuple[int, int]]
+) -> dict[str, Any]:
+    """P prefills every prompt, each of its own content, and holds them all at once; then
+    D fetches them all, as a proxy forwards P's params, and both step until D has every
+    request and P has freed them. D's state."""
+    for rid, (index, tokens) in prompts.items():
+        p.add(rid, index, tokens)
+        wait_until(lambda r=rid: r in p.state.get("outputs", {}), p.step, 60, f"P: {rid}")
+    for rid, (index, tokens) in prompts.items():
+        d.add(rid, index, tokens, p.state["outputs"][rid])
+
+    def done() -> bool:
+        return set(prompts) <= set(d.state.get("outputs", {})) & set(p.state.get("sent", []))
+
+    step_both(p, d, done, f"D to receive {sorted(prompts)} and P to free them", 120)
+    return d.state
+
+
 def pair_cases() -> list[tuple[str, str, str]]:
     """(pair, TP sizes ``P-D``, mode) for every pair of :data:`PAIRS`: the unequal TP
     sizes over NIXL (the shared-memory loopback is one host's TP 1-1), pull and push."""
@@ -675,20 +712,31 @@ def pair_cases() -> list[tuple[str, str, str]]:
     ]
 
 
+def pair_moved(
+    zygote: Zygote, pair: str, tp: str, mode: str, prompts: dict[str, tuple[int, int]],
+    **options: Any,
+) -> tuple[dict[str, Any], dict[str, Any]]:  # fmt: skip
+    """:func:`move_all` between the engines of one of :data:`PAIRS` at TP sizes ``P-D``,
+    on vLLM's hybrid manager, each engine with ``options``: D's state and P's outputs (the
+    params)."""
+    p_conn, d_conn, transport = PAIRS[pair]
+    p_tp, d_tp = (int(n) for n in tp.split("-"))
+    with engines(
+        zygote, p_conn, d_conn, {"tp": p_tp}, {"tp": d_tp}, mode=mode,
+        extra_config={"transport": transport}, **{"hma": True, **options},
+    ) as (p, d):  # fmt: skip
+        state = move_all(p, d, prompts)
+        return state, dict(p.state["outputs"])
+
+
 def pair_transfer(
     zygote: Zygote, pair: str, tp: str, mode: str, index: int, prompts: dict[str, int],
     **options: Any,
 ) -> tuple[dict[str, Any], dict[str, Any]]:  # fmt: skip
-    """:func:`transfer_many` between the engines of one of :data:`PAIRS` at TP sizes
-    ``P-D``, each engine with ``options``: D's state and P's outputs (the params)."""
-    p_conn, d_conn, transport = PAIRS[pair]
-    p_tp, d_tp = (int(n) for n in tp.split("-"))
-    with engines(
-        zygote, p_conn, d_conn, {"tp": p_tp}, {"tp": d_tp}, mode=mode, hma=True,
-        extra_config={"transport": transport}, **options,
-    ) as (p, d):  # fmt: skip
-        state = transfer_many(p, d, index, prompts)
-        return state, dict(p.state["outputs"])
+    """:func:`pair_moved` of prompts of one content ``index`` (a later one may hit an
+    earlier one's blocks in P's prefix cache)."""
+    contents = {rid: (index, tokens) for rid, tokens in prompts.items()}
+    return pair_moved(zygote, pair, tp, mode, contents, **options)
 
 
 @contextlib.contextmanager

@@ -381,6 +381,55 @@ def deepseek_v4_specs(vllm_config: Any, ratios: list[int], fp8_ds_mla: bool) -> 
     return specs
 
 
+def deepseek_v41_specs(vllm_config: Any, ratios: list[int]) -> dict[str, Any]:
+    """vLLM's spec of every cache DeepSeek-V4.1's layers make, layer ``i`` compressing by
+    ``ratios[i]`` (0: its window alone, 1 or 2): from V4.1's own cache modules (windowed
+    latents in 32-token blocks, the compressor's ring at ratio 2, indexer keys) and its
+    attention layer's own ``get_kv_cache_spec``, called on a stand-in of the fields it
+    reads. Every compressing layer is a kv source and those of ratio 2 index sources (the
+    config's ``kv_source_layer_ids`` and ``index_source_layer_ids``)."""
+    from vllm.config import set_current_vllm_config
+    from vllm.models.deepseek_v41 import attention as v41
+    from vllm.models.deepseek_v41.compressor import CompressorStateCache
+    from vllm.v1.attention.backends.mla.sparse_swa import DeepseekV4SWACache
+
+    head, window, index_head = 512, 128, 128
+    cache = vllm_config.cache_config
+    specs: dict[str, Any] = {}
+    with set_current_vllm_config(vllm_config):
+        dtype_name, dtype = v41._resolve_dsv4_kv_cache_dtype(True, cache.cache_dtype, cache)
+        record = 528 if v41._use_v41_mxfp8_kv_record() else 584
+        align = 512 if v41._use_v41_mxfp8_kv_record() else 576
+        for i, ratio in enumerate(ratios):
+            prefix = f"model.layers.{i}.attn"
+            swa = DeepseekV4SWACache(
+                head_dim=head, window_size=window, dtype=dtype, prefix=f"{prefix}.swa_cache",
+                cache_config=cache, block_size=32, packed_bytes_per_token=record,
+                packed_page_alignment=align,
+            )  # fmt: skip
+            specs[swa.prefix] = swa.get_kv_cache_spec(vllm_config)
+            if not ratio:
+                continue
+            layer = SimpleNamespace(
+                is_kv_source=True, kv_cache_dtype=dtype_name, head_dim=head,
+                kv_cache_torch_dtype=dtype, compress_ratio=ratio, kv_page_alignment=align,
+                compressed_bytes_per_token=record,
+            )  # fmt: skip
+            specs[prefix] = v41.DeepseekV4Attention.get_kv_cache_spec(layer, vllm_config)
+            if ratio == 2:
+                ring = CompressorStateCache(
+                    state_dim=2 * head, dtype=torch.float32,
+                    prefix=f"{prefix}.compressor.state_cache",
+                )  # fmt: skip
+                specs[ring.prefix] = ring.get_kv_cache_spec(vllm_config)
+                keys = v41.DeepseekV4IndexerCache(
+                    head_dim=v41._indexer_k_cache_head_dim(index_head, False), dtype=torch.uint8,
+                    prefix=f"{prefix}.indexer.k_cache", cache_config=cache, compress_ratio=ratio,
+                )  # fmt: skip
+                specs[keys.prefix] = keys.get_kv_cache_spec(vllm_config)
+    return specs
+
+
 def deepseek_v4_backends(specs: dict[str, Any]) -> dict[str, Any]:
     """Per cache of :func:`deepseek_v4_specs` (in its order, the model's), the backend
     vLLM's CPU V4 model runs it with: a layer's window and compressed latents, its
@@ -443,6 +492,8 @@ class PagedGroup:
     vLLM's manager keeps the group's blocks."""
     pages: list[np.ndarray[Any, Any]]
     """Per layer of the group, its ``[blocks, page bytes]`` over the backing."""
+    ring: bool = False
+    """A ring (one block a request): its page is the latest tokens', written whole."""
 
 
 def paged_groups(
@@ -450,14 +501,15 @@ def paged_groups(
 ) -> list[PagedGroup]:
     """A rank's V4 groups, each layer's pages read through vLLM's own view of it (a
     block's page is ``view[block]``, its bytes contiguous, less than the padded page)."""
-    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+    from vllm.v1.kv_cache_interface import CircularBufferSpec, SlidingWindowSpec
 
     out = []
     for g, group in enumerate(kv_cache_config.kv_cache_groups):
         first = group.kv_cache_spec.kv_cache_specs[group.layer_names[0]]
         window = int(first.sliding_window) if isinstance(first, SlidingWindowSpec) else 0
         pages = [page_view(caches[name], buffer) for name in group.layer_names]
-        out.append(PagedGroup(g, int(first.block_size), window, pages))
+        ring = isinstance(first, CircularBufferSpec)
+        out.append(PagedGroup(g, int(first.block_size), window, pages, ring))
     return out
 
 
@@ -484,6 +536,10 @@ def fill_pages(paged: PagedGroup, index: int, blocks: list[int], start: int, sto
     make): a block moved before its last tokens are computed, and not again after,
     fails the check. vLLM's null block (a window's dropped ones) is skipped."""
     size = paged.block_tokens
+    if paged.ring:  # the ring after ``stop`` tokens, whatever it held before
+        for layer, pages in enumerate(paged.pages):
+            pages[blocks[0]] = page_content(index, paged.group, layer, stop, pages.shape[1])
+        return
     for position in range(start // size, -(-stop // size)):
         block = blocks[position]
         if block == 0:
@@ -503,6 +559,13 @@ def check_pages(paged: PagedGroup, index: int, blocks: list[int], prompt: int) -
     prompt, as P's filling does). A null block (or none) where a page must be is wrong
     whole."""
     size = paged.block_tokens
+    if paged.ring:  # the ring after the prompt
+        wrong = checked = 0
+        for layer, pages in enumerate(paged.pages):
+            want = page_content(index, paged.group, layer, prompt, pages.shape[1])
+            wrong += int(np.count_nonzero(pages[blocks[0]] != want))
+            checked += want.size
+        return wrong, checked
     first = max(0, prompt - paged.window + 1) // size if paged.window else 0
     wrong = checked = 0
     for position in range(first, -(-prompt // size)):
@@ -973,7 +1036,10 @@ class EnginePart:
         self.vllm_config = build_vllm_config(start)
         self.vllm_config.parallel_config.tensor_parallel_size = tp
         self.layout = start["layout"]
-        v4_specs = deepseek_v4_specs(self.vllm_config, v4, not start.get("bf16")) if v4 else {}
+        if start.get("v41"):
+            v4_specs = deepseek_v41_specs(self.vllm_config, v4)
+        else:
+            v4_specs = deepseek_v4_specs(self.vllm_config, v4, not start.get("bf16")) if v4 else {}
         backends = deepseek_v4_backends(v4_specs) if v4 else None
         if backends is not None:
             distinct = list(dict.fromkeys(backends.values()))

@@ -194,15 +194,16 @@ def test_a_conversation_is_freed_when_its_hold_ends(zygote: Zygote) -> None:
 
 @pytest.mark.parametrize(
     "model",
-    [{"window": 64}, {"chunk": 64, "geo": Geometry(layers=4)}, {"rswa": 64}],
-    ids=["window", "chunked", "rswa"],
+    [{"window": 64}, {"chunk": 64, "geo": Geometry(layers=4)}, {"rswa": 64}, {"ring": True}],
+    ids=["window", "chunked", "rswa", "ring"],
 )
 def test_a_model_kvwire_does_not_read_back_keeps_nothing(
     zygote: Zygote, model: dict[str, Any]
 ) -> None:
-    """A model with a sliding window, attention chunks or R-SWA (whose decode frees the
-    blocks between the prompt and its window): kvwire's D says, naming the key, that it
-    does not keep the conversation, and frees its blocks at once (its params name none)."""
+    """A model with a sliding window, attention chunks, R-SWA (whose decode frees the
+    blocks between the prompt and its window) or a ring (its one block for one count):
+    kvwire's D says, naming the key, that it does not keep the conversation, and frees its
+    blocks at once (its params name none)."""
     with _conversation(zygote, KVWIRE, KVWIRE, **model) as (p, d):
         transfer(p, d, "turn1", 1, TOKENS)
         assert "turn1" in d.state["checked"]

@@ -16,13 +16,14 @@ from typing import Any
 
 import pytest
 from harness import (
+    PAIRS,
     Geometry,
-    SchedulerEngine,
     Zygote,
     engines,
+    held_bytes,
+    move_all,
+    pair_moved,
     registered_by_each,
-    step_both,
-    wait_until,
 )
 
 RATIOS = [1, 4, 128, 4, 128, 4]
@@ -33,12 +34,6 @@ V4 = {"deepseek_v4": RATIOS, "layout": "BLHNC", "hma": True}
 PROMPTS = {"req-1000": (41, 1000), "req-768": (43, 768)}
 """Per request, its content index (each its own: no prefix-cache hit between them) and
 tokens: 1000 ends inside a block of every group; 768 ends on a 256-token boundary."""
-PAIRS = {
-    "kvwire-shm": ("KVWireConnector", "KVWireConnector", "shm"),
-    "kvwire-nixl": ("KVWireConnector", "KVWireConnector", "nixl"),
-    "stock-P-kvwire-D": ("NixlConnector", "KVWireConnector", "nixl"),
-    "kvwire-P-stock-D": ("KVWireConnector", "NixlConnector", "nixl"),
-}
 CASES = [(pair, mode) for pair in sorted(PAIRS) for mode in ("pull", "push")]
 
 
@@ -66,20 +61,6 @@ def v4_groups(fp8_ds_mla: bool = True) -> list[tuple[int, int, list[int]]]:
     return out
 
 
-def held_bytes(groups: list[tuple[int, int, list[int]]], tokens: int) -> int:
-    """Bytes of the pages D must hold after a prompt of ``tokens``: per group, every
-    block of the prompt, or with a window those from the one holding token
-    ``tokens - window + 1`` on, each block a page per layer, the last block's pages their
-    share of the prompt's tokens in it."""
-    total = 0
-    for block, window, pages in groups:
-        first = max(0, tokens - window + 1) // block if window else 0
-        last = -(-tokens // block) - 1
-        total += (last - first) * sum(pages)
-        total += sum(page * (tokens - last * block) // block for page in pages)
-    return total
-
-
 def exchanged(groups: list[tuple[int, int, list[int]]], tokens: int) -> list[int]:
     """Per group, how many block ids P gives D: a window's last ``cdiv(window, block) +
     1``, else every block of the prompt."""
@@ -90,36 +71,12 @@ def exchanged(groups: list[tuple[int, int, list[int]]], tokens: int) -> list[int
     return counts
 
 
-def move_all(
-    p: SchedulerEngine, d: SchedulerEngine, prompts: dict[str, tuple[int, int]]
-) -> dict[str, Any]:
-    """P prefills every prompt, each of its own content, and holds them all at once; then
-    D fetches them all, as a proxy forwards P's params, and both step until D has every
-    request and P has freed them. D's state."""
-    for rid, (index, tokens) in prompts.items():
-        p.add(rid, index, tokens)
-        wait_until(lambda r=rid: r in p.state.get("outputs", {}), p.step, 60, f"P: {rid}")
-    for rid, (index, tokens) in prompts.items():
-        d.add(rid, index, tokens, p.state["outputs"][rid])
-
-    def done() -> bool:
-        return set(prompts) <= set(d.state.get("outputs", {})) & set(p.state.get("sent", []))
-
-    step_both(p, d, done, f"D to receive {sorted(prompts)} and P to free them", 120)
-    return d.state
-
-
 @pytest.mark.parametrize(("pair", "mode"), CASES)
 def test_deepseek_v4(zygote: Zygote, pair: str, mode: str) -> None:
     """TP 1 to 1: D holds, byte for byte, every page of every layer its next token reads
     in each of V4's five groups (the latents of every block of the prompt, the windows'
     and states' last blocks), from P's exchanged tails."""
-    p_conn, d_conn, transport = PAIRS[pair]
-    with engines(
-        zygote, p_conn, d_conn, geo=GEO, extra_config={"transport": transport}, mode=mode, **V4
-    ) as (p, d):
-        state = move_all(p, d, PROMPTS)
-        outputs = p.state["outputs"]
+    state, outputs = pair_moved(zygote, pair, "1-1", mode, PROMPTS, geo=GEO, **V4)
     groups = v4_groups()
     for rid, (_, tokens) in PROMPTS.items():
         assert list(map(len, outputs[rid]["remote_block_ids"])) == exchanged(groups, tokens)
@@ -156,13 +113,9 @@ def test_deepseek_v4_tensor_parallel(zygote: Zygote, pair: str, mode: str, tp: s
     """V4's caches are the same on every TP rank (latents, indexer keys and compressor
     states alike): every D rank holds every page it reads, each from one P rank, whether
     D has more ranks than P or fewer."""
-    p_conn, d_conn, transport = PAIRS[pair]
-    p_tp, d_tp = (int(n) for n in tp.split("-"))
-    with engines(
-        zygote, p_conn, d_conn, {"tp": p_tp}, {"tp": d_tp}, geo=GEO,
-        extra_config={"transport": transport}, mode=mode, **V4,
-    ) as (p, d):  # fmt: skip
-        state = move_all(p, d, {"req-1000": PROMPTS["req-1000"]})
+    prompt = {"req-1000": PROMPTS["req-1000"]}
+    state, _ = pair_moved(zygote, pair, tp, mode, prompt, geo=GEO, **V4)
+    d_tp = int(tp.split("-")[1])
     assert state["checked"]["req-1000"] == [0, held_bytes(v4_groups(), 1000) * d_tp]
 
 

@@ -414,6 +414,7 @@ def _spec(kind: str) -> Any:
         # a ring of the attention page moves (test_vllm_rings.py); another page does not
         "ring": lambda: CircularBufferSpec(block_size=32, **page),
         "ring-8": lambda: CircularBufferSpec(block_size=8, **{**page, "head_size": 512}),
+        "ring-keys": lambda: CircularBufferSpec(block_size=32, head_size_v=0, **page),
         # stock moves this; kvwire not yet (docs/vllm.md, hybrid models)
         "static-sinks": lambda: SinkFullAttentionSpec(block_size=32, sink_len=4, **page),
         # R-SWA: the whole prompt when a prefill ends, as full attention
@@ -464,6 +465,7 @@ REFUSED = {
     "windows-only": (["window"], "no KV-cache group is full attention"),
     "chunks-only": (["chunked", "window"], "no KV-cache group is full attention"),
     "ring-of-another-page": (["full", "ring-8"], r"KV-cache group 1's pages \(block size 8"),
+    "ring-of-keys-alone": (["full", "ring-keys"], "8 heads of 128, 65536 bytes"),
     "static-sinks": (["full", "static-sinks"], "KV-cache group 1 is SinkFullAttentionSpec"),
     "states-only": (["mamba"], "no KV-cache group is full attention"),
     "mamba-state-first": (["full", "mamba"], "set VLLM_SSM_CONV_STATE_LAYOUT=DS on every"),

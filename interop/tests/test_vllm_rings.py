@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 from harness import (
+    PAIRS,
     Geometry,
     PeerError,
     Zygote,
@@ -29,6 +30,7 @@ from harness import (
     pair_cases,
     pair_transfer,
     registered_by_each,
+    transfer,
     transfer_many,
     wait_until,
 )
@@ -74,6 +76,24 @@ def test_ring_regions_are_what_stock_registers(zygote: Zygote, tp: int, layers: 
     assert -1 in ours["groups"]
 
 
+@pytest.mark.parametrize(
+    ("pair", "mode"), [(p, m) for p in sorted(PAIRS) for m in ("pull", "push")]
+)
+def test_a_ring_moves_beside_prefix_hits(zygote: Zygote, pair: str, mode: str) -> None:
+    """A prompt repeated with 7 tokens more: D finds its first 192 tokens in its own
+    prefix cache (vLLM caches no ring), loads the rest and P's ring, and holds every byte
+    its next token reads."""
+    p_conn, d_conn, transport = PAIRS[pair]
+    with engines(
+        zygote, p_conn, d_conn, geo=GEO, mode=mode, hma=True, ring=True,
+        extra_config={"transport": transport},
+    ) as (p, d):  # fmt: skip
+        transfer(p, d, "req-first", INDEX, 193)
+        state = transfer(p, d, "req-again", INDEX, 200)
+    assert state["hits"]["req-again"] == 192
+    assert state["checked"]["req-again"] == [0, checked_bytes(200)]
+
+
 def _prefilled(p: Any, max_tokens: int) -> dict[str, Any]:
     p.add("req", INDEX, 200, {"do_remote_decode": True}, max_tokens=max_tokens)
     wait_until(lambda: "req" in p.state.get("outputs", {}), p.step, 30, "P to finish")
@@ -86,9 +106,11 @@ def _prefilled(p: Any, max_tokens: int) -> dict[str, Any]:
 def test_a_ring_for_another_count_fails_the_request_by_name(
     zygote: Zygote, p_conn: str, mode: str
 ) -> None:
-    """P generated past the prompt (its rings hold its 205 tokens' latest keys): a D
-    loading the 200-token prompt would start from P's ring, so it reads nothing, fails the
-    request naming both counts, and P frees its blocks and serves on."""
+    """P generated past the prompt, to 205 tokens (vLLM's rings would then hold the keys
+    of its generated tokens too; the engine here fills them for the prompt alone): a D
+    loading the 200-token prompt cannot start from a ring of another count, so it reads
+    nothing, fails the request naming both counts, and P frees its blocks and serves
+    on."""
     with engines(
         zygote, p_conn, "KVWireConnector", geo=GEO, mode=mode, hma=True, ring=True,
         extra_config={"transport": "nixl"},
@@ -107,15 +129,17 @@ def test_a_ring_for_another_count_fails_the_request_by_name(
     [
         ({"host_buffer": True}, "a ring group .CircularBufferSpec. with a host buffer"),
         ({"layout": "BLNHC"}, "KV cache layout BLNHC with a ring group"),
+        ({"kernel_block": 16}, "a ring group .CircularBufferSpec. with kernel blocks of 16"),
     ],
-    ids=["host-buffer", "BLNHC"],
+    ids=["host-buffer", "BLNHC", "kernel-blocks"],
 )
 def test_rings_kvwire_does_not_move_are_refused_at_startup(
     zygote: Zygote, options: dict[str, Any], why: str
 ) -> None:
     """Stock does not stage a model with rings through a host buffer, and in ``BLNHC``
-    registers a ring model's pages as spans they are not: a kvwire engine refuses both
-    when it starts, naming the cause."""
+    registers a ring model's pages as spans they are not; a ring split into kernel blocks
+    kvwire does not move: a kvwire engine refuses each when it starts, naming the
+    cause."""
     with (
         pytest.raises(PeerError, match=f"ConfigError: {why}"),
         engines(

@@ -326,8 +326,8 @@ class KVGeometry:
             problems.append("a group's block is not split into kernel blocks")
         if self.group_kinds and len(self.group_kinds) != len(sizes):
             problems.append(f"one per group of group_kinds ({len(self.group_kinds)})")
-        if self.has_ssm or self.has_rings:
-            problems.append("rows of state or ring groups are not modelled")
+        if self.has_ssm:
+            problems.append("rows of state groups are not modelled")
         if not self.is_mla:
             problems.append(
                 "a row moves whole from one TP rank, so it must hold MLA pages (is_mla)"

@@ -19,6 +19,7 @@ from kvwire.config import KVWireConfig
 from kvwire.errors import ConfigError
 from kvwire.integrations.vllm.groups import (
     group_kinds,
+    layer_pages,
     row_block_sizes,
     ssm_parts,
     ssm_sizes,
@@ -79,6 +80,26 @@ def _spans(view: torch.Tensor, num_blocks: int) -> list[tuple[int, int, int]]:
     if _one_run(view[0]):
         return [(int(view.data_ptr()), page, stride)]
     raise ConfigError("a block's page is not one span")
+
+
+def _region(
+    view: torch.Tensor, base: int, block_len: int, stride: int, num_blocks: int, group: int,
+    name: str, packed: dict[str, tuple[int, int]] | None = None,
+) -> BlockRegion:  # fmt: skip
+    """A region of ``view``'s memory, on its device or the host."""
+    on_device = view.device.type != "cpu"
+    return BlockRegion(
+        base_addr=base,
+        block_len=block_len,
+        block_stride=stride,
+        num_blocks=num_blocks,
+        group_id=group,
+        mem_kind="VRAM" if on_device else "DRAM",
+        device_id=max(view.get_device(), 0) if on_device else None,
+        name=name,
+        members=tuple(packed or ()),
+        packed_members=packed or {},
+    )
 
 
 def layer_order(name: str) -> tuple[tuple[int, int | str], ...]:
@@ -185,24 +206,46 @@ def layer_regions(
     order = {base: i for i, base in enumerate(first)}
     for base in sorted(spans, key=order.__getitem__):
         _, block_len, stride, view = spans[base]
-        name = first[base]
-        on_device = view.device.type != "cpu"
         packed = rows.get(base, {})
         regions.append(
-            BlockRegion(
-                base_addr=base,
-                block_len=block_len,
-                block_stride=stride,
-                num_blocks=num_blocks,
-                group_id=groups[base],
-                mem_kind="VRAM" if on_device else "DRAM",
-                device_id=max(view.get_device(), 0) if on_device else None,
-                name=name,
-                members=tuple(packed),
-                packed_members=packed,
-            )
+            _region(view, base, block_len, stride, num_blocks, groups[base], first[base], packed)
         )
     return regions
+
+
+def page_regions(
+    kv_caches: dict[str, torch.Tensor],
+    num_blocks: int,
+    group_of: Mapping[str, int],
+    pages: Mapping[str, tuple[int, bool]],
+) -> list[BlockRegion]:
+    """The worker's regions when its groups are rows of several block sizes and one is a
+    ring (DeepSeek-V4.1), as a stock engine registers them then: each layer's page apart,
+    in the order vLLM allocated the layers, at its view's address for its spec's page bytes
+    (``pages``: padded, and whether MLA) with the row as its stride. Pages at one address
+    are one region: of the last MLA page's length there (else the first's), shared (-1)
+    when layers of several groups start there. A row is one group's block, so a region
+    longer than a page moves only more of that block."""
+    at: dict[int, list[Any]] = {}
+    """Per address: [name, block_len, stride, group, view]."""
+    for name, view in kv_caches.items():
+        page, mla = pages[name]
+        base = int(view.data_ptr())
+        stride = int(view.stride(0)) * view.element_size()
+        if view.dim() < 2 or view.shape[0] != num_blocks or page > stride:
+            raise ConfigError(
+                f"layer {name}: its view {tuple(view.shape)} is not {num_blocks} rows of at "
+                f"least its page ({page} bytes, rows of {stride})"
+            )
+        found = at.setdefault(base, [name, page, stride, group_of[name], view])
+        if mla:
+            found[1], found[2] = page, stride
+        if found[3] != group_of[name]:
+            found[3] = SHARED_GROUP_ID
+    return [
+        _region(view, base, block_len, stride, num_blocks, group, name)
+        for base, (name, block_len, stride, group, view) in at.items()
+    ]
 
 
 def row_regions(
@@ -238,19 +281,9 @@ def row_regions(
                 f"are moved as rows of one buffer ({num_blocks} rows of {stride} bytes from "
                 f"{names[0]}'s), and this layer's view is not inside them"
             )
-    on_device = first.device.type != "cpu"
     groups = {group_of[name] for name in names}
-    return [
-        BlockRegion(
-            base_addr=base,
-            block_len=stride,
-            num_blocks=num_blocks,
-            group_id=groups.pop() if len(groups) == 1 else SHARED_GROUP_ID,
-            mem_kind="VRAM" if on_device else "DRAM",
-            device_id=max(first.get_device(), 0) if on_device else None,
-            name=names[0],
-        )
-    ]
+    group = groups.pop() if len(groups) == 1 else SHARED_GROUP_ID
+    return [_region(first, base, stride, stride, num_blocks, group, names[0])]
 
 
 def layer_geometry(
@@ -276,13 +309,22 @@ def layer_geometry(
     states = frozenset(n for n in moved if kinds[group_of[n]] is RegionKind.SSM)
     ratio = kernel_ratio({n: v for n, v in moved.items() if n not in states}, num_blocks)
     rings = RegionKind.RING in kinds
+    if rings and ratio != 1:
+        raise ConfigError(
+            f"a ring group (CircularBufferSpec) with kernel blocks of "
+            f"{int(vllm_config.cache_config.block_size) // ratio} tokens, {ratio} a block: a "
+            "ring's one block is the model's ring, which KVWireConnector moves unsplit; run "
+            "a backend that takes the whole block"
+        )
     if rings and layout_name == "BLNHC":
         raise ConfigError(
             f"KV cache layout {layout_name} with a ring group (CircularBufferSpec): a stock "
             "engine registers each layer's page of such a model as one span, which in this "
             "layout it is not; KVWireConnector moves rings in the other layouts"
         )
-    if sizes:
+    if sizes and rings:
+        regions = page_regions(moved, num_blocks, group_of, layer_pages(kv_cache_config))
+    elif sizes:
         regions = row_regions(moved, num_blocks * ratio, layout_name, group_of)
     else:
         n = num_blocks * ratio

@@ -44,9 +44,10 @@ def group_kinds(kv_cache_config: Any, block_size: int) -> tuple[RegionKind, ...]
     the whole prompt, and stock moves it whole. A ring group (``CircularBufferSpec``: one
     block a request, a compressor's or an indexer's latest keys) with the attention page
     moves its block whole, as a state for the prompt's count (:attr:`RegionKind.RING`).
-    Anything else (static sinks, rings of another page, groups whose pages vLLM resized or
-    padded otherwise) would be planned with the wrong page, so it fails the engine's
-    startup instead. So does a model
+    Anything else (static sinks, rings of another page beside attention, groups whose
+    pages vLLM resized or padded otherwise) would be planned with the wrong page, so it
+    fails the engine's startup instead. (Rows of several block sizes, DeepSeek-V4's and
+    V4.1's, move whole pages, their rings too: :func:`row_block_sizes`.) So does a model
     whose every attention group has a window: no list then holds the whole prompt, which is
     where the planner places the others.
     """
@@ -74,13 +75,15 @@ def group_kinds(kv_cache_config: Any, block_size: int) -> tuple[RegionKind, ...]
     groups = transfer_groups(kv_cache_config)
     ids = getattr(kv_cache_config, "transfer_group_ids", range(len(groups)))
     if row_block_sizes(kv_cache_config):
-        windowed = (_layer_specs(g.kv_cache_spec) for g in groups)
-        if all(all(isinstance(s, SlidingWindowSpec) for s in layers) for layers in windowed):
+        layers = [_layer_specs(g.kv_cache_spec) for g in groups]
+        rings = [all(type(s) is CircularBufferSpec for s in group) for group in layers]
+        local = (SlidingWindowSpec, CircularBufferSpec)
+        if all(all(isinstance(s, local) for s in group) for group in layers):
             raise ConfigError(
                 "no KV-cache group is full attention: KVWireConnector needs a group that "
-                "holds the whole prompt so far (every group has a sliding window)"
+                "holds the whole prompt so far (every group has a sliding window or a ring)"
             )
-        return (RegionKind.ATTENTION,) * len(groups)
+        return tuple(RegionKind.RING if ring else RegionKind.ATTENTION for ring in rings)
     first: tuple[Any, ...] | None = None
     kinds = []
     attention_page = 0
@@ -98,12 +101,14 @@ def group_kinds(kv_cache_config: Any, block_size: int) -> tuple[RegionKind, ...]
                 "full-attention (R-SWA too), MLA, sliding-window, chunked-local, ring and "
                 "Mamba groups so far"
             )
-        page = (spec.block_size, spec.num_kv_heads, spec.head_size, spec.dtype)
+        size = int(spec.page_size_bytes)
+        page = (spec.block_size, spec.num_kv_heads, spec.head_size, spec.dtype, size)
         padded = getattr(spec, "page_size_padded", None)
         if spec.block_size != block_size or padded is not None or page != (first or page):
             raise ConfigError(
                 f"KV-cache group {group_id}'s pages (block size {spec.block_size}, "
-                f"{spec.num_kv_heads} heads of {spec.head_size}, padded to {padded}) differ "
+                f"{spec.num_kv_heads} heads of {spec.head_size}, {size} bytes, padded to "
+                f"{padded}) differ "
                 f"from the engine's (block size {block_size}) or another group's: "
                 "KVWireConnector moves groups of one page shape so far"
             )
@@ -170,8 +175,15 @@ def row_block_sizes(kv_cache_config: Any) -> tuple[int, ...]:
     alone), in groups of four block sizes that vLLM lays over one block-outermost buffer:
     no page is tokens times content, so such a model moves whole rows, each group's list
     placed by its own block size. Every page there is an MLA layer's, the same on every TP
-    rank; a row holding head-sharded pages would not be."""
-    from vllm.v1.kv_cache_interface import AttentionSpec, MLAAttentionSpec, SlidingWindowMLASpec
+    rank; a row holding head-sharded pages would not be. DeepSeek-V4.1 adds its
+    compressor's ring (``CircularBufferSpec``, one block a request), the same on every
+    rank too."""
+    from vllm.v1.kv_cache_interface import (
+        AttentionSpec,
+        CircularBufferSpec,
+        MLAAttentionSpec,
+        SlidingWindowMLASpec,
+    )
 
     groups = transfer_groups(kv_cache_config)
     layers = [spec for g in groups for spec in _layer_specs(g.kv_cache_spec)]
@@ -185,15 +197,30 @@ def row_block_sizes(kv_cache_config: Any) -> tuple[int, ...]:
         for spec in layers
     ):
         return ()
-    moved = (MLAAttentionSpec, SlidingWindowMLASpec)
+    moved = (MLAAttentionSpec, SlidingWindowMLASpec, CircularBufferSpec)
     others = sorted({type(s).__name__ for s in layers if type(s) not in moved})
     if others:
         raise ConfigError(
             f"KV-cache groups with states of several tokens or aligned pages (DeepSeek-V4's "
             f"caches) beside {', '.join(others)}: KVWireConnector moves such groups as rows "
-            "of MLA pages only"
+            "of MLA pages and rings only"
         )
     return tuple(int(g.kv_cache_spec.block_size) for g in groups)
+
+
+def layer_pages(kv_cache_config: Any) -> dict[str, tuple[int, bool]]:
+    """Per layer of the transfer groups, (its spec's page bytes, padded as vLLM pads them;
+    whether it is an MLA page): what a stock engine registers a layer's region with."""
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec, SlidingWindowMLASpec
+
+    pages = {}
+    for group in transfer_groups(kv_cache_config):
+        per_layer = getattr(group.kv_cache_spec, "kv_cache_specs", None)
+        for name in group.layer_names:
+            spec = per_layer[name] if per_layer is not None else group.kv_cache_spec
+            mla = isinstance(spec, (MLAAttentionSpec, SlidingWindowMLASpec))
+            pages[name] = (int(spec.page_size_bytes), mla)
+    return pages
 
 
 def _check_state_group(group_id: int, spec: Any) -> None:
