@@ -386,8 +386,11 @@ def deepseek_v41_specs(vllm_config: Any, ratios: list[int]) -> dict[str, Any]:
     ``ratios[i]`` (0: its window alone, 1 or 2): from V4.1's own cache modules (windowed
     latents in 32-token blocks, the compressor's ring at ratio 2, indexer keys) and its
     attention layer's own ``get_kv_cache_spec``, called on a stand-in of the fields it
-    reads. Every compressing layer is a kv source and those of ratio 2 index sources (the
-    config's ``kv_source_layer_ids`` and ``index_source_layer_ids``)."""
+    reads, in the order a layer registers them (its compressed latent, its indexer's keys,
+    its window, its compressor's ring): vLLM orders its groups by their first cache, so a
+    first layer that compresses puts the compressed group first. Every compressing layer
+    is a kv source and those of ratio 2 index sources (the config's
+    ``kv_source_layer_ids`` and ``index_source_layer_ids``)."""
     from vllm.config import set_current_vllm_config
     from vllm.models.deepseek_v41 import attention as v41
     from vllm.models.deepseek_v41.compressor import CompressorStateCache
@@ -402,31 +405,31 @@ def deepseek_v41_specs(vllm_config: Any, ratios: list[int]) -> dict[str, Any]:
         align = 512 if v41._use_v41_mxfp8_kv_record() else 576
         for i, ratio in enumerate(ratios):
             prefix = f"model.layers.{i}.attn"
+            if ratio:
+                layer = SimpleNamespace(
+                    is_kv_source=True, kv_cache_dtype=dtype_name, head_dim=head,
+                    kv_cache_torch_dtype=dtype, compress_ratio=ratio, kv_page_alignment=align,
+                    compressed_bytes_per_token=record,
+                )  # fmt: skip
+                specs[prefix] = v41.DeepseekV4Attention.get_kv_cache_spec(layer, vllm_config)
+            if ratio == 2:
+                keys = v41.DeepseekV4IndexerCache(
+                    head_dim=v41._indexer_k_cache_head_dim(index_head, False), dtype=torch.uint8,
+                    prefix=f"{prefix}.indexer.k_cache", cache_config=cache, compress_ratio=ratio,
+                )  # fmt: skip
+                specs[keys.prefix] = keys.get_kv_cache_spec(vllm_config)
             swa = DeepseekV4SWACache(
                 head_dim=head, window_size=window, dtype=dtype, prefix=f"{prefix}.swa_cache",
                 cache_config=cache, block_size=32, packed_bytes_per_token=record,
                 packed_page_alignment=align,
             )  # fmt: skip
             specs[swa.prefix] = swa.get_kv_cache_spec(vllm_config)
-            if not ratio:
-                continue
-            layer = SimpleNamespace(
-                is_kv_source=True, kv_cache_dtype=dtype_name, head_dim=head,
-                kv_cache_torch_dtype=dtype, compress_ratio=ratio, kv_page_alignment=align,
-                compressed_bytes_per_token=record,
-            )  # fmt: skip
-            specs[prefix] = v41.DeepseekV4Attention.get_kv_cache_spec(layer, vllm_config)
             if ratio == 2:
                 ring = CompressorStateCache(
                     state_dim=2 * head, dtype=torch.float32,
                     prefix=f"{prefix}.compressor.state_cache",
                 )  # fmt: skip
                 specs[ring.prefix] = ring.get_kv_cache_spec(vllm_config)
-                keys = v41.DeepseekV4IndexerCache(
-                    head_dim=v41._indexer_k_cache_head_dim(index_head, False), dtype=torch.uint8,
-                    prefix=f"{prefix}.indexer.k_cache", cache_config=cache, compress_ratio=ratio,
-                )  # fmt: skip
-                specs[keys.prefix] = keys.get_kv_cache_spec(vllm_config)
     return specs
 
 

@@ -208,18 +208,15 @@ def row_block_sizes(kv_cache_config: Any) -> tuple[int, ...]:
     return tuple(int(g.kv_cache_spec.block_size) for g in groups)
 
 
-def layer_pages(kv_cache_config: Any) -> dict[str, tuple[int, bool]]:
-    """Per layer of the transfer groups, (its spec's page bytes, padded as vLLM pads them;
-    whether it is an MLA page): what a stock engine registers a layer's region with."""
-    from vllm.v1.kv_cache_interface import MLAAttentionSpec, SlidingWindowMLASpec
-
+def layer_pages(kv_cache_config: Any) -> dict[str, int]:
+    """Per layer of the transfer groups, its spec's page bytes, padded as vLLM pads them:
+    what a stock engine registers a layer's page with."""
     pages = {}
     for group in transfer_groups(kv_cache_config):
         per_layer = getattr(group.kv_cache_spec, "kv_cache_specs", None)
         for name in group.layer_names:
             spec = per_layer[name] if per_layer is not None else group.kv_cache_spec
-            mla = isinstance(spec, (MLAAttentionSpec, SlidingWindowMLASpec))
-            pages[name] = (int(spec.page_size_bytes), mla)
+            pages[name] = int(spec.page_size_bytes)
     return pages
 
 
