@@ -37,17 +37,22 @@ def cases(
     tp: tuple[int, ...] = (1, 2, 4, 8),
     max_tokens: int = 90,
     unsupported: bool = False,
+    rings: bool = False,
 ) -> Case:
     """A pair and a request. With ``unsupported`` the producer may omit the token count
     (which kvwire needs when the consumer's blocks are smaller than the producer's), the
     engines may pass their block ids in a wrong form, and a producer that passes its count
-    may have computed past the consumer's prompt (generating more than one token)."""
+    may have computed past the consumer's prompt (generating more than one token). With
+    ``rings`` group 1 is always a ring with layers, its prompt mostly past the ring's
+    capacity (every slot rewritten)."""
     p, d = draw(sides(tp)), draw(sides(tp))
     tokens = draw(st.integers(1, max_tokens))
     mla = draw(st.booleans())
-    packed = draw(st.sampled_from(["", "", "p", "d"]))
+    packed = "" if rings else draw(st.sampled_from(["", "", "p", "d"]))
     groups = 1 if packed else 2
-    ring = not packed and draw(st.integers(0, 5)) == 0
+    ring = rings or (not packed and draw(st.integers(0, 5)) == 0)
+    if rings and tokens <= p.block and tokens % 4:
+        tokens += p.block
     if ring:  # group 1 a ring: its capacity is the model's, one block size, never split
         p, d = replace(p, ppl=1), replace(d, block=p.block, ppl=1)
     d_total = -(-tokens // d.block)

@@ -1,9 +1,9 @@
 """Every P/D pair kvwire accepts moves exactly the request's bytes, end to end.
 
 Hypothesis draws a pair (block sizes either way and equal, kernel blocks, TP pairs, both
-layouts, MLA, two KV-cache groups with a sliding-window tail, packed rows, prefix hits on
-D, prompts ending mid-block, pull and push, and engine mistakes) and runs it through real
-``Producer`` / ``Consumer`` runtimes in two processes over shared memory. The oracle
+layouts, MLA, two KV-cache groups with a sliding-window tail or a ring, packed rows,
+prefix hits on D, prompts ending mid-block, pull and push, and engine mistakes) and runs
+it through real ``Producer`` / ``Consumer`` runtimes in two processes over shared memory. The oracle
 (:mod:`kvwire.pairs.oracle`) checks every (layer, token, head, channel) D must hold, that
 nothing else of D's was written and that P's KV was only read. A pair kvwire does not
 support, or an argument it cannot honour, must end refused with a cause, never done.
@@ -45,6 +45,23 @@ def runner() -> Iterator[PairRunner]:
 def test_every_pair_ends_with_its_own_bytes_or_a_named_refusal(
     runner: PairRunner, case: Case
 ) -> None:
+    verdict = runner.run(case)
+    assert verdict.ok, str(verdict)
+
+
+@settings(
+    max_examples=40,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+@given(case=cases(tp=(1, 2, 4), unsupported=True, rings=True))
+def test_every_pair_with_a_ring_ends_with_its_own_bytes_or_a_named_refusal(
+    runner: PairRunner, case: Case
+) -> None:
+    """Group 1 a ring (vLLM's ``CircularBufferSpec``), its prompt mostly past the ring's
+    capacity: moved whole and sliced as its region's pages, or refused where the
+    producer's ring is another count's."""
     verdict = runner.run(case)
     assert verdict.ok, str(verdict)
 
