@@ -516,9 +516,12 @@ def wait_until(
         time.sleep(0.005)
 
 
-def prefill(p: SchedulerEngine, rid: str, index: int, tokens: int) -> dict[str, Any]:
-    """P prefills ``rid`` to its end; its params for D."""
-    p.add(rid, index, tokens)
+def prefill(
+    p: SchedulerEngine, rid: str, index: int, tokens: int, max_tokens: int = 1
+) -> dict[str, Any]:
+    """P prefills ``rid`` to its end (``max_tokens`` above 1: it generates past the
+    prompt); its params for D."""
+    p.add(rid, index, tokens, max_tokens=max_tokens)
     wait_until(lambda: rid in p.state.get("outputs", {}), p.step, 30, f"P to finish {rid}")
     return dict(p.state["outputs"][rid])
 

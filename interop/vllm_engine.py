@@ -620,7 +620,7 @@ def state_groups(kv_cache_config: Any) -> list[bool]:
     request, the harness's own content)."""
     from vllm.v1.kv_cache_interface import MambaSpec
 
-    return [isinstance(g.kv_cache_spec, MambaSpec) for g in kv_cache_config.kv_cache_groups]
+    return _of_kind(kv_cache_config, MambaSpec)
 
 
 def ring_groups(kv_cache_config: Any) -> list[bool]:
@@ -628,9 +628,11 @@ def ring_groups(kv_cache_config: Any) -> list[bool]:
     holding token ``t``'s keys: the latest ``block`` tokens')."""
     from vllm.v1.kv_cache_interface import CircularBufferSpec
 
-    return [
-        isinstance(g.kv_cache_spec, CircularBufferSpec) for g in kv_cache_config.kv_cache_groups
-    ]
+    return _of_kind(kv_cache_config, CircularBufferSpec)
+
+
+def _of_kind(kv_cache_config: Any, kind: type) -> list[bool]:
+    return [isinstance(g.kv_cache_spec, kind) for g in kv_cache_config.kv_cache_groups]
 
 
 def ring_values(spec: Any, seed: int, tokens: int) -> tuple[Any, Any]:

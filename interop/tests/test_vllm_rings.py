@@ -29,10 +29,10 @@ from harness import (
     load_refused,
     pair_cases,
     pair_transfer,
+    prefill,
     registered_by_each,
     transfer,
     transfer_many,
-    wait_until,
 )
 
 GEO = Geometry(layers=4)
@@ -94,13 +94,6 @@ def test_a_ring_moves_beside_prefix_hits(zygote: Zygote, pair: str, mode: str) -
     assert state["checked"]["req-again"] == [0, checked_bytes(200)]
 
 
-def _prefilled(p: Any, max_tokens: int) -> dict[str, Any]:
-    p.add("req", INDEX, 200, {"do_remote_decode": True}, max_tokens=max_tokens)
-    wait_until(lambda: "req" in p.state.get("outputs", {}), p.step, 30, "P to finish")
-    params: dict[str, Any] = p.state["outputs"]["req"]
-    return params
-
-
 @pytest.mark.parametrize("mode", ["pull", "push"])
 @pytest.mark.parametrize("p_conn", ["KVWireConnector", "NixlConnector"])
 def test_a_ring_for_another_count_fails_the_request_by_name(
@@ -115,7 +108,7 @@ def test_a_ring_for_another_count_fails_the_request_by_name(
         zygote, p_conn, "KVWireConnector", geo=GEO, mode=mode, hma=True, ring=True,
         extra_config={"transport": "nixl"},
     ) as (p, d):  # fmt: skip
-        params = _prefilled(p, 6)
+        params = prefill(p, "req", INDEX, 200, max_tokens=6)
         assert params["remote_num_tokens"] == 205
         log = load_refused(p, d, "req", INDEX, 200, params)
         why = "P computed 205 of its tokens and this engine loads 200; a Mamba state or a ring"

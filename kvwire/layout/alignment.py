@@ -296,21 +296,19 @@ def _check_globals(
         )
     elif max(lk, rk) % min(lk, rk):
         problems.add("kernel block size", f"a divisor or multiple of {lk}", rk)
-    elif local.group_block_sizes and (rk, remote.physical_blocks_per_logical) != (lk, 1):
+    elif (local.group_block_sizes or local.has_rings) and (
+        rk,
+        remote.physical_blocks_per_logical,
+    ) != (lk, 1):
         problems.add(
             "block_size",
             f"{lk} in blocks of 1 kernel block",
             f"{rk} in blocks of {remote.physical_blocks_per_logical}",
             f"the groups' blocks hold {list(local.group_block_sizes)} tokens, moved as whole "
-            "rows, which pair only with rows of the same block sizes",
-        )
-    elif local.has_rings and (rk, remote.physical_blocks_per_logical) != (lk, 1):
-        problems.add(
-            "block_size",
-            f"{lk} in blocks of 1 kernel block",
-            f"{rk} in blocks of {remote.physical_blocks_per_logical}",
-            "a ring group's block is the model's ring, one page each side, which pairs only "
-            "with pages of the same block size",
+            "rows, which pair only with rows of the same block sizes"
+            if local.group_block_sizes
+            else "a ring group's block is the model's ring, one page each side, which pairs "
+            "only with pages of the same block size",
         )
     lt, rt, heads = local.tp_size, remote.tp_size, local.total_kv_heads
     tp_ok = rt > 0 and max(lt, rt) % min(lt, rt) == 0
