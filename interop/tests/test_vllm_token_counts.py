@@ -42,6 +42,9 @@ PAIRS = {
     "kvwire-P-kvwire-D": "KVWireConnector",
     "stock-P-kvwire-D": "NixlConnector",
 }
+REFUSED_LEASE = 5
+"""P's lease where D refuses the request: a stock P that pushed frees its blocks only when
+the lease ends, so the refusal tests wait that long (30 s on the harness's default)."""
 
 
 def _run(
@@ -124,6 +127,6 @@ def test_counts_d_cannot_place_fail_the_request_by_name(
     zygote: Zygote, pair: str, mode: str, max_tokens: int, sent: int | None, why: str
 ) -> None:
     """D reads nothing, reports the request failed, and P frees its blocks."""
-    state, log = _run(zygote, PAIRS[pair], mode, max_tokens, sent)
+    state, log = _run(zygote, PAIRS[pair], mode, max_tokens, sent, lease=REFUSED_LEASE)
     assert state["failed"] == ["req"] and "req" not in state["checked"]
     assert any(why in line for line in log), log[-3:]
