@@ -52,8 +52,8 @@ unit: $(STAMP)
 	TEST_PORT_RANGE=16384-21845 $(BIN)/python -m pytest -q $(call label,unit)
 
 # The unit suite in two halves of about equal time, each with a port range of its own:
-# make test runs them one after the other beside the two interop suites, which take about
-# as long as both (tests/packaging checks that the halves hold every test directory).
+# make test runs them after the two interop suites, so the four keep CI's two cores busy
+# to the end (tests/packaging checks that the halves hold every test directory).
 UNIT_A = tests/transport tests/runtime tests/machine tests/wire tests/config tests/logs \
 	tests/docs tests/sidechannel
 UNIT_B = tests/ucx tests/nixl tests/cli tests/engine tests/store tests/packaging tests/netns \
@@ -72,17 +72,17 @@ docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
 
 # The unit suite and the two interop suites share no state (each test picks its own free
-# ports, each suite from a range of its own, shared-memory names and etcd), so they run side
-# by side, each line labelled with its suite. The suites mostly wait on their peers' processes
-# and sockets (a fresh run at 2 busy cores used 36% of them, two suites at a time), so three
-# run at once: the two interop suites, and the unit suite's halves one after the other;
-# --keep-going runs every suite even after one failed. The checks run beside the interop
-# venvs' installs (pip, mostly waiting on the disk); the venvs are built before any suite:
-# their editable installs compile the transports' helpers next to the sources, which the
-# unit suite loads.
+# ports, each suite from a range of its own, shared-memory names and etcd), so on CI's two
+# cores two of them run side by side: the two interop suites first, then the unit suite's
+# halves as each ends, each line labelled with its suite; --keep-going runs every suite
+# even after one failed. The suites keep both cores busy (a third at once made no run
+# shorter). ruff and mypy run beside the interop venvs' installs; the venvs are built
+# before the docs (which import the transports) and any suite: their editable installs
+# compile the transports' helpers next to the sources, which both load.
 test: $(STAMP)
-	@$(MAKE) --no-print-directory -j3 lint typecheck docs interop-venvs
-	@$(MAKE) --no-print-directory -j3 --keep-going interop-0.31 interop-0.32 unit-a unit-b
+	@$(MAKE) --no-print-directory -j2 lint typecheck interop-venvs
+	@$(MAKE) --no-print-directory docs
+	@$(MAKE) --no-print-directory -j2 --keep-going interop-0.31 interop-0.32 unit-a unit-b
 
 # Interop with vLLM's own NIXL connector code (interop/, docs/interop.md). Each venv: torch
 # pinned first (the CPU wheel on disk), vLLM without its dependencies (CUDA kernels, model

@@ -106,11 +106,8 @@ def test_a_ring_for_another_count_fails_the_request_by_name(
     on."""
     with engines(
         zygote, p_conn, "KVWireConnector", geo=GEO, mode=mode, hma=True, ring=True,
-        extra_config={"transport": "nixl"}, lease=10,
+        extra_config={"transport": "nixl"},
     ) as (p, d):  # fmt: skip
-        # a lease of 10 s: a stock P that pushed frees the refused request's blocks only
-        # when it ends (30 s on the harness's default), and the next request still has
-        # ample time to move
         params = prefill(p, "req", INDEX, 200, max_tokens=6)
         assert params["remote_num_tokens"] == 205
         log = load_refused(p, d, "req", INDEX, 200, params)
