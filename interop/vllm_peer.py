@@ -584,9 +584,9 @@ PRELOADED = (
     "kvwire_shm",
 )
 """What every peer imported after its fork until these were preloaded: about 60 modules
-(the scheduler's, the connectors', the transports'), 19 of the 74 CPU seconds the peers
-of ``test_vllm_connector.py`` spent outside waiting for frames. Preloaded, that module
-took 83 CPU seconds on the machine instead of 104, and 66 s instead of 84."""
+(the scheduler's, the connectors', the transports'), 19 of the 74 s the peers of
+``test_vllm_connector.py`` spent outside waiting for frames. Preloaded, that module
+kept this 2-core machine's CPUs busy 83 s instead of 104, and took 66 s instead of 84."""
 
 
 def preload() -> None:
@@ -608,6 +608,28 @@ def preload() -> None:
     _backend(False)
 
 
+def _threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def install_ucx_hooks() -> None:
+    """Create and drop one NIXL agent, so UCX installs its memory hooks here, once: each
+    peer then inherits them. UCX patches them into the relocation tables of every library
+    loaded (torch's are many), which took 0.14 s of a peer's first agent (0.03 s with them
+    inherited), and the interop suite starts thousands of agents. The agent's threads end
+    with it; one left running would be forked while it might hold a lock."""
+    import gc
+
+    from nixl._api import nixl_agent, nixl_agent_config
+
+    before = _threads()
+    agent = nixl_agent("zygote-ucx-hooks", nixl_agent_config(backends=["UCX"]))
+    del agent
+    gc.collect()
+    if _threads() != before:
+        raise RuntimeError(f"the NIXL agent left {_threads() - before} threads running")
+
+
 def zygote(path: str) -> int:
     """Fork server: vLLM takes tens of seconds to import on a busy 2-core machine, so one
     process imports it and forks a fresh child per peer. A client connects to the Unix
@@ -622,6 +644,7 @@ def zygote(path: str) -> int:
     listener.listen(16)
     print("ready", flush=True)
     os.dup2(2, 1)  # children's stray prints go to stderr, never into a frame stream
+    install_ucx_hooks()
     while True:
         conn, _ = listener.accept()
         try:
