@@ -606,6 +606,17 @@ def preload() -> None:
         importlib.import_module(name)
     _backend(True)
     _backend(False)
+    _check_nothing_env_cached()
+
+
+def _check_nothing_env_cached() -> None:
+    """Each peer sets its own environment after the fork (its side-channel port, its conv
+    state layout): a value vLLM cached here would be every peer's."""
+    from vllm import envs
+    from vllm.model_executor.layers.mamba.mamba_utils import get_conv_state_layout
+
+    if envs._is_envs_cache_enabled() or get_conv_state_layout.cache_info().currsize:
+        raise RuntimeError("the zygote cached vLLM's environment before forking its peers")
 
 
 def _threads() -> int:
@@ -620,8 +631,12 @@ def install_ucx_hooks() -> None:
     with it; one left running would be forked while it might hold a lock."""
     import gc
 
+    from kvwire_nixl._loader import skip_unusable_ib_modules
     from nixl._api import nixl_agent, nixl_agent_config
 
+    # UCX reads UCX_MODULES once, when it first loads its modules (here, for every peer):
+    # without RDMA devices kvwire's loader keeps the InfiniBand ones out, so must this.
+    skip_unusable_ib_modules()
     before = _threads()
     agent = nixl_agent("zygote-ucx-hooks", nixl_agent_config(backends=["UCX"]))
     del agent
@@ -642,9 +657,11 @@ def zygote(path: str) -> int:
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
     listener.listen(16)
-    print("ready", flush=True)
-    os.dup2(2, 1)  # children's stray prints go to stderr, never into a frame stream
+    ready = os.dup(1)
+    os.dup2(2, 1)  # children's stray prints (and NIXL's logs) go to stderr, never a frame
     install_ucx_hooks()
+    os.write(ready, b"ready\n")  # a failure above is "zygote did not start"
+    os.close(ready)
     while True:
         conn, _ = listener.accept()
         try:

@@ -190,8 +190,8 @@ def test_deepseek_v41_compressed_first_with_a_stock_peer_fails_at_the_handshake(
     with engines(
         zygote, p_conn, d_conn, geo=GEO, mode=mode, **{**V41, "deepseek_v4": COMPRESSED_FIRST},
         # a pushing P that fails the handshake never registers: D fails the request when
-        # its registration timeout ends (30 s by default)
-        extra_config={"transport": transport, "push_registration_timeout": 5},
+        # its registration timeout ends (30 s by default; 10 s outlasts the handshake)
+        extra_config={"transport": transport, "push_registration_timeout": 10},
     ) as (p, d):  # fmt: skip
         p.add("req", 41, 1000)
         wait_until(lambda: "req" in p.state.get("outputs", {}), p.step, 60, "P to finish")

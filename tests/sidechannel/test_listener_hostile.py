@@ -200,10 +200,12 @@ def test_listener_survives_a_hostile_network_and_keeps_serving(listener: _Listen
 
     _report(calm, latencies, before, samples, flooded, half_open)
 
-    # Served throughout: every handshake succeeded, each served once (``served`` below).
-    # How long they took is reported (docs/security.md), not asserted: a bound on time
-    # flips with the machine's load.
+    # Served throughout: every handshake succeeded, each served once (``served`` below),
+    # and none waited out the client's timeout (a dropped request would, then be retried).
+    # How long they took is reported (docs/security.md), not bounded tighter: a bound on
+    # time flips with the machine's load.
     assert len(latencies) >= 10
+    assert max(latencies) < policy.timeout, sorted(latencies)[-5:]
 
     # Connections: capped, per address and overall, and every one of them reaped.
     assert max(s["connections_open"] for s in samples) <= MAX_CONNECTIONS
