@@ -575,6 +575,11 @@ def serve(reader: Any, writer: Any) -> int:
 
 
 PRELOADED = (
+    "vllm",
+    "vllm.distributed.kv_transfer.kv_connector.v1.nixl",
+    "vllm.distributed.nixl_utils",
+    "vllm.v1.core.sched.output",
+    "vllm.v1.request",
     "vllm_engine",
     "vllm.v1.core.sched.scheduler",
     "vllm.v1.executor.uniproc_executor",
@@ -583,25 +588,16 @@ PRELOADED = (
     "kvwire_nixl",
     "kvwire_shm",
 )
-"""What every peer imported after its fork until these were preloaded: about 60 modules
-(the scheduler's, the connectors', the transports'), 19 of the 74 s the peers of
-``test_vllm_connector.py`` spent outside waiting for frames. Preloaded, that module
-kept this 2-core machine's CPUs busy 83 s instead of 104, and took 66 s instead of 84."""
+"""Everything a peer imports, once: each peer is then a fork of this process. From
+``vllm_engine`` on, what every peer still imported after its fork until they were
+preloaded: about 60 modules (the scheduler's, the connectors', the transports'), 19 of
+the 74 s the peers of ``test_vllm_connector.py`` spent outside waiting for frames.
+Preloaded, that module kept this 2-core machine's CPUs busy 83 s instead of 104, and
+took 66 s instead of 84."""
 
 
 def preload() -> None:
-    """Everything a peer imports, once: each peer is then a fork of this process."""
-    from vllm import SamplingParams  # noqa: F401
-    from vllm.distributed.kv_transfer.kv_connector.v1.nixl import (  # noqa: F401
-        NixlPullConnectorScheduler,
-        NixlPullConnectorWorker,
-        NixlPushConnectorScheduler,
-        NixlPushConnectorWorker,
-    )
-    from vllm.distributed.nixl_utils import NixlWrapper  # noqa: F401
-    from vllm.v1.core.sched.output import SchedulerOutput  # noqa: F401
-    from vllm.v1.request import Request  # noqa: F401
-
+    """:data:`PRELOADED` and the two CPU attention backends, imported here."""
     for name in PRELOADED:
         importlib.import_module(name)
     _backend(True)
@@ -627,18 +623,18 @@ def install_ucx_hooks() -> None:
     """Create and drop one NIXL agent, so UCX installs its memory hooks here, once: each
     peer then inherits them. UCX patches them into the relocation tables of every library
     loaded (torch's are many), which took 0.14 s of a peer's first agent (0.03 s with them
-    inherited), and the interop suite starts thousands of agents. The agent's threads end
+    inherited); ``test_vllm_connector.py``'s 102 tests start 202 agents. The agent's threads end
     with it; one left running would be forked while it might hold a lock."""
     import gc
 
-    from kvwire_nixl._loader import skip_unusable_ib_modules
-    from nixl._api import nixl_agent, nixl_agent_config
+    from kvwire_nixl._loader import load_nixl
 
-    # UCX reads UCX_MODULES once, when it first loads its modules (here, for every peer):
-    # without RDMA devices kvwire's loader keeps the InfiniBand ones out, so must this.
-    skip_unusable_ib_modules()
+    # kvwire's loader, as a kvwire peer loads NIXL: UCX reads UCX_MODULES once, when it
+    # first loads its modules (here, for every peer), and without RDMA devices the loader
+    # keeps the InfiniBand ones out.
+    api, _bindings = load_nixl()
     before = _threads()
-    agent = nixl_agent("zygote-ucx-hooks", nixl_agent_config(backends=["UCX"]))
+    agent = api.nixl_agent("zygote-ucx-hooks", api.nixl_agent_config(backends=["UCX"]))
     del agent
     gc.collect()
     if _threads() != before:
