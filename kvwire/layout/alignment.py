@@ -318,6 +318,12 @@ def _check_globals(
         problems.add("tp_rank", f"in [0, {rt})", remote.tp_rank)
     elif max(rt, heads) % min(rt, heads):
         problems.add("tp_size", f"a divisor or multiple of {heads} KV heads", rt)
+    elif lt != rt and local.group_block_sizes and not local.is_mla:
+        problems.add(
+            "tp_size", lt, rt,
+            "rows holding head-sharded pages or a rank's own state move whole, only between "
+            "equal TP sizes",
+        )  # fmt: skip
     ld, rd = local.dcp_size, remote.dcp_size
     if rd <= 0 or max(ld, rd) % min(ld, rd):
         problems.add("dcp_size", f"a divisor or multiple of {ld}", rd, "vLLM rule")
@@ -373,6 +379,8 @@ def _check_state_shards(local: KVGeometry, remote: RemoteGeometry, problems: _Pr
             "every part of a state must shard evenly across TP ranks; a model that "
             "replicates part of its state on every rank does not scale",
         )
+    if lt != rt and local.group_block_sizes:
+        return  # rows: refused whole above, or replicated
     if lt != rt and any(local.kind_of(i) is RegionKind.SSM for i in range(len(local.regions))):
         problems.add("tp_size", lt, rt, "a region of whole SSM pages moves only between equal TP")
     elif lt != rt and not local.ssm_parts:
@@ -403,6 +411,12 @@ def _check_pair(
         if rv.block_len != lv.block_len:
             what = "SSM pages" if kind is RegionKind.SSM else "rows of several block sizes"
             problems.add(f"{where} block_len", lv.block_len, rv.block_len, f"{what} move whole")
+        extent = local.regions[lv.index].extent
+        if region.block_stride < extent:
+            problems.add(
+                f"{where} block_stride", f">= {extent}", region.block_stride,
+                "the longest page at this address moves whole",
+            )  # fmt: skip
         return
     if remote.kernel_block_size <= 0 or remote.tp_size <= 0:
         return

@@ -156,10 +156,19 @@ class BlockRegion:
     kind: RegionKind = RegionKind.ATTENTION
     device_id: int | None = None
     """Device of this region's descriptors; ``None`` takes the geometry's ``device_id``."""
+    extent: int = 0
+    """Bytes of a block this region moves, where that is more than the ``block_len`` it
+    advertises (0: ``block_len``). Rows only (``KVGeometry.group_block_sizes``): pages of
+    several groups start at one address, and a vLLM engine advertises the region as one
+    of them (the last MLA page registered there), moving the longer ones, a state's,
+    apart; a kvwire engine advertises the same and moves the longest page there whole.
+    A peer's extent is ours: the model and its allocation are the same on both sides."""
 
     def __post_init__(self) -> None:
         if self.block_stride == 0:
             object.__setattr__(self, "block_stride", self.block_len)
+        if self.extent == 0:
+            object.__setattr__(self, "extent", self.block_len)
         object.__setattr__(self, "members", tuple(self.members))
         object.__setattr__(
             self,
@@ -175,6 +184,11 @@ class BlockRegion:
         if self.block_stride < self.block_len:
             raise ConfigError(
                 f"region {label}: block_stride {self.block_stride} < block_len {self.block_len}"
+            )
+        if not self.block_len <= self.extent <= self.block_stride:
+            raise ConfigError(
+                f"region {label}: extent {self.extent} must lie between block_len "
+                f"{self.block_len} and block_stride {self.block_stride}"
             )
         if self.mem_kind not in VALID_MEM_KINDS:
             raise ConfigError(
@@ -232,8 +246,21 @@ class KVGeometry:
     compressor states in 4 or 8, all over one buffer). vLLM then lays every group's pages
     over one row per block id, as wide as the widest group's, and the row, not any page, is
     what moves: such a geometry's regions are whole rows moved whole, and each group's list
-    is placed in the prompt by its own block size. ``block_size`` is their least common
-    multiple (what stock advertises). Empty: every group's blocks hold ``block_size``."""
+    is placed in the prompt by its own block size. ``block_size`` is the least common
+    multiple of the token groups' (what stock advertises; a ring's or a state's block, one
+    a request, holds no tokens of the prompt: Qwen4Exp's states have blocks of the model's
+    whole length). Empty: every group's blocks hold ``block_size``.
+
+    A row of MLA pages alone (``is_mla``) is the same on every TP rank and moves from one
+    producer rank between any TP sizes. A row holding head-sharded pages or a rank's own
+    state (Qwen4Exp's GQA attention, GDN and embedding states beside its indexers' rings)
+    is each rank's own, so it moves whole only between equal TP sizes, rank to rank. A
+    state group's (``group_kinds`` SSM) or a ring's blocks there pair by position, its
+    running state or its ring, never by token."""
+    ple_block_len: int | None = None
+    """What metadata v14 (vLLM 0.32.0) advertises as ``ple_block_len``: the bytes of the one
+    TP-replicated state page (Qwen4Exp's per-layer embeddings'), which a vLLM engine moves
+    apart from its region's advertised page. None: no such page, or an older version."""
     device_id: int = 0
     attn_backend_name: str = "FLASH_ATTN"
     num_blocks: int | None = None
@@ -243,7 +270,8 @@ class KVGeometry:
         object.__setattr__(self, "regions", tuple(self.regions))
         object.__setattr__(self, "kv_cache_layout", parse_layout(self.kv_cache_layout))
         object.__setattr__(self, "group_kinds", tuple(RegionKind(k) for k in self.group_kinds))
-        if RegionKind.SSM in self.group_kinds and sum(self.ssm_sizes) <= 0:
+        state_slabs = RegionKind.SSM in self.group_kinds and not self.group_block_sizes
+        if state_slabs and sum(self.ssm_sizes) <= 0:
             raise ConfigError("a geometry with an SSM group needs its ssm_sizes")
         rings_split = self.has_rings and self.physical_blocks_per_logical != 1
         if rings_split or any(r.kind is RegionKind.RING for r in self.regions):
@@ -263,6 +291,8 @@ class KVGeometry:
             )
         if not self.regions:
             raise ConfigError("a KV geometry needs at least one region")
+        if self.ple_block_len is not None and self.ple_block_len <= 0:
+            raise ConfigError(f"ple_block_len must be positive, got {self.ple_block_len}")
         if self.block_size <= 0 or self.physical_blocks_per_logical <= 0:
             raise ConfigError("block_size and physical_blocks_per_logical must be positive")
         self._check_group_block_sizes()
@@ -285,6 +315,12 @@ class KVGeometry:
             raise ConfigError(
                 f"tp_size {self.tp_size} and total_kv_heads {self.total_kv_heads} "
                 "must divide one another"
+            )
+        widened = [r.name or hex(r.base_addr) for r in self.regions if r.extent != r.block_len]
+        if widened and not self.group_block_sizes:
+            raise ConfigError(
+                f"regions {widened} move more than their block_len: only rows of several "
+                "block sizes (group_block_sizes) have pages of several lengths at one address"
             )
         seen: dict[str, int] = {}
         for index, region in enumerate(self.regions):
@@ -320,22 +356,24 @@ class KVGeometry:
         if not sizes:
             return
         problems = []
-        if min(sizes) <= 0 or any(self.block_size % size for size in sizes):
+        positional = (RegionKind.RING, RegionKind.SSM)
+        tokens = [s for g, s in enumerate(sizes) if self.group_kind_of(g) not in positional]
+        if min(sizes) <= 0 or any(self.block_size % size for size in tokens):
             problems.append(f"each must divide block_size {self.block_size}")
         if self.physical_blocks_per_logical != 1:
             problems.append("a group's block is not split into kernel blocks")
         if self.group_kinds and len(self.group_kinds) != len(sizes):
             problems.append(f"one per group of group_kinds ({len(self.group_kinds)})")
-        if self.has_ssm:
-            problems.append("rows of state groups are not modelled")
-        if not self.is_mla:
-            problems.append(
-                "a row moves whole from one TP rank, so it must hold MLA pages (is_mla)"
-            )
+        if any(self.kind_of(i) is RegionKind.SSM for i in range(len(self.regions))):
+            problems.append("a row is every group's: its regions are attention regions")
         if problems:
             raise ConfigError(
                 f"group_block_sizes {sizes}: " + "; ".join(problems) + " (whole rows per block id)"
             )
+
+    def group_kind_of(self, group: int) -> RegionKind | None:
+        """Group ``group``'s kind (:attr:`group_kinds`), None where not given."""
+        return self.group_kinds[group] if group < len(self.group_kinds) else None
 
     @property
     def layout(self) -> KVLayout:
@@ -348,9 +386,17 @@ class KVGeometry:
 
     def tokens_held(self, block_ids: Sequence[Sized]) -> int:
         """Tokens a request's lists reach from the prompt's start: the furthest-reaching
-        group's (a full-attention group's, the whole prompt), each by its own block size."""
+        group's (a full-attention group's, the whole prompt), each by its own block size.
+        A state's or a ring's list reaches no token: it is one running page, which a
+        block size larger than the prompt's would otherwise stretch past its end."""
+        positional = (RegionKind.SSM, RegionKind.RING)
         return max(
-            (len(ids) * self.group_block_size(g) for g, ids in enumerate(block_ids)), default=0
+            (
+                len(ids) * self.group_block_size(g)
+                for g, ids in enumerate(block_ids)
+                if self.group_kind_of(g) not in positional
+            ),
+            default=0,
         )
 
     @property
@@ -469,6 +515,7 @@ class KVGeometry:
             "pcp_size": self.pcp_size,
             "region_members": members if any(members) else [],
             "packed_member_layouts": packed,
+            **({"ple_block_len": self.ple_block_len} if self.ple_block_len is not None else {}),
         }
 
 

@@ -580,10 +580,12 @@ class PeerLayout:
         if pair.kind is RegionKind.SSM:
             return _whole_block_pattern(pair.local.block_len)
         if self.local.group_block_sizes:
-            # Rows of several groups' pages: a row moves whole, from one producer rank.
+            # Rows of several groups' pages: a row moves whole, from one producer rank,
+            # each region its longest page (its extent).
+            extent = self.local.regions[pair.local.index].extent
             if pair.kind is RegionKind.REPLICATED and not self._replicated_moves():
-                return _no_move_pattern(pair.local.block_len)
-            return _whole_block_pattern(pair.local.block_len)
+                return _no_move_pattern(extent)
+            return _whole_block_pattern(extent)
         if pair.kind is RegionKind.REPLICATED:
             p_heads: tuple[int, ...] = (0,)
             c_heads: tuple[int, ...] = (0,)
@@ -603,8 +605,9 @@ class PeerLayout:
         per group, each group's blocks as that group's kind: joining the groups' lists into
         one sequence moved a sliding window's or an SSM group's blocks as if they were the
         full-attention group's next tokens. An SSM group's page in a region laid out for
-        attention (a slab of vLLM's one allocation) is its states at the page's start. A
-        ring group's block is an attention page paired by position, as a state is."""
+        attention (a slab of vLLM's one allocation) is its states at the page's start; in
+        rows of several block sizes it is the row, moved whole as every row is. A ring
+        group's block is an attention page paired by position, as a state is."""
         attention: list[_Entry] = []
         states: list[_Entry] = []
         for pair in self.pairs:
@@ -620,13 +623,15 @@ class PeerLayout:
                 p_group, c_group = (g, g) if shared else (pv.group_id, cv.group_id)
                 if pair.kind is RegionKind.SSM:
                     states.append(_Entry(pair, p_group, c_group, True, self._pattern(pair)))
-                elif self.local.group_kind(g, pair.local.index) is RegionKind.SSM:
-                    slab_state = self._slab_state_pattern()
-                    states.append(_Entry(pair, p_group, c_group, True, slab_state, True))
                 elif self._is_ring(g):
                     attention.append(_Entry(pair, p_group, c_group, True, self._pattern(pair)))
-                else:
+                elif self.local.group_kind(g, pair.local.index) is not RegionKind.SSM:
                     attention.append(_Entry(pair, p_group, c_group, False, self._pattern(pair)))
+                elif self.local.group_block_sizes:
+                    states.append(_Entry(pair, p_group, c_group, True, self._pattern(pair)))
+                else:
+                    slab_state = self._slab_state_pattern()
+                    states.append(_Entry(pair, p_group, c_group, True, slab_state, True))
         return attention + states
 
     def _is_ring(self, group: int) -> bool:

@@ -146,12 +146,13 @@ def regions_of(geometry: KVGeometry) -> list[Region]:
     """The memory spans a geometry's regions cover, overlapping spans merged.
 
     K and V views of one tensor are separate regions of the geometry but one registration.
+    A region's last block reaches as far as it moves (its extent), not as it advertises.
     """
     spans: dict[tuple[int, str], list[tuple[int, int]]] = {}
     for index, region in enumerate(geometry.regions):
         if region.num_blocks == 0:
             continue
-        end = region.base_addr + (region.num_blocks - 1) * region.block_stride + region.block_len
+        end = region.base_addr + (region.num_blocks - 1) * region.block_stride + region.extent
         key = (geometry.region_device(index), region.mem_kind)
         spans.setdefault(key, []).append((region.base_addr, end))
     out: list[Region] = []
@@ -314,10 +315,11 @@ class Driver:
                 raise LocalProtocolError("register the KV caches before serving handshakes")
             cfg = self.config
             md_type = AgentMetadataV14 if cfg.version >= 14 else AgentMetadataV13
+            fields = self.geometry.agent_metadata_fields()
+            if md_type is AgentMetadataV13:
+                fields.pop("ple_block_len", None)  # a v14 field; a v13 peer moves no such page
             md = md_type(
-                engine_id=cfg.engine_id,
-                agent_metadata=self.transport.local_metadata(),
-                **self.geometry.agent_metadata_fields(),
+                engine_id=cfg.engine_id, agent_metadata=self.transport.local_metadata(), **fields
             )
             lease = cfg.lease_s if self.role == "producer" and cfg.mode == "pull" else None
             return encode_handshake_payload(

@@ -5,11 +5,15 @@ compressor states in 4 or 8) over one buffer: a row per block id, as wide as the
 group's pages, every group's layers overlaid on it, an id owned by one group at a time.
 Stock registers the rows as one region and moves a whole row per id of every group. The
 planner must place each group's list by that group's own block size: placed by the
-engine's one block size, the small groups' tails would pair with the wrong rows.
+engine's one block size, the small groups' tails would pair with the wrong rows. Qwen4Exp
+overlays groups of other kinds the same way: rings and states (its GDN and embedding
+states), whose lists pair by position from their end, never by token, beside GQA
+attention, whose rows are each TP rank's own.
 
-The oracle below moves rows with plain numpy by position in the prompt; Hypothesis draws
-the groups' block sizes, how many layers each overlays, the prompt, each side's tails, a
-leading null block in P's windowed lists, the TP sizes and the mode.
+The oracle below moves rows with plain numpy by position in the prompt (a ring's or a
+state's by position from its list's end); Hypothesis draws the groups' kinds and block
+sizes, how many layers each overlays, the prompt, each side's tails, a leading null block
+in P's windowed lists, replicated (MLA) or rank-own rows, the TP sizes and the mode.
 """
 
 from __future__ import annotations
@@ -28,8 +32,14 @@ from kvwire.errors import (
     LocalProtocolError,
     RemoteProtocolError,
 )
-from kvwire.layout import PeerLayout
-from kvwire.layout.geometry import SHARED_GROUP_ID, BlockRegion, KVGeometry, RemoteGeometry
+from kvwire.layout import PeerLayout, topology
+from kvwire.layout.geometry import (
+    SHARED_GROUP_ID,
+    BlockRegion,
+    KVGeometry,
+    RegionKind,
+    RemoteGeometry,
+)
 
 from .test_layout_oracle import assert_rows_in_tables
 
@@ -51,6 +61,16 @@ class Rows:
     d_tp: int
     mode: str
     with_count: bool
+    kinds: tuple[RegionKind, ...] = ()
+    """Per group, attention, ring or state (SSM); empty: all attention."""
+    sharded: bool = False
+    """Rows of head-sharded pages and rank-own states: each P rank's bytes its own."""
+    advertised: int = 0
+    """Bytes of a block the region advertises, less than the row it moves (a vLLM engine
+    advertises one page of several at an address); 0: the row."""
+
+    def positional(self, g: int) -> bool:
+        return bool(self.kinds) and self.kinds[g] is not RegionKind.ATTENTION
 
     @property
     def row(self) -> int:
@@ -63,7 +83,9 @@ class Rows:
 def geometry(r: Rows, who: int, rank: int) -> KVGeometry:
     region = BlockRegion(
         base_addr=(who * 4 + rank + 1) * SPACE,
-        block_len=r.row,
+        block_len=r.advertised or r.row,
+        extent=r.row,
+        block_stride=r.row,
         num_blocks=POOL,
         group_id=SHARED_GROUP_ID,
         mem_kind="DRAM",
@@ -72,9 +94,11 @@ def geometry(r: Rows, who: int, rank: int) -> KVGeometry:
     return KVGeometry(
         [region],
         kv_cache_layout="BLHNC",
-        block_size=math.lcm(*r.sizes),
+        block_size=math.lcm(*(s for g, s in enumerate(r.sizes) if not r.positional(g))),
         group_block_sizes=r.sizes,
-        is_mla=True,
+        group_kinds=r.kinds,
+        is_mla=not r.sharded,
+        total_kv_heads=2 if r.sharded else 1,
         tp_rank=rank,
         tp_size=(r.p_tp, r.d_tp)[who],
     )
@@ -94,34 +118,37 @@ def draw_ids(r: Rows, rng: np.random.Generator) -> tuple[list[np.ndarray], list[
     return out[0], out[1]
 
 
-def page(g: int, layer: int, position: int) -> np.ndarray:
-    """One group's layer's page of the block at ``position`` in the prompt."""
-    seed = (g * 31 + layer) * 1009 + position
+def page(g: int, layer: int, position: int, rank: int = 0) -> np.ndarray:
+    """One group's layer's page of the block at ``position`` in the prompt, on one P rank
+    (rank 0 for replicated rows)."""
+    seed = ((rank * 7 + g) * 31 + layer) * 1009 + position
     return ((seed * 13 + np.arange(PAGE)) % 251 + 1).astype(np.uint8)
 
 
 def start(r: Rows, g: int, count: int) -> int:
-    """Position in the prompt of a list's first block: every list ends with the prompt."""
-    return r.positions(g) - count
+    """Position in the prompt of a list's first block: every list ends with the prompt (a
+    ring's or a state's list ends at position 0, counted from its end)."""
+    return -count if r.positional(g) else r.positions(g) - count
 
 
 def run(r: Rows) -> None:
     rng = np.random.default_rng(abs(hash(repr(r))) % (1 << 32))
     p_ids, d_ids = draw_ids(r, rng)
     p_bufs = [np.full(POOL * r.row, SENTINEL, np.uint8) for _ in range(r.p_tp)]
-    for buf in p_bufs:  # replicated: every P rank holds the same rows
+    for p_rank, buf in enumerate(p_bufs):  # replicated: every P rank holds the same rows
+        rank = p_rank if r.sharded else 0
         for g, ids in enumerate(p_ids):
             for i, b in enumerate(ids.tolist()):
                 if b == 0:  # vLLM's null block: no content of this request
                     continue
                 for layer in range(r.layers[g]):
                     at = b * r.row + layer * PAGE
-                    buf[at : at + PAGE] = page(g, layer, start(r, g, len(ids)) + i)
+                    buf[at : at + PAGE] = page(g, layer, start(r, g, len(ids)) + i, rank)
     num_tokens = r.tokens if r.with_count else None
     for d_rank in range(r.d_tp):
         d_buf = np.full(POOL * r.row, SENTINEL, np.uint8)
         written = np.zeros(POOL, dtype=np.int64)
-        for p_rank in range(r.p_tp):
+        for p_rank in topology.remote_tp_ranks(d_rank, r.d_tp, r.p_tp):
             p_geo, d_geo = geometry(r, 0, p_rank), geometry(r, 1, d_rank)
             if r.mode == "pull":
                 layout = PeerLayout(d_geo, RemoteGeometry.from_local(p_geo), mode="pull")
@@ -146,7 +173,7 @@ def run(r: Rows) -> None:
                 written[do // r.row : (do + n) // r.row] += 1
             for addr, n, _ in zero.tolist():
                 d_buf[addr % SPACE : addr % SPACE + n] = 0
-        check(r, d_buf, written, p_ids, d_ids)
+        check(r, d_buf, written, p_ids, d_ids, d_rank if r.sharded else 0)
 
 
 def check(
@@ -155,16 +182,23 @@ def check(
     written: np.ndarray,
     p_ids: list[np.ndarray],
     d_ids: list[np.ndarray],
+    rank: int,
 ) -> None:
-    """Each of D's blocks holds its group's pages of its position, from one P rank; a
-    block before P's list is zero; no other row is touched."""
+    """Each of D's blocks holds its group's pages of its position, from one P rank (its
+    own rank's, for rank-own rows); a block before P's list is zero, a ring's or a
+    state's block past P's shorter list untouched; no other row is touched."""
     mine = np.zeros(POOL, dtype=bool)
     for g, ids in enumerate(d_ids):
         p_first = start(r, g, len(p_ids[g]))
+        paired = min(len(ids), len(p_ids[g]))
         for i, b in enumerate(ids.tolist()):
             mine[b] = True
-            position = start(r, g, len(ids)) + i
+            # D's first ``paired`` ring or state blocks take P's last ones, in order.
+            position = i - paired if r.positional(g) else start(r, g, len(ids)) + i
             row = d_buf[b * r.row : (b + 1) * r.row]
+            if r.positional(g) and i >= paired:
+                assert (row == SENTINEL).all() and written[b] == 0, f"group {g} block {b}, {r}"
+                continue
             if position < p_first:
                 assert (row == 0).all() and written[b] == 0, f"group {g} block {b}, {r}"
                 continue
@@ -175,7 +209,7 @@ def check(
                 if p_block == 0:  # the null block's row: whatever P's holds (stock reads it)
                     assert (got == SENTINEL).all(), f"group {g} block {b}, {r}"
                 else:
-                    want = page(g, layer, position)
+                    want = page(g, layer, position, rank)
                     assert (got == want).all(), f"group {g} layer {layer} block {b}, {r}"
     others = ~np.repeat(mine, r.row)
     assert (d_buf[others] == SENTINEL).all(), f"rows outside D's lists written, {r}"
@@ -188,11 +222,19 @@ def rows(draw: st.DrawFn) -> Rows:
     # Group 0 is the full-attention group (V4's compressed latents): P's list reaches the
     # prompt's end from its start; kvwire refuses an engine without one.
     full = draw(st.sampled_from([8, 16]))
-    sizes = (full, *(draw(st.sampled_from([2, 4, 8, 16])) for _ in range(groups - 1)))
+    # A state's block may be larger than every token group's (Qwen4Exp's: the model's length).
+    sizes = (full, *(draw(st.sampled_from([2, 4, 8, 16, 64])) for _ in range(groups - 1)))
+    others = st.sampled_from([RegionKind.ATTENTION, RegionKind.RING, RegionKind.SSM])
+    kinds = (RegionKind.ATTENTION, *(draw(others) for _ in range(groups - 1)))
     tokens = draw(st.integers(1, 120))
     with_count = draw(st.booleans())
     p_counts, d_counts, nulls = [], [], []
     for g, size in enumerate(sizes):
+        if kinds[g] is not RegionKind.ATTENTION:  # its running page, a scratch one or none
+            p_counts.append(draw(st.integers(0, 2)))
+            d_counts.append(draw(st.integers(0, 2)))
+            nulls.append(False)
+            continue
         total = -(-tokens // size)
         p = total if g == 0 else draw(st.integers(0, min(total, 8)))
         d = draw(st.integers(0, min(total, 8)))
@@ -201,7 +243,9 @@ def rows(draw: st.DrawFn) -> Rows:
         # P's windowed tail may lead with vLLM's null block; D may hold that position too
         # (and reads the null block's row, as stock does).
         nulls.append(g > 0 and p > 0 and draw(st.booleans()))
-    p_tp, d_tp = draw(st.sampled_from([(1, 1), (1, 2), (2, 1), (2, 2)]))
+    sharded = draw(st.booleans())
+    pairs = [(1, 1), (2, 2)] if sharded else [(1, 1), (1, 2), (2, 1), (2, 2)]
+    p_tp, d_tp = draw(st.sampled_from(pairs))
     return Rows(
         sizes=sizes,
         layers=tuple(draw(st.integers(1, 3)) for _ in sizes),
@@ -213,6 +257,9 @@ def rows(draw: st.DrawFn) -> Rows:
         d_tp=d_tp,
         mode=draw(st.sampled_from(["pull", "push"])),
         with_count=with_count,
+        kinds=kinds,
+        sharded=sharded,
+        advertised=draw(st.sampled_from([0, 1, PAGE])),
     )
 
 
@@ -252,16 +299,39 @@ def test_a_peer_of_another_block_size_is_refused() -> None:
          "not split into kernel blocks"),
         ({"block_size": 16, "group_block_sizes": (4, 16), "group_kinds": ("attention",)},
          "one per group of group_kinds"),
-        ({"block_size": 16, "group_block_sizes": (4, 16), "is_mla": False, "total_kv_heads": 2},
-         r"must hold MLA pages \(is_mla\)"),
     ],
 )  # fmt: skip
 def test_bad_group_block_sizes_are_refused_by_name(options: dict, message: str) -> None:
-    """Each refusal names its rule. Rows of head-sharded pages would be written whole by
-    every producer rank between unequal TP sizes, one rank's heads winning."""
+    """Each refusal names its rule."""
     region = BlockRegion(base_addr=0, block_len=48, num_blocks=4, group_id=SHARED_GROUP_ID)
     with pytest.raises(ConfigError, match=message):
         KVGeometry([region], **{"is_mla": True, **options})
+
+
+def test_a_region_of_states_alone_is_not_a_row() -> None:
+    """A row is every group's; a region advertised as whole SSM pages is a slab model's."""
+    region = BlockRegion(
+        base_addr=0, block_len=48, num_blocks=4, group_id=SHARED_GROUP_ID, kind=RegionKind.SSM
+    )
+    with pytest.raises(ConfigError, match="its regions are attention regions"):
+        KVGeometry([region], block_size=16, group_block_sizes=(4, 16), ssm_sizes=(8, 8))
+
+
+@pytest.mark.parametrize(("p_tp", "d_tp"), [(1, 2), (2, 1)])
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_rank_own_rows_between_unequal_tp_are_refused_at_the_handshake(
+    p_tp: int, d_tp: int, mode: str
+) -> None:
+    """A row of head-sharded pages or a rank's own state moves whole: between unequal TP
+    sizes every producer rank would write a consumer's whole row, one rank's heads winning."""
+    kinds = (RegionKind.ATTENTION, RegionKind.SSM)
+    r = Rows((8, 8), (1, 1), 16, (2, 1), (2, 1), (False, False), p_tp, d_tp, mode, True,
+             kinds, sharded=True)  # fmt: skip
+    mine, theirs = (geometry(r, 1, 0), geometry(r, 0, 0))
+    if mode == "push":
+        mine, theirs = theirs, mine
+    with pytest.raises(IncompatiblePeerError, match="only between equal TP sizes"):
+        PeerLayout(mine, RemoteGeometry.from_local(theirs), mode=mode)
 
 
 @pytest.mark.parametrize("mode", ["pull", "push"])
@@ -288,3 +358,49 @@ def test_a_producer_whose_lists_stop_short_of_the_prompt_is_refused() -> None:
     layout = PeerLayout(geometry(r, 1, 0), RemoteGeometry.from_local(geometry(r, 0, 0)))
     with pytest.raises(RemoteProtocolError, match=r"num_tokens 40 is more than .* hold"):
         layout.plan(d_ids, p_ids, num_tokens=40)
+
+
+@pytest.mark.parametrize("kind", [RegionKind.RING, RegionKind.SSM])
+def test_a_ring_or_a_state_list_vouches_for_no_token(kind: RegionKind) -> None:
+    """P's full group one block short of the prompt is refused even beside a state's
+    list whose blocks, counted as tokens, would reach past it: the state is one page, and
+    D's first block would be left zero and the request done."""
+    r = Rows((8, 16), (1, 1), 40, (4, 3), (5, 1), (False, False), 1, 1, "pull", True,
+             (RegionKind.ATTENTION, kind))  # fmt: skip
+    p_ids, d_ids = draw_ids(r, np.random.default_rng(0))
+    layout = PeerLayout(geometry(r, 1, 0), RemoteGeometry.from_local(geometry(r, 0, 0)))
+    with pytest.raises(RemoteProtocolError, match=r"num_tokens 40 is more than .* hold"):
+        layout.plan(d_ids, p_ids, num_tokens=40)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"block_len": 48, "extent": 40}, "extent 40 must lie between block_len 48"),
+        ({"block_len": 48, "extent": 72, "block_stride": 64}, "and block_stride 64"),
+    ],
+)
+def test_an_extent_outside_its_block_is_refused(options: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        BlockRegion(base_addr=0, num_blocks=4, **options)
+
+
+def test_an_extent_is_for_rows_only() -> None:
+    """Outside rows a region's pages are sliced by heads and tokens from its block_len."""
+    region = BlockRegion(base_addr=0, block_len=32, extent=48, block_stride=64, num_blocks=4)
+    with pytest.raises(ConfigError, match="only rows of several block sizes"):
+        KVGeometry([region], block_size=16)
+
+
+def test_a_region_registers_as_far_as_it_moves() -> None:
+    """The memory a rank registers reaches its last block's extent, not its advertised
+    length: a peer reading the longest page of the last row would read past it."""
+    from kvwire.runtime.driver import regions_of
+
+    region = BlockRegion(
+        base_addr=4096, block_len=8, extent=48, block_stride=64, num_blocks=4,
+        group_id=SHARED_GROUP_ID, mem_kind="DRAM",
+    )  # fmt: skip
+    geo = KVGeometry([region], block_size=16, group_block_sizes=(16,), is_mla=True)
+    (span,) = regions_of(geo)
+    assert (span.addr, span.length) == (4096, 3 * 64 + 48)
