@@ -353,6 +353,7 @@ class SchedulerEngine:
         deepseek_v4: list[int] | None = None,
         v4_bf16: bool = False,
         v41: bool = False,
+        qwen4exp: bool = False,
     ) -> None:
         """``engine_id`` and ``port``: a restarted engine keeps its predecessor's;
         ``scheduler``: ``batch_tokens`` (tokens per step) and ``chunk_tokens`` (per request
@@ -383,7 +384,10 @@ class SchedulerEngine:
         ``deepseek_v4``: DeepSeek-V4's caches, a layer per compress ratio given (vLLM's own
         modules, grouping and allocation; ``geo`` of 256-token blocks, ``layout`` BLHNC or
         BLNHC), each group's pages filled and checked whole; ``v4_bf16``: its caches in
-        bf16 rather than the ``fp8_ds_mla`` V4 resolves to on CPU and FlashMLA."""
+        bf16 rather than the ``fp8_ds_mla`` V4 resolves to on CPU and FlashMLA;
+        ``qwen4exp``: Qwen4Exp's caches over ``geo``'s layers (vLLM's own classes,
+        alignment, grouping and allocation; ``layout`` BLHNC or BLNHC), each page filled and
+        checked whole, each TP rank's its own."""
         self.role = role
         self.tp = tp
         extra_config = dict(extra_config or {})
@@ -413,7 +417,7 @@ class SchedulerEngine:
             "mode": mode, "extra_config": extra_config, "layout": layout,
             "kernel_block": kernel_block, "layerwise": layerwise, "prefix_caching": prefix_caching,
             "kv_role": kv_role, "multimodal": multimodal, "deepseek_v4": deepseek_v4,
-            "bf16": v4_bf16, "v41": v41,
+            "bf16": v4_bf16, "v41": v41, "qwen4exp": qwen4exp,
             **(scheduler or {}),
         }  # fmt: skip
         self.peer = Peer(start, zygote, env)

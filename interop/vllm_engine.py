@@ -35,6 +35,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
+import qwen4exp
 import torch
 import vllm_peer
 from yardstick import IDLE_STEP_S, ConnectorClock, FetchClock
@@ -135,20 +136,29 @@ def deepseek_v4_start(start: dict[str, Any]) -> dict[str, Any]:
     (the indexer's backend takes no other), a layer per ratio and the hybrid manager,
     without which vLLM cannot keep V4's groups of five block sizes apart."""
     ratios = [int(r) for r in start["deepseek_v4"]]
-    fits = {
-        "block_size": int(start["block_size"]) == DEEPSEEK_V4_BLOCK,
-        "layout": start.get("layout") in ("BLHNC", "BLNHC"),
-        "layers": int(start["layers"]) == len(ratios),
-        "hma": start.get("hma") is not False,
-        "layerwise": not start.get("layerwise"),
-    }
-    wrong = sorted(key for key, ok in fits.items() if not ok)
-    if wrong:
+    block_size = int(start["block_size"]) == DEEPSEEK_V4_BLOCK
+    if wrong := rows_unfit(
+        start, block_size=block_size, layers=int(start["layers"]) == len(ratios)
+    ):
         raise ValueError(
             f"a DeepSeek-V4 engine runs {DEEPSEEK_V4_BLOCK}-token blocks in BLHNC or BLNHC, "
             f"a layer per ratio, the hybrid manager, not layerwise: not {wrong}"
         )
     return {**start, "deepseek_v4": ratios}
+
+
+def rows_unfit(start: dict[str, Any], **more: bool) -> list[str]:
+    """The keys of ``start`` a model of rows (DeepSeek-V4's, Qwen4Exp's) does not run with,
+    of a block-outermost layout (their indexers' backends take no other), the hybrid
+    manager (without which vLLM cannot keep their groups apart), not layerwise, and
+    ``more`` (each key: whether it fits)."""
+    fits = {
+        "layout": start.get("layout") in ("BLHNC", "BLNHC"),
+        "hma": start.get("hma") is not False,
+        "layerwise": not start.get("layerwise"),
+        **more,
+    }
+    return sorted(key for key, ok in fits.items() if not ok)
 
 
 def deepseek_v4_hf_config(start: dict[str, Any]) -> Any:
@@ -455,13 +465,13 @@ def deepseek_v4_backends(specs: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def allocate_deepseek_v4(
+def allocate_rows(
     vllm_config: Any, specs: dict[str, Any], num_blocks: int
 ) -> tuple[Any, dict[str, torch.Tensor]]:
-    """vLLM's plan and allocation of V4's caches, as its engine core and model runner make
-    them: its own grouping (five groups of four block sizes, every group's layers over one
-    row a block id), each group's kernel block its own block (vLLM splits none of a
-    block-outermost layout)."""
+    """vLLM's plan and allocation of a model whose groups are rows (DeepSeek-V4's,
+    Qwen4Exp's), as its engine core and model runner make them: its own grouping (V4: five
+    groups of four block sizes; every group's layers over one row a block id), each
+    group's kernel block its own block (vLLM splits none of a block-outermost layout)."""
     from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups, get_kv_cache_groups
     from vllm.v1.worker.utils import allocate_kv_cache
 
@@ -485,8 +495,9 @@ def engine_core_block_size(vllm_config: Any, kv_cache_config: Any) -> None:
 
 @dataclass
 class PagedGroup:
-    """One KV-cache group of a DeepSeek-V4 engine, filled and checked page by page: each
-    layer's page of a block id (its bytes in the block's row) holds content of its own."""
+    """One KV-cache group of an engine whose groups are rows (DeepSeek-V4, Qwen4Exp),
+    filled and checked page by page: each layer's page of a block id (its bytes in the
+    block's row) holds content of its own."""
 
     group: int
     block_tokens: int
@@ -495,41 +506,74 @@ class PagedGroup:
     vLLM's manager keeps the group's blocks."""
     pages: list[np.ndarray[Any, Any]]
     """Per layer of the group, its ``[blocks, page bytes]`` over the backing."""
-    ring: bool = False
-    """A ring (one block a request): its page is the latest tokens', written whole."""
+    running: bool = False
+    """A ring or a state: its page is the latest tokens' or the state after them, written
+    whole, in the ring's one block or the state's (:func:`running_block`)."""
+    state: bool = False
+    rank: int = 0
+    """The TP rank whose content the pages hold: 0 where every rank holds the same (MLA
+    pages, rings of them), the rank's own where its pages are (GQA heads, states)."""
 
 
 def paged_groups(
-    kv_cache_config: Any, caches: dict[str, torch.Tensor], buffer: np.ndarray[Any, Any]
+    kv_cache_config: Any,
+    caches: dict[str, torch.Tensor],
+    buffer: np.ndarray[Any, Any],
+    rank: int = 0,
 ) -> list[PagedGroup]:
-    """A rank's V4 groups, each layer's pages read through vLLM's own view of it (a
-    block's page is ``view[block]``, its bytes contiguous, less than the padded page)."""
-    from vllm.v1.kv_cache_interface import CircularBufferSpec, SlidingWindowSpec
+    """A rank's groups of rows, each layer's pages read through vLLM's own view of it (a
+    block's page is ``view[block]``, its bytes one span, less than the padded page)."""
+    from vllm.v1.kv_cache_interface import (
+        CircularBufferSpec,
+        MambaSpec,
+        MLAAttentionSpec,
+        SlidingWindowMLASpec,
+        SlidingWindowSpec,
+    )
 
     out = []
     for g, group in enumerate(kv_cache_config.kv_cache_groups):
-        first = group.kv_cache_spec.kv_cache_specs[group.layer_names[0]]
+        layers = group.kv_cache_spec.kv_cache_specs
+        first = layers[group.layer_names[0]]
         window = int(first.sliding_window) if isinstance(first, SlidingWindowSpec) else 0
         pages = [page_view(caches[name], buffer) for name in group.layer_names]
-        ring = isinstance(first, CircularBufferSpec)
-        out.append(PagedGroup(g, int(first.block_size), window, pages, ring))
+        running = isinstance(first, CircularBufferSpec | MambaSpec)
+        mla = (MLAAttentionSpec, SlidingWindowMLASpec, CircularBufferSpec)
+        replicated = all(isinstance(s, mla) for s in layers.values())
+        owner = 0 if replicated or getattr(first, "tp_replicated", False) else rank
+        state = isinstance(first, MambaSpec)
+        size = int(first.block_size)
+        out.append(PagedGroup(g, size, window, pages, running, state, owner))
     return out
 
 
+def running_block(paged: PagedGroup, blocks: list[int], tokens: int) -> int:
+    """The block of a ring's or a state's page after ``tokens`` tokens: the ring's one, the
+    state's where vLLM keeps it (:func:`state_block`)."""
+    return state_block(blocks, tokens, paged.block_tokens) if paged.state else blocks[0]
+
+
 def page_view(view: torch.Tensor, buffer: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
-    """One layer's pages as ``[blocks, bytes]`` uint8 over ``buffer``."""
-    assert view[0].is_contiguous()
+    """One layer's pages as ``[blocks, bytes]`` uint8 over ``buffer``: a block's page is
+    one span whatever order its axes take in it (a BLNHC attention page's tokens before
+    its K/V halves)."""
+    page = view[0]
+    span = sum((n - 1) * st for n, st in zip(page.shape, page.stride(), strict=True)) + 1
+    assert span * view.element_size() == page.nbytes, "a page that is not one span"
     start = view.data_ptr() - buffer.ctypes.data
     row = view.stride(0) * view.element_size()
-    shape = (view.shape[0], view[0].nbytes)
+    shape = (view.shape[0], page.nbytes)
     assert start + (shape[0] - 1) * row + shape[1] <= buffer.nbytes
     return np.lib.stride_tricks.as_strided(buffer[start:], shape, (row, 1), writeable=True)
 
 
-def page_content(index: int, group: int, layer: int, position: int, size: int) -> Any:
+def page_content(
+    index: int, group: int, layer: int, position: int, size: int, rank: int = 0
+) -> Any:
     """The page of one layer of one group at one block position of a prompt of content
-    ``index``: a page of another request, group, layer or position differs."""
-    rng = np.random.default_rng((index, group, layer, position))
+    ``index`` on TP rank ``rank``: a page of another request, group, layer, position or
+    rank differs."""
+    rng = np.random.default_rng((index, group, layer, position, rank))
     return np.frombuffer(rng.bytes(size), np.uint8)
 
 
@@ -539,9 +583,10 @@ def fill_pages(paged: PagedGroup, index: int, blocks: list[int], start: int, sto
     make): a block moved before its last tokens are computed, and not again after,
     fails the check. vLLM's null block (a window's dropped ones) is skipped."""
     size = paged.block_tokens
-    if paged.ring:  # the ring after ``stop`` tokens, whatever it held before
+    if paged.running:  # the ring or the state after ``stop`` tokens, whatever it held
+        block = running_block(paged, blocks, stop)
         for layer, pages in enumerate(paged.pages):
-            pages[blocks[0]] = page_content(index, paged.group, layer, stop, pages.shape[1])
+            pages[block] = page_content(index, paged.group, layer, stop, pages.shape[1], paged.rank)
         return
     for position in range(start // size, -(-stop // size)):
         block = blocks[position]
@@ -551,7 +596,7 @@ def fill_pages(paged: PagedGroup, index: int, blocks: list[int], start: int, sto
         for layer, pages in enumerate(paged.pages):
             width = pages.shape[1]
             lo, hi = width * first // size, width * last // size
-            want = page_content(index, paged.group, layer, position, width)
+            want = page_content(index, paged.group, layer, position, width, paged.rank)
             pages[block, lo:hi] = want[lo:hi]
 
 
@@ -562,11 +607,12 @@ def check_pages(paged: PagedGroup, index: int, blocks: list[int], prompt: int) -
     prompt, as P's filling does). A null block (or none) where a page must be is wrong
     whole."""
     size = paged.block_tokens
-    if paged.ring:  # the ring after the prompt
+    if paged.running:  # the ring or the state after the prompt
         wrong = checked = 0
+        block = running_block(paged, blocks, prompt)
         for layer, pages in enumerate(paged.pages):
-            want = page_content(index, paged.group, layer, prompt, pages.shape[1])
-            wrong += int(np.count_nonzero(pages[blocks[0]] != want))
+            want = page_content(index, paged.group, layer, prompt, pages.shape[1], paged.rank)
+            wrong += int(np.count_nonzero(pages[block] != want))
             checked += want.size
         return wrong, checked
     first = max(0, prompt - paged.window + 1) // size if paged.window else 0
@@ -580,7 +626,7 @@ def check_pages(paged: PagedGroup, index: int, blocks: list[int], prompt: int) -
             if block == 0:
                 wrong += share
                 continue
-            want = page_content(index, paged.group, layer, position, pages.shape[1])
+            want = page_content(index, paged.group, layer, position, pages.shape[1], paged.rank)
             wrong += int(np.count_nonzero(pages[block, :share] != want[:share]))
     return wrong, checked
 
@@ -632,7 +678,13 @@ def ring_groups(kv_cache_config: Any) -> list[bool]:
 
 
 def _of_kind(kv_cache_config: Any, kind: type) -> list[bool]:
-    return [isinstance(g.kv_cache_spec, kind) for g in kv_cache_config.kv_cache_groups]
+    """Per group, whether its (first layer's) spec is a ``kind``."""
+    out = []
+    for group in kv_cache_config.kv_cache_groups:
+        layers = getattr(group.kv_cache_spec, "kv_cache_specs", None)
+        spec = layers[group.layer_names[0]] if layers else group.kv_cache_spec
+        out.append(isinstance(spec, kind))
+    return out
 
 
 def ring_values(spec: Any, seed: int, tokens: int) -> tuple[Any, Any]:
@@ -1025,6 +1077,14 @@ class EnginePart:
         if start.get("deepseek_v4"):
             start = deepseek_v4_start(start)
         v4 = start.get("deepseek_v4")
+        q4 = bool(start.get("qwen4exp"))
+        if q4 and (wrong := rows_unfit(start)):
+            raise ValueError(
+                f"a Qwen4Exp engine runs BLHNC or BLNHC, the hybrid manager, not layerwise: "
+                f"not {wrong}"
+            )
+        rows = bool(v4) or q4
+        """The model's groups are rows of one buffer, filled and checked page by page."""
         if start.get("host_buffer"):
             from kvwire.integrations.vllm import staging
 
@@ -1035,26 +1095,33 @@ class EnginePart:
         kernel = int(start.get("kernel_block") or 0)
         mla = preset(start["model"]).mla
         utils.get_current_attn_backends = lambda *_a, **_k: [vllm_peer._backend(mla, kernel)]
-        self.ratio = 1 if v4 else kernel_ratio(start)
+        self.ratio = 1 if rows else kernel_ratio(start)
         self.start_role = start["role"]
         self.spec = vllm_peer.cache_spec(start)
         self.vllm_config = build_vllm_config(start)
         self.vllm_config.parallel_config.tensor_parallel_size = tp
         self.layout = start["layout"]
-        if start.get("v41"):
-            v4_specs = deepseek_v41_specs(self.vllm_config, v4)
+        backends: dict[str, Any] | None = None
+        if q4:
+            model = self.spec.model
+            row_specs, backends = qwen4exp.build(
+                self.vllm_config, self.spec.layers, model.kv_heads, model.head_dim
+            )
+        elif start.get("v41"):
+            row_specs = deepseek_v41_specs(self.vllm_config, v4)
         else:
-            v4_specs = deepseek_v4_specs(self.vllm_config, v4, not start.get("bf16")) if v4 else {}
-        backends = deepseek_v4_backends(v4_specs) if v4 else None
+            row_specs = deepseek_v4_specs(self.vllm_config, v4, not start.get("bf16")) if v4 else {}
+        if v4:
+            backends = deepseek_v4_backends(row_specs)
         if backends is not None:
             distinct = list(dict.fromkeys(backends.values()))
             utils.get_current_attn_backends = lambda *_a, **_k: distinct
         self.ranks: list[Rank] = []
         for r in range(tp):
             at_rank = {**start, "tp_rank": r}
-            if v4:
-                kv_cache_config, caches = allocate_deepseek_v4(
-                    self.vllm_config, v4_specs, self.spec.num_blocks
+            if rows:
+                kv_cache_config, caches = allocate_rows(
+                    self.vllm_config, row_specs, self.spec.num_blocks
                 )
                 engine_core_block_size(self.vllm_config, kv_cache_config)
             else:
@@ -1071,9 +1138,9 @@ class EnginePart:
                     block_tokens=rank_spec.block_tokens // self.ratio,
                     num_blocks=rank_spec.num_blocks * self.ratio,
                 )
-            if v4:
+            if rows:
                 buffer[...] = 0xA5  # no page holds a prompt's content yet
-                paged = paged_groups(kv_cache_config, caches, buffer)
+                paged = paged_groups(kv_cache_config, caches, buffer, r)
                 rank = Rank(rank_spec, buffer, caches, [], worker, paged)
             else:
                 groups = group_views(rank_spec, kv_cache_config, caches, buffer)
@@ -1116,7 +1183,7 @@ class EnginePart:
         # specs, by its first layer's).
         scheduler_config = generate_scheduler_kv_cache_config([kv_cache_config])
         sizes: dict[str, int] = {"block_size": self.spec.block_tokens}
-        if v4:
+        if rows:
             # Groups of several block sizes: the scheduler aligns to their lcm, and hashes
             # a prompt in blocks of their gcd (its engine core's resolution).
             block, hashed = resolve_kv_cache_block_sizes(scheduler_config, self.vllm_config)

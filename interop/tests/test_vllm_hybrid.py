@@ -183,6 +183,26 @@ def test_mamba_with_a_host_buffer(zygote: Zygote, pair: str, mode: str) -> None:
     _mamba_pair(zygote, pair, mode, "1-1", host_buffer=True)
 
 
+@pytest.mark.parametrize("mode", ["pull", "push"])
+@pytest.mark.parametrize("pair", ["kvwire-nixl", "stock-P-kvwire-D", "kvwire-P-stock-D"])
+def test_mamba_prefix_hits_on_both_sides(zygote: Zygote, pair: str, mode: str) -> None:
+    """A prompt repeated with 80 tokens more: P and D each find its first 224 tokens (7
+    blocks) in their own prefix cache. D holds no state at a block boundary of a loaded
+    prompt (it loads P's state after the prompt, in a partial block), so its hit is its
+    attention groups' alone: vLLM keeps it only for a connector that loads every state
+    whole beside it, as both do. D then holds every loaded token's KV and the state."""
+    p_conn, d_conn, transport = PAIRS[pair]
+    with engines(
+        zygote, p_conn, d_conn, geo=MAMBA_GEO, mode=mode, hma=True, mamba=MAMBA,
+        extra_config={"transport": transport},
+    ) as (p, d):  # fmt: skip
+        transfer(p, d, "req-first", 9, 250)
+        state = transfer(p, d, "req-again", 9, 330)
+        p_hits = p.state["hits"]
+    assert p_hits["req-again"] == state["hits"]["req-again"] == 224
+    assert state["checked"]["req-again"] == [0, mamba_checked_bytes(330)]
+
+
 UNEQUAL_PAIRS = [
     ("kvwire-nixl", "pull"),
     ("kvwire-nixl", "push"),
@@ -455,9 +475,9 @@ REFUSED = {
     "mamba-unpadded": (["full", "mamba-unpadded"], "group 1's state pages are 768 bytes"),
     "mamba-replicated": (["full", "mamba-replicated"], "group 1 is a TP-replicated MambaSpec"),
     "mamba-3-states": (["full", "mamba-3-states"], "group 1's MambaSpec has 3 state arrays"),
-    "deepseek-v4-beside-attention": (
-        ["full", "v4-window"],
-        r"\(DeepSeek-V4's caches\) beside FullAttentionSpec",
+    "deepseek-v4-beside-a-window": (
+        ["full", "v4-window", "window"],
+        r"\(DeepSeek-V4's caches\) beside SlidingWindowSpec",
     ),
     "mla-windows-only": (["mla-window"], "no KV-cache group is full attention"),
     "unequal-pages": (["full", "full-64"], "KV-cache group 1's pages"),

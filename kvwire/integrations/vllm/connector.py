@@ -63,6 +63,15 @@ class KVWireConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc]
             config = kvwire_config(vllm_config, tp_rank=tp_rank(vllm_config))
             self._worker = WorkerSide(vllm_config, config, kv_cache_config)
 
+    @property
+    def supports_divergent_local_hybrid_hits(self) -> bool:
+        """Yes, as stock: a D that loads a prompt moves every state and ring group whole,
+        whatever its local hit, so vLLM may keep a hit its full-attention group reaches
+        though a state group's is shorter (D never holds a state at a block boundary of a
+        loaded prompt: without this a hybrid model's D reuses none of its cache). A load
+        that fails resets the request, which then takes the hit every group agrees on."""
+        return True
+
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
         """The layout a stock NixlConnector engine asks for, so that both kinds resolve the

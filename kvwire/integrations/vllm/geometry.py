@@ -19,8 +19,9 @@ from kvwire.config import KVWireConfig
 from kvwire.errors import ConfigError
 from kvwire.integrations.vllm.groups import (
     group_kinds,
-    layer_pages,
+    layer_specs,
     row_block_sizes,
+    rows_replicated,
     ssm_parts,
     ssm_sizes,
     transfer_groups,
@@ -84,7 +85,7 @@ def _spans(view: torch.Tensor, num_blocks: int) -> list[tuple[int, int, int]]:
 
 def _region(
     view: torch.Tensor, base: int, block_len: int, stride: int, num_blocks: int, group: int,
-    name: str, packed: dict[str, tuple[int, int]] | None = None,
+    name: str, packed: dict[str, tuple[int, int]] | None = None, extent: int = 0,
 ) -> BlockRegion:  # fmt: skip
     """A region of ``view``'s memory, on its device or the host."""
     on_device = view.device.type != "cpu"
@@ -99,6 +100,7 @@ def _region(
         name=name,
         members=tuple(packed or ()),
         packed_members=packed or {},
+        extent=extent,
     )
 
 
@@ -217,25 +219,33 @@ def page_regions(
     kv_caches: dict[str, torch.Tensor],
     num_blocks: int,
     group_of: Mapping[str, int],
-    pages: Mapping[str, int],
-) -> list[BlockRegion]:
+    specs: Mapping[str, Any],
+    version: int,
+) -> tuple[list[BlockRegion], int | None]:
     """The worker's regions when its groups are rows of several block sizes and one is a
-    ring (DeepSeek-V4.1), as a stock engine registers them then: each layer's page apart,
-    in the order vLLM allocated the layers, at its view's address for its spec's page bytes
-    (``pages``: padded) with the row as its stride. Pages at one address are one region,
-    shared (-1) when layers of several groups start there, as long as the longest page
-    there: a row is one group's block, so a longer region moves only more of that block,
-    and a shorter one would leave a page's tail behind. Stock makes it as long as the last
-    MLA page there, the same unless a longer page came first (vLLM allocates group by
-    group, each from the row's start, and orders the groups by their first cache: V4.1
-    whose first layer compresses puts a compressed latent, then a window's shorter page,
-    at the row's start). Measured there between two stock engines: 228,852 of 1,683,232
-    bytes D reads were left behind, the request completed. kvwire's longer region then
-    differs from a stock peer's, and the pair is refused at the handshake, by name."""
-    at: dict[int, list[Any]] = {}
-    """Per address: [name, block_len, stride, group, view]."""
+    ring (DeepSeek-V4.1, Qwen4Exp), as a stock engine registers them then: each layer's
+    page apart, in the order vLLM allocated the layers, at its view's address for its
+    spec's page bytes (padded) with the row as its stride; and the ``ple_block_len`` of
+    metadata v14 (``version``), or None.
+
+    Pages at one address are one region, shared (-1) when layers of several groups start
+    there. A row is one group's block, so the region moves the longest page there (its
+    ``extent``). It advertises what stock advertises, the last MLA page registered there
+    (else the first page), where stock moves every page there with it: a page no longer,
+    a TP-sharded state (stock moves its parts apart), or from v14 the TP-replicated state
+    of Qwen4Exp's embeddings (moved with ``ple_block_len``). Otherwise stock leaves a
+    page's tail behind (measured between two stock engines of DeepSeek-V4.1 whose first
+    layer compresses: 228,852 of 1,683,232 bytes D read were left, the request completed;
+    vLLM 0.31.0's Qwen4Exp moves 5,120 of its embeddings' 18,432), and the region
+    advertises its longest page: a stock peer's region then differs, and the pair is
+    refused at the handshake, by name."""
+    from vllm.v1.kv_cache_interface import MambaSpec, MLAAttentionSpec, SlidingWindowMLASpec
+
+    at: dict[int, dict[str, Any]] = {}
+    ple: int | None = None
     for name, view in kv_caches.items():
-        page = pages[name]
+        spec = specs[name]
+        page = int(spec.page_size_bytes)
         base = int(view.data_ptr())
         stride = int(view.stride(0)) * view.element_size()
         if view.dim() < 2 or view.shape[0] != num_blocks or page > stride:
@@ -243,14 +253,32 @@ def page_regions(
                 f"layer {name}: its view {tuple(view.shape)} is not {num_blocks} rows of at "
                 f"least its page ({page} bytes, rows of {stride})"
             )
-        found = at.setdefault(base, [name, page, stride, group_of[name], view])
-        found[1] = max(found[1], page)
-        if found[3] != group_of[name]:
-            found[3] = SHARED_GROUP_ID
-    return [
-        _region(view, base, block_len, stride, num_blocks, group, name)
-        for base, (name, block_len, stride, group, view) in at.items()
-    ]
+        replicated = isinstance(spec, MambaSpec) and bool(spec.tp_replicated)
+        if replicated and version >= 14:
+            ple = page
+        found = at.setdefault(
+            base,
+            {"name": name, "stock": page, "pages": [], "stride": stride,
+             "group": group_of[name], "view": view},
+        )  # fmt: skip
+        if found["pages"] and isinstance(spec, MLAAttentionSpec | SlidingWindowMLASpec):
+            found["stock"] = page
+        moved_apart = isinstance(spec, MambaSpec) and (not replicated or version >= 14)
+        found["pages"].append((page, moved_apart))
+        if found["group"] != group_of[name]:
+            found["group"] = SHARED_GROUP_ID
+    regions = []
+    for base, found in at.items():
+        longest = max(page for page, _ in found["pages"])
+        stock = found["stock"]
+        covered = all(page <= stock or apart for page, apart in found["pages"])
+        regions.append(
+            _region(
+                found["view"], base, stock if covered else longest, found["stride"],
+                num_blocks, found["group"], found["name"], extent=longest,
+            )
+        )  # fmt: skip
+    return regions, ple
 
 
 def row_regions(
@@ -291,6 +319,17 @@ def row_regions(
     return [_region(first, base, stride, stride, num_blocks, group, names[0])]
 
 
+def token_block_size(sizes: tuple[int, ...], kinds: tuple[RegionKind, ...]) -> int:
+    """The least common multiple of the block sizes of the groups of tokens among rows of
+    several block sizes (0 without rows)."""
+    if not sizes:
+        return 0
+    positional = (RegionKind.RING, RegionKind.SSM)
+    return math.lcm(
+        *(size for size, kind in zip(sizes, kinds, strict=True) if kind not in positional)
+    )
+
+
 def layer_geometry(
     kv_caches: dict[str, torch.Tensor],
     kv_cache_config: Any,
@@ -321,35 +360,41 @@ def layer_geometry(
             "ring's one block is the model's ring, which KVWireConnector moves unsplit; run "
             "a backend that takes the whole block"
         )
-    if rings and layout_name == "BLNHC":
+    if rings and not sizes and layout_name == "BLNHC":
         raise ConfigError(
             f"KV cache layout {layout_name} with a ring group (CircularBufferSpec): a stock "
             "engine registers each layer's page of such a model as one span, which in this "
             "layout it is not; KVWireConnector moves rings in the other layouts"
         )
+    ple_block_len = None
     if sizes and rings:
-        regions = page_regions(moved, num_blocks, group_of, layer_pages(kv_cache_config))
+        specs = layer_specs(kv_cache_config)
+        regions, ple_block_len = page_regions(moved, num_blocks, group_of, specs, config.version)
     elif sizes:
         regions = row_regions(moved, num_blocks * ratio, layout_name, group_of)
     else:
         n = num_blocks * ratio
         regions = layer_regions(moved, n, layout_name, group_of, states, allocation_order=rings)
+    # Rows of MLA pages are every rank's (one head); rows of GQA pages or states its own.
+    replicated = bool(model.use_mla) or (bool(sizes) and rows_replicated(kv_cache_config))
     return KVGeometry(
         regions=regions,
         physical_blocks_per_logical=ratio,
         group_kinds=kinds,
         group_block_sizes=sizes,
+        ple_block_len=ple_block_len,
         ssm_sizes=ssm_sizes(kv_cache_config),
         ssm_parts=ssm_parts(kv_cache_config),
         kv_cache_layout=layout_name,
         # vLLM's engine core sets the configured block size to the smallest group's when
         # the groups differ (4 for V4, in the scheduler and in an in-process worker);
-        # stock advertises the groups' least common multiple, and so does kvwire.
-        block_size=math.lcm(*sizes) if sizes else int(vllm_config.cache_config.block_size),
-        total_kv_heads=1 if model.use_mla or sizes else model.get_total_num_kv_heads(),
+        # stock advertises the least common multiple of the groups of tokens (a ring's
+        # or a state's block holds none), and so does kvwire.
+        block_size=token_block_size(sizes, kinds) or int(vllm_config.cache_config.block_size),
+        total_kv_heads=1 if replicated else model.get_total_num_kv_heads(),
         tp_rank=config.tp_rank,
         tp_size=config.tp_size,
-        is_mla=bool(model.use_mla) or bool(sizes),  # rows hold MLA pages alone
+        is_mla=replicated,
         attn_backend_name=attn_backend_name(vllm_config),
         num_blocks=num_blocks * ratio,
     )

@@ -46,8 +46,9 @@ def group_kinds(kv_cache_config: Any, block_size: int) -> tuple[RegionKind, ...]
     moves its block whole, as a state for the prompt's count (:attr:`RegionKind.RING`).
     Anything else (static sinks, rings of another page beside attention, groups whose
     pages vLLM resized or padded otherwise) would be planned with the wrong page, so it
-    fails the engine's startup instead. (Rows of several block sizes, DeepSeek-V4's and
-    V4.1's, move whole pages, their rings too: :func:`row_block_sizes`.) So does a model
+    fails the engine's startup instead. (Rows of several block sizes, DeepSeek-V4's,
+    V4.1's and Qwen4Exp's, move whole pages, their rings and states too, a state group
+    there kind SSM whatever its state: :func:`row_block_sizes`.) So does a model
     whose every attention group has a window: no list then holds the whole prompt, which is
     where the planner places the others.
     """
@@ -76,14 +77,14 @@ def group_kinds(kv_cache_config: Any, block_size: int) -> tuple[RegionKind, ...]
     ids = getattr(kv_cache_config, "transfer_group_ids", range(len(groups)))
     if row_block_sizes(kv_cache_config):
         layers = [_layer_specs(g.kv_cache_spec) for g in groups]
-        rings = [all(type(s) is CircularBufferSpec for s in group) for group in layers]
-        local = (SlidingWindowSpec, CircularBufferSpec)
-        if all(all(isinstance(s, local) for s in group) for group in layers):
+        partial = (SlidingWindowSpec, CircularBufferSpec, MambaSpec)
+        if all(all(isinstance(s, partial) for s in group) for group in layers):
             raise ConfigError(
                 "no KV-cache group is full attention: KVWireConnector needs a group that "
-                "holds the whole prompt so far (every group has a sliding window or a ring)"
+                "holds the whole prompt so far (every group has a sliding window, a ring or "
+                "a state)"
             )
-        return tuple(RegionKind.RING if ring else RegionKind.ATTENTION for ring in rings)
+        return tuple(_row_kind(group) for group in layers)
     first: tuple[Any, ...] | None = None
     kinds = []
     attention_page = 0
@@ -135,6 +136,16 @@ def group_kinds(kv_cache_config: Any, block_size: int) -> tuple[RegionKind, ...]
     return tuple(kinds)
 
 
+def _row_kind(layers: list[Any]) -> RegionKind:
+    """What a group of rows holds: its layers are all rings, all states, or attention."""
+    from vllm.v1.kv_cache_interface import CircularBufferSpec, MambaSpec
+
+    for spec_type, kind in ((CircularBufferSpec, RegionKind.RING), (MambaSpec, RegionKind.SSM)):
+        if all(type(s) is spec_type for s in layers):
+            return kind
+    return RegionKind.ATTENTION
+
+
 def _replicated_pages(group_id: int, spec: Any) -> Any:
     """The spec a group of per-layer specs is checked as: its first layer's, when every
     layer is MLA (a page moved whole, whatever its size; the regions carry each layer's own
@@ -175,12 +186,16 @@ def row_block_sizes(kv_cache_config: Any) -> tuple[int, ...]:
     alone), in groups of four block sizes that vLLM lays over one block-outermost buffer:
     no page is tokens times content, so such a model moves whole rows, each group's list
     placed by its own block size. Every page there is an MLA layer's, the same on every TP
-    rank; a row holding head-sharded pages would not be. DeepSeek-V4.1 adds its
-    compressor's ring (``CircularBufferSpec``, one block a request), the same on every
-    rank too."""
+    rank (:func:`rows_replicated`). DeepSeek-V4.1 adds its compressor's ring
+    (``CircularBufferSpec``, one block a request), the same on every rank too. Qwen4Exp's
+    indexers keep compressed keys the same way beside GQA attention, GDN state and its
+    per-layer embeddings' state (``MambaSpec``), all over one buffer of rows: rows each TP
+    rank holds its own of."""
     from vllm.v1.kv_cache_interface import (
         AttentionSpec,
         CircularBufferSpec,
+        FullAttentionSpec,
+        MambaSpec,
         MLAAttentionSpec,
         SlidingWindowMLASpec,
     )
@@ -197,27 +212,42 @@ def row_block_sizes(kv_cache_config: Any) -> tuple[int, ...]:
         for spec in layers
     ):
         return ()
-    moved = (MLAAttentionSpec, SlidingWindowMLASpec, CircularBufferSpec)
-    others = sorted({type(s).__name__ for s in layers if type(s) not in moved})
+    moved = (MLAAttentionSpec, SlidingWindowMLASpec, CircularBufferSpec, FullAttentionSpec)
+    others = sorted({type(s).__name__ for s in layers if type(s) not in (*moved, MambaSpec)})
     if others:
         raise ConfigError(
             f"KV-cache groups with states of several tokens or aligned pages (DeepSeek-V4's "
             f"caches) beside {', '.join(others)}: KVWireConnector moves such groups as rows "
-            "of MLA pages and rings only"
+            "of MLA, full-attention and state pages and rings only"
         )
     return tuple(int(g.kv_cache_spec.block_size) for g in groups)
 
 
-def layer_pages(kv_cache_config: Any) -> dict[str, int]:
-    """Per layer of the transfer groups, its spec's page bytes, padded as vLLM pads them:
-    what a stock engine registers a layer's page with."""
-    pages = {}
+def rows_replicated(kv_cache_config: Any) -> bool:
+    """Whether rows of several block sizes (:func:`row_block_sizes`) hold MLA pages and
+    rings alone, the same bytes on every TP rank (``KVGeometry.is_mla``), so that a row
+    moves between any TP sizes; GQA attention and states are each rank's own."""
+    from vllm.v1.kv_cache_interface import (
+        CircularBufferSpec,
+        MLAAttentionSpec,
+        SlidingWindowMLASpec,
+    )
+
+    replicated = (MLAAttentionSpec, SlidingWindowMLASpec, CircularBufferSpec)
+    groups = transfer_groups(kv_cache_config)
+    return all(type(spec) in replicated for g in groups for spec in _layer_specs(g.kv_cache_spec))
+
+
+def layer_specs(kv_cache_config: Any) -> dict[str, Any]:
+    """Per layer of the transfer groups, its own spec (a group of per-layer specs
+    unwrapped); its ``page_size_bytes``, padded as vLLM pads it, is what a stock engine
+    registers the layer's page with."""
+    specs = {}
     for group in transfer_groups(kv_cache_config):
         per_layer = getattr(group.kv_cache_spec, "kv_cache_specs", None)
         for name in group.layer_names:
-            spec = per_layer[name] if per_layer is not None else group.kv_cache_spec
-            pages[name] = int(spec.page_size_bytes)
-    return pages
+            specs[name] = per_layer[name] if per_layer is not None else group.kv_cache_spec
+    return specs
 
 
 def _check_state_group(group_id: int, spec: Any) -> None:
@@ -274,12 +304,14 @@ so a rank of another TP size takes its slice of each."""
 
 
 def _mamba_spec(kv_cache_config: Any) -> Any | None:
-    """The first transfer group's MambaSpec (every Mamba layer of a model has one state
-    shape, which stock advertises once), or None."""
+    """The first Mamba layer's spec of the transfer groups, or None: every TP-sharded
+    Mamba layer of a model has one state shape, which stock advertises once. A
+    TP-replicated state (Qwen4Exp's embeddings') is passed over, as stock passes it."""
     from vllm.v1.kv_cache_interface import MambaSpec
 
-    specs = (g.kv_cache_spec for g in transfer_groups(kv_cache_config))
-    return next((s for s in specs if type(s) is MambaSpec), None)
+    layers = (s for g in transfer_groups(kv_cache_config) for s in _layer_specs(g.kv_cache_spec))
+    states = [s for s in layers if type(s) is MambaSpec]
+    return next((s for s in states if not s.tp_replicated), states[0] if states else None)
 
 
 def _itemsize(dtype: torch.dtype) -> int:
@@ -290,9 +322,9 @@ def ssm_parts(kv_cache_config: Any) -> tuple[int, ...]:
     """This rank's bytes of each TP-sharded part of one Mamba layer's state, in page order
     (``KVGeometry.ssm_parts``): the conv state dim-first (``VLLM_SSM_CONV_STATE_LAYOUT=DS``,
     as stock's transfer requires), so each sub-projection's columns are one run, then the
-    temporal state, sharded by its first (heads) axis."""
+    temporal state, sharded by its first (heads) axis. None in rows, which move whole."""
     spec = _mamba_spec(kv_cache_config)
-    if spec is None:
+    if spec is None or row_block_sizes(kv_cache_config):
         return ()
     conv_shape, temporal = tuple(spec.shapes[0]), tuple(spec.shapes[1])
     split = _CONV_SPLITS[getattr(spec.mamba_type, "name", "")]
