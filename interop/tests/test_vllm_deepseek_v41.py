@@ -207,3 +207,14 @@ def _registered(zygote: Zygote, ratios: list[int]) -> tuple[dict[str, Any], dict
     geo = Geometry(model="mla", layers=len(ratios), num_blocks=64, block_size=256)
     options: dict[str, Any] = {**V41, "deepseek_v4": ratios}
     return registered_by_each(zygote, geo=geo, extra_config={"transport": "nixl"}, **options)
+
+
+@pytest.mark.parametrize(("pair", "mode"), NIXL_CASES)
+def test_deepseek_v41_in_blnhc(zygote: Zygote, pair: str, mode: str) -> None:
+    """The other layout V4.1's indexer backend takes: in rows every layer's page of a
+    block is one span in either, so kvwire registers what stock does, and D holds every
+    page it reads (the ``BLNHC`` refusal of rings is for rings beside attention, outside
+    rows)."""
+    state, _ = pair_moved(zygote, pair, "1-1", mode, PROMPTS, geo=GEO, **{**V41, "layout": "BLNHC"})
+    for rid, (_, tokens) in PROMPTS.items():
+        assert state["checked"][rid] == [0, checked_bytes(tokens)], rid

@@ -203,6 +203,27 @@ def test_mamba_prefix_hits_on_both_sides(zygote: Zygote, pair: str, mode: str) -
     assert state["checked"]["req-again"] == [0, mamba_checked_bytes(330)]
 
 
+@pytest.mark.parametrize(
+    ("kinds", "replicated"),
+    [
+        (["v4-compressed", "v4-window", "v4-compressor"], True),
+        (["v4-compressed", "full"], False),
+        (["v4-compressed", "mla", "mamba-replicated"], False),
+    ],
+)  # fmt: skip
+def test_rows_of_gqa_pages_or_states_are_each_ranks_own(kinds: list[str], replicated: bool) -> None:
+    """Rows of MLA pages alone are the same on every TP rank (read from one producer
+    rank between any TP sizes); a row holding a GQA page or a state, even one replicated
+    across ranks beside them, is each rank's own (moved rank to rank, equal TP sizes)."""
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
+
+    from kvwire.integrations.vllm.groups import row_block_sizes, rows_replicated
+
+    groups = [KVCacheGroupSpec([f"layer{i}"], _spec(kind)) for i, kind in enumerate(kinds)]
+    config = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=groups)
+    assert row_block_sizes(config) and rows_replicated(config) is replicated
+
+
 UNEQUAL_PAIRS = [
     ("kvwire-nixl", "pull"),
     ("kvwire-nixl", "push"),
@@ -463,6 +484,14 @@ def _spec(kind: str) -> Any:
                 "b": FullAttentionSpec(block_size=32, **{**page, "head_size": 64}),
             },
         ),
+        "state-beside-attention": lambda: UniformTypeKVCacheSpecs(
+            block_size=32, kv_cache_specs={
+                "a": FullAttentionSpec(block_size=32, **page),
+                "b": MambaSpec(
+                    block_size=32, shapes=((4, 64), (8, 16)), dtypes=(torch.bfloat16,) * 2,
+                ),
+            },
+        ),
         "mamba-3-states": lambda: MambaSpec(
             block_size=32, shapes=((4, 64), (8, 16), (2,)), dtypes=(torch.bfloat16,) * 3,
             page_size_padded=131072,
@@ -489,6 +518,16 @@ REFUSED = {
     "static-sinks": (["full", "static-sinks"], "KV-cache group 1 is SinkFullAttentionSpec"),
     "states-only": (["mamba"], "no KV-cache group is full attention"),
     "mamba-state-first": (["full", "mamba"], "set VLLM_SSM_CONV_STATE_LAYOUT=DS on every"),
+    # Qwen4Exp's states in rows (beside compressed keys) move whole; stored state-first on
+    # one engine and dim-first on the other they would move transposed
+    "rows-state-first": (
+        ["v4-compressed", "full", "mamba"],
+        "set VLLM_SSM_CONV_STATE_LAYOUT=DS on every",
+    ),
+    "rows-state-beside-attention": (
+        ["v4-compressed", "state-beside-attention"],
+        "holds MambaSpec layers beside others",
+    ),
     "mamba-short-conv": (["full", "mamba-short-conv"], "is a SHORT_CONV MambaSpec"),
 }
 
@@ -511,7 +550,7 @@ def test_groups_kvwire_cannot_move_are_refused_by_name(
         mamba_utils.get_conv_state_layout.cache_clear()  # vLLM reads it once per process
 
     kinds, message = REFUSED[case]
-    conv_layout("SD" if case == "mamba-state-first" else "DS")
+    conv_layout("SD" if case.endswith("state-first") else "DS")
     try:
         groups = [KVCacheGroupSpec([f"layer{i}"], _spec(kind)) for i, kind in enumerate(kinds)]
         config = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=groups)

@@ -324,6 +324,13 @@ def _check_globals(
             "rows holding head-sharded pages or a rank's own state move whole, only between "
             "equal TP sizes",
         )  # fmt: skip
+    if None not in (local.ple_block_len, remote.ple_block_len) and (
+        local.ple_block_len != remote.ple_block_len
+    ):
+        problems.add(
+            "ple_block_len", local.ple_block_len, remote.ple_block_len,
+            "the TP-replicated state's page moves whole",
+        )  # fmt: skip
     ld, rd = local.dcp_size, remote.dcp_size
     if rd <= 0 or max(ld, rd) % min(ld, rd):
         problems.add("dcp_size", f"a divisor or multiple of {ld}", rd, "vLLM rule")

@@ -99,6 +99,25 @@ class RegionKind(str, enum.Enum):
     has the attention page's shape, so it is sliced across TP as its region is; it pairs
     by position, not by token, and like a state it is for one token count."""
 
+    @property
+    def by_position(self) -> bool:
+        """A ring's or a state's blocks pair by position from their list's end, never by
+        token: each is one running page, whatever its block size."""
+        return self in (RegionKind.RING, RegionKind.SSM)
+
+
+def token_group_sizes(
+    group_block_sizes: Sequence[int], group_kinds: Sequence[RegionKind]
+) -> list[int]:
+    """The block sizes of the groups of tokens among groups of their own block sizes (a
+    ring's or a state's block holds none of the prompt): a geometry's ``block_size`` is a
+    multiple of each, and vLLM advertises their least common multiple."""
+    return [
+        size
+        for g, size in enumerate(group_block_sizes)
+        if not (g < len(group_kinds) and RegionKind(group_kinds[g]).by_position)
+    ]
+
 
 def parse_layout(value: str | KVLayout, *, who: str = "local") -> KVLayout:
     """The layout named by ``value`` (a vLLM name, or ``HND``/``NHD``).
@@ -356,8 +375,7 @@ class KVGeometry:
         if not sizes:
             return
         problems = []
-        positional = (RegionKind.RING, RegionKind.SSM)
-        tokens = [s for g, s in enumerate(sizes) if self.group_kind_of(g) not in positional]
+        tokens = token_group_sizes(sizes, self.group_kinds)
         if min(sizes) <= 0 or any(self.block_size % size for size in tokens):
             problems.append(f"each must divide block_size {self.block_size}")
         if self.physical_blocks_per_logical != 1:
@@ -370,10 +388,6 @@ class KVGeometry:
             raise ConfigError(
                 f"group_block_sizes {sizes}: " + "; ".join(problems) + " (whole rows per block id)"
             )
-
-    def group_kind_of(self, group: int) -> RegionKind | None:
-        """Group ``group``'s kind (:attr:`group_kinds`), None where not given."""
-        return self.group_kinds[group] if group < len(self.group_kinds) else None
 
     @property
     def layout(self) -> KVLayout:
@@ -389,12 +403,12 @@ class KVGeometry:
         group's (a full-attention group's, the whole prompt), each by its own block size.
         A state's or a ring's list reaches no token: it is one running page, which a
         block size larger than the prompt's would otherwise stretch past its end."""
-        positional = (RegionKind.SSM, RegionKind.RING)
+        kinds = self.group_kinds
         return max(
             (
                 len(ids) * self.group_block_size(g)
                 for g, ids in enumerate(block_ids)
-                if self.group_kind_of(g) not in positional
+                if not (g < len(kinds) and kinds[g].by_position)
             ),
             default=0,
         )
@@ -604,6 +618,8 @@ class RemoteGeometry:
     ssm_sizes: tuple[int, int] = (0, 0)
     attn_backend_name: str = ""
     advertises_members: bool = False
+    ple_block_len: int | None = None
+    """Metadata v14's: the peer's TP-replicated state page (None: not advertised)."""
 
     @property
     def block_size(self) -> int:
@@ -676,6 +692,7 @@ class RemoteGeometry:
                 f"remote packed_member_layouts: expected every packed layer in region_members, "
                 f"got unlisted {sorted(unplaced)}"
             )
+        ple = getattr(md, "ple_block_len", None)  # v14 on
         ssm = tuple(int(x) for x in md.ssm_sizes)
         if len(ssm) != 2:
             raise IncompatiblePeerError(f"remote ssm_sizes: expected 2 values, got {len(ssm)}")
@@ -696,6 +713,7 @@ class RemoteGeometry:
             ssm_sizes=(ssm[0], ssm[1]),
             attn_backend_name=str(md.attn_backend_name),
             advertises_members=bool(members_raw),
+            ple_block_len=None if ple is None else int(ple),
         )
 
     @classmethod

@@ -32,7 +32,7 @@ from kvwire.errors import (
     LocalProtocolError,
     RemoteProtocolError,
 )
-from kvwire.layout import PeerLayout, topology
+from kvwire.layout import PeerLayout
 from kvwire.layout.geometry import (
     SHARED_GROUP_ID,
     BlockRegion,
@@ -148,7 +148,10 @@ def run(r: Rows) -> None:
     for d_rank in range(r.d_tp):
         d_buf = np.full(POOL * r.row, SENTINEL, np.uint8)
         written = np.zeros(POOL, dtype=np.int64)
-        for p_rank in topology.remote_tp_ranks(d_rank, r.d_tp, r.p_tp):
+        # Replicated rows: every P rank is asked, and one must answer; rank-own rows pair
+        # rank to rank (equal TP sizes).
+        ranks = [d_rank] if r.sharded else range(r.p_tp)
+        for p_rank in ranks:
             p_geo, d_geo = geometry(r, 0, p_rank), geometry(r, 1, d_rank)
             if r.mode == "pull":
                 layout = PeerLayout(d_geo, RemoteGeometry.from_local(p_geo), mode="pull")

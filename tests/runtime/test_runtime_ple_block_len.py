@@ -43,3 +43,15 @@ def test_ple_block_len_is_advertised_from_v14(version: int, advertised: int | No
 def test_a_ple_block_len_that_is_no_length_is_refused() -> None:
     with pytest.raises(ConfigError, match="ple_block_len must be positive, got 0"):
         rows(0, 0)
+
+
+def test_a_peer_whose_replicated_state_differs_is_refused_by_name() -> None:
+    from kvwire.errors import IncompatiblePeerError
+    from kvwire.layout import PeerLayout
+    from kvwire.layout.geometry import RemoteGeometry
+
+    theirs = RemoteGeometry.from_local(rows(1 << 20, 192))
+    assert theirs.ple_block_len == 192
+    with pytest.raises(IncompatiblePeerError, match="ple_block_len: expected 256, got 192"):
+        PeerLayout(rows(0, 256), theirs)
+    PeerLayout(rows(0, 256), RemoteGeometry.from_local(rows(1 << 20, None)))  # v13: unsaid

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -24,6 +25,7 @@ from kvwire.integrations.vllm.groups import (
     rows_replicated,
     ssm_parts,
     ssm_sizes,
+    state_sizes,
     transfer_groups,
 )
 from kvwire.layout.geometry import (
@@ -32,6 +34,7 @@ from kvwire.layout.geometry import (
     KVGeometry,
     RegionKind,
     parse_layout,
+    token_group_sizes,
 )
 
 if TYPE_CHECKING:
@@ -215,34 +218,58 @@ def layer_regions(
     return regions
 
 
+@dataclass
+class _Address:
+    """The layers' pages that start at one address of the rows, as :func:`page_regions`
+    gathers them in allocation order."""
+
+    name: str
+    """The first layer there, which names the region (as stock names it)."""
+    view: torch.Tensor
+    stride: int
+    group: int
+    advertised: int
+    """What stock advertises: the last MLA page registered there, else the first page."""
+    pages: list[tuple[int, bool]] = field(default_factory=list)
+    """(bytes, whether stock moves it apart from the region: a state) per page."""
+
+    def region(self, base: int, num_blocks: int) -> BlockRegion:
+        """Stock's region where stock moves every page there, else one as long as the
+        longest page (which a stock peer's differs from); either moves the longest."""
+        longest = max(page for page, _ in self.pages)
+        covered = all(page <= self.advertised or apart for page, apart in self.pages)
+        block_len = self.advertised if covered else longest
+        return _region(
+            self.view, base, block_len, self.stride, num_blocks, self.group, self.name,
+            extent=longest,
+        )  # fmt: skip
+
+
 def page_regions(
     kv_caches: dict[str, torch.Tensor],
     num_blocks: int,
     group_of: Mapping[str, int],
     specs: Mapping[str, Any],
-    version: int,
-) -> tuple[list[BlockRegion], int | None]:
+    moved_apart: Callable[[Any], bool],
+) -> list[BlockRegion]:
     """The worker's regions when its groups are rows of several block sizes and one is a
     ring (DeepSeek-V4.1, Qwen4Exp), as a stock engine registers them then: each layer's
     page apart, in the order vLLM allocated the layers, at its view's address for its
-    spec's page bytes (padded) with the row as its stride; and the ``ple_block_len`` of
-    metadata v14 (``version``), or None.
+    spec's page bytes (padded) with the row as its stride.
 
     Pages at one address are one region, shared (-1) when layers of several groups start
     there. A row is one group's block, so the region moves the longest page there (its
     ``extent``). It advertises what stock advertises, the last MLA page registered there
     (else the first page), where stock moves every page there with it: a page no longer,
-    a TP-sharded state (stock moves its parts apart), or from v14 the TP-replicated state
-    of Qwen4Exp's embeddings (moved with ``ple_block_len``). Otherwise stock leaves a
-    page's tail behind (measured between two stock engines of DeepSeek-V4.1 whose first
-    layer compresses: 228,852 of 1,683,232 bytes D read were left, the request completed;
-    vLLM 0.31.0's Qwen4Exp moves 5,120 of its embeddings' 18,432), and the region
-    advertises its longest page: a stock peer's region then differs, and the pair is
-    refused at the handshake, by name."""
-    from vllm.v1.kv_cache_interface import MambaSpec, MLAAttentionSpec, SlidingWindowMLASpec
+    or one stock moves apart (``moved_apart``: :func:`states_moved_apart`). Otherwise
+    stock leaves a page's tail behind (measured between two stock engines of DeepSeek-V4.1
+    whose first layer compresses: 228,852 of 1,683,232 bytes D read were left, the request
+    completed; vLLM 0.31.0's Qwen4Exp moves 5,120 of its embeddings' 18,432), and the
+    region advertises its longest page: a stock peer's region then differs, and the pair
+    is refused at the handshake, by name."""
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec, SlidingWindowMLASpec
 
-    at: dict[int, dict[str, Any]] = {}
-    ple: int | None = None
+    at: dict[int, _Address] = {}
     for name, view in kv_caches.items():
         spec = specs[name]
         page = int(spec.page_size_bytes)
@@ -253,32 +280,41 @@ def page_regions(
                 f"layer {name}: its view {tuple(view.shape)} is not {num_blocks} rows of at "
                 f"least its page ({page} bytes, rows of {stride})"
             )
-        replicated = isinstance(spec, MambaSpec) and bool(spec.tp_replicated)
-        if replicated and version >= 14:
-            ple = page
-        found = at.setdefault(
-            base,
-            {"name": name, "stock": page, "pages": [], "stride": stride,
-             "group": group_of[name], "view": view},
-        )  # fmt: skip
-        if found["pages"] and isinstance(spec, MLAAttentionSpec | SlidingWindowMLASpec):
-            found["stock"] = page
-        moved_apart = isinstance(spec, MambaSpec) and (not replicated or version >= 14)
-        found["pages"].append((page, moved_apart))
-        if found["group"] != group_of[name]:
-            found["group"] = SHARED_GROUP_ID
-    regions = []
-    for base, found in at.items():
-        longest = max(page for page, _ in found["pages"])
-        stock = found["stock"]
-        covered = all(page <= stock or apart for page, apart in found["pages"])
-        regions.append(
-            _region(
-                found["view"], base, stock if covered else longest, found["stride"],
-                num_blocks, found["group"], found["name"], extent=longest,
-            )
-        )  # fmt: skip
-    return regions, ple
+        found = at.setdefault(base, _Address(name, view, stride, group_of[name], page))
+        if found.pages and isinstance(spec, MLAAttentionSpec | SlidingWindowMLASpec):
+            found.advertised = page
+        found.pages.append((page, moved_apart(spec)))
+        if found.group != group_of[name]:
+            found.group = SHARED_GROUP_ID
+    return [found.region(base, num_blocks) for base, found in at.items()]
+
+
+def replicated_state_len(specs: Mapping[str, Any], version: int) -> int | None:
+    """Metadata v14's ``ple_block_len``: the page of the one TP-replicated state (Qwen4Exp's
+    per-layer embeddings'), which a stock engine from that version moves apart with its
+    own length; None before v14 or without exactly one such layer (stock refuses several)."""
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    replicated = [s for s in specs.values() if isinstance(s, MambaSpec) and s.tp_replicated]
+    if version < 14 or len(replicated) != 1:
+        return None
+    return int(replicated[0].page_size_bytes)
+
+
+def states_moved_apart(ssm: tuple[int, int], ple_block_len: int | None) -> Callable[[Any], bool]:
+    """Whether a stock engine moves a layer's page apart from its region's advertised
+    length: a TP-sharded state whose arrays are the advertised ``ssm`` (stock moves every
+    state region by those sizes), or the replicated one ``ple_block_len`` names."""
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    def apart(spec: Any) -> bool:
+        if not isinstance(spec, MambaSpec):
+            return False
+        if spec.tp_replicated:
+            return ple_block_len is not None
+        return state_sizes(spec) == ssm
+
+    return apart
 
 
 def row_regions(
@@ -317,17 +353,6 @@ def row_regions(
     groups = {group_of[name] for name in names}
     group = groups.pop() if len(groups) == 1 else SHARED_GROUP_ID
     return [_region(first, base, stride, stride, num_blocks, group, names[0])]
-
-
-def token_block_size(sizes: tuple[int, ...], kinds: tuple[RegionKind, ...]) -> int:
-    """The least common multiple of the block sizes of the groups of tokens among rows of
-    several block sizes (0 without rows)."""
-    if not sizes:
-        return 0
-    positional = (RegionKind.RING, RegionKind.SSM)
-    return math.lcm(
-        *(size for size, kind in zip(sizes, kinds, strict=True) if kind not in positional)
-    )
 
 
 def layer_geometry(
@@ -369,14 +394,16 @@ def layer_geometry(
     ple_block_len = None
     if sizes and rings:
         specs = layer_specs(kv_cache_config)
-        regions, ple_block_len = page_regions(moved, num_blocks, group_of, specs, config.version)
+        ple_block_len = replicated_state_len(specs, config.version)
+        apart = states_moved_apart(ssm_sizes(kv_cache_config), ple_block_len)
+        regions = page_regions(moved, num_blocks, group_of, specs, apart)
     elif sizes:
         regions = row_regions(moved, num_blocks * ratio, layout_name, group_of)
     else:
         n = num_blocks * ratio
         regions = layer_regions(moved, n, layout_name, group_of, states, allocation_order=rings)
     # Rows of MLA pages are every rank's (one head); rows of GQA pages or states its own.
-    replicated = bool(model.use_mla) or (bool(sizes) and rows_replicated(kv_cache_config))
+    replicated = rows_replicated(kv_cache_config) if sizes else bool(model.use_mla)
     return KVGeometry(
         regions=regions,
         physical_blocks_per_logical=ratio,
@@ -390,7 +417,11 @@ def layer_geometry(
         # the groups differ (4 for V4, in the scheduler and in an in-process worker);
         # stock advertises the least common multiple of the groups of tokens (a ring's
         # or a state's block holds none), and so does kvwire.
-        block_size=token_block_size(sizes, kinds) or int(vllm_config.cache_config.block_size),
+        block_size=(
+            math.lcm(*token_group_sizes(sizes, kinds))
+            if sizes
+            else int(vllm_config.cache_config.block_size)
+        ),
         total_kv_heads=1 if replicated else model.get_total_num_kv_heads(),
         tp_rank=config.tp_rank,
         tp_size=config.tp_size,

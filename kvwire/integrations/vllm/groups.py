@@ -84,7 +84,11 @@ def group_kinds(kv_cache_config: Any, block_size: int) -> tuple[RegionKind, ...]
                 "holds the whole prompt so far (every group has a sliding window, a ring or "
                 "a state)"
             )
-        return tuple(_row_kind(group) for group in layers)
+        rows = tuple(_row_kind(g, group) for g, group in zip(ids, layers, strict=True))
+        states = [g for g, kind in zip(ids, rows, strict=True) if kind is RegionKind.SSM]
+        if states:
+            _check_conv_layout(states[0])
+        return rows
     first: tuple[Any, ...] | None = None
     kinds = []
     attention_page = 0
@@ -136,13 +140,22 @@ def group_kinds(kv_cache_config: Any, block_size: int) -> tuple[RegionKind, ...]
     return tuple(kinds)
 
 
-def _row_kind(layers: list[Any]) -> RegionKind:
-    """What a group of rows holds: its layers are all rings, all states, or attention."""
+def _row_kind(group_id: int, layers: list[Any]) -> RegionKind:
+    """What a group of rows holds: its layers are all rings, all states, or attention (a
+    group mixing them would be placed by one rule, by token or by position, and is
+    refused by name)."""
     from vllm.v1.kv_cache_interface import CircularBufferSpec, MambaSpec
 
     for spec_type, kind in ((CircularBufferSpec, RegionKind.RING), (MambaSpec, RegionKind.SSM)):
-        if all(type(s) is spec_type for s in layers):
+        count = sum(type(s) is spec_type for s in layers)
+        if count == len(layers):
             return kind
+        if count:
+            raise ConfigError(
+                f"KV-cache group {group_id} holds {spec_type.__name__} layers beside others: "
+                "KVWireConnector places a group's blocks by one rule, a ring's or a state's "
+                "by position, any other by token"
+            )
     return RegionKind.ATTENTION
 
 
@@ -264,6 +277,20 @@ def _check_state_group(group_id: int, spec: Any) -> None:
             f"KV-cache group {group_id}'s MambaSpec has {len(spec.shapes)} state arrays: "
             "KVWireConnector (as stock's ssm_sizes) moves a conv and a temporal state"
         )
+    _check_conv_layout(group_id)
+    kind = getattr(spec.mamba_type, "name", str(spec.mamba_type))
+    if kind not in _CONV_SPLITS:
+        raise ConfigError(
+            f"KV-cache group {group_id} is a {kind} MambaSpec: KVWireConnector moves "
+            f"{', '.join(sorted(_CONV_SPLITS))} state (a stock engine the same)"
+        )
+
+
+def _check_conv_layout(group_id: int) -> None:
+    """Conv states dim-first, as stock's transfer requires (it asserts so at startup):
+    state-first and dim-first states are the same size, so nothing a peer advertises or
+    hashes tells them apart, and a pair whose engines differ would move every state
+    transposed and complete the request."""
     from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
 
     if not is_conv_state_dim_first():
@@ -272,12 +299,6 @@ def _check_state_group(group_id: int, spec: Any) -> None:
             "VLLM_SSM_CONV_STATE_LAYOUT=SD): KVWireConnector, as stock, moves it only "
             "dim-first, where each TP rank's columns are one run; set "
             "VLLM_SSM_CONV_STATE_LAYOUT=DS on every engine of the deployment"
-        )
-    kind = getattr(spec.mamba_type, "name", str(spec.mamba_type))
-    if kind not in _CONV_SPLITS:
-        raise ConfigError(
-            f"KV-cache group {group_id} is a {kind} MambaSpec: KVWireConnector moves "
-            f"{', '.join(sorted(_CONV_SPLITS))} state (a stock engine the same)"
         )
 
 
@@ -345,11 +366,14 @@ def ssm_sizes(kv_cache_config: Any) -> tuple[int, int]:
     spec = _mamba_spec(kv_cache_config)
     if spec is None:
         return (0, 0)
-    conv, temporal = (
-        math.prod(shape) * _itemsize(dtype)
-        for shape, dtype in zip(spec.shapes, spec.dtypes, strict=True)
-    )
-    return int(conv), int(temporal)
+    conv, temporal = state_sizes(spec)
+    return conv, temporal
+
+
+def state_sizes(spec: Any) -> tuple[int, ...]:
+    """Bytes of each array of a Mamba spec's state on this rank."""
+    sizes = zip(spec.shapes, spec.dtypes, strict=True)
+    return tuple(int(math.prod(shape) * _itemsize(dtype)) for shape, dtype in sizes)
 
 
 @dataclass(frozen=True)

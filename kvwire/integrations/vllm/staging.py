@@ -84,7 +84,7 @@ class HostStaging:
             key = next(k for k, t in self._host.items() if self._owns(t, region.base_addr))
             host, device = self._host[key], self._device[key]
             offset = region.base_addr - int(host.data_ptr())
-            shape, strides = (region.num_blocks, region.block_len), (region.block_stride, 1)
+            shape, strides = (region.num_blocks, region.extent), (region.block_stride, 1)
             self._regions.append(
                 (
                     torch.as_strided(device, shape, strides, offset),
