@@ -357,7 +357,8 @@ class _Unheld(Exception):
 
 def _state_chunks(p_ids: IntArray, c_ids: IntArray) -> _Chunks:
     """SSM state pages pair by position from the end of the producer's list: a longer
-    producer list carries states the consumer already has."""
+    producer list carries states the consumer already has (a shorter one is refused
+    before this: the consumer's last blocks would keep what they held)."""
     n = min(len(p_ids), len(c_ids))
     zeros = np.zeros(n, dtype=np.int64)
     return _Chunks(
@@ -890,6 +891,12 @@ class PeerLayout:
                             f"region {cluster.labels[0]} holds a state or a ring for the "
                             f"producer's {p_end} tokens, and the consumer's lists end at token "
                             f"{end}: a state is for one token count"
+                        )
+                    if len(c_ids) > len(p_ids):
+                        raise _error(p_who)(
+                            f"{p_who} block ids of KV-cache group {cluster.p_group}: "
+                            f"{len(p_ids)} for a state or a ring the consumer holds in "
+                            f"{len(c_ids)}: each of its blocks would be left as it was"
                         )
                     chunks = _state_chunks(p_ids, c_ids)
                 else:

@@ -145,6 +145,18 @@ def run(r: Rows) -> None:
                     at = b * r.row + layer * PAGE
                     buf[at : at + PAGE] = page(g, layer, start(r, g, len(ids)) + i, rank)
     num_tokens = r.tokens if r.with_count else None
+    short = [g for g in range(len(r.sizes)) if r.positional(g) and r.d_counts[g] > r.p_counts[g]]
+    if short:  # D's ring or state past P's list would keep what it held: refused
+        p_geo, d_geo = geometry(r, 0, 0), geometry(r, 1, 0)
+        if r.mode == "pull":
+            layout = PeerLayout(d_geo, RemoteGeometry.from_local(p_geo), mode="pull")
+            refused, lists = RemoteProtocolError, (d_ids, p_ids)
+        else:
+            layout = PeerLayout(p_geo, RemoteGeometry.from_local(d_geo), mode="push")
+            refused, lists = LocalProtocolError, (p_ids, d_ids)
+        with pytest.raises(refused, match="would be left as it was"):
+            layout.plan(*lists, num_tokens=num_tokens)
+        return
     for d_rank in range(r.d_tp):
         d_buf = np.full(POOL * r.row, SENTINEL, np.uint8)
         written = np.zeros(POOL, dtype=np.int64)
@@ -188,20 +200,17 @@ def check(
     rank: int,
 ) -> None:
     """Each of D's blocks holds its group's pages of its position, from one P rank (its
-    own rank's, for rank-own rows); a block before P's list is zero, a ring's or a
-    state's block past P's shorter list untouched; no other row is touched."""
+    own rank's, for rank-own rows); a block before P's list is zero; no other row is
+    touched."""
     mine = np.zeros(POOL, dtype=bool)
     for g, ids in enumerate(d_ids):
         p_first = start(r, g, len(p_ids[g]))
         paired = min(len(ids), len(p_ids[g]))
         for i, b in enumerate(ids.tolist()):
             mine[b] = True
-            # D's first ``paired`` ring or state blocks take P's last ones, in order.
+            # D's ring or state blocks take P's last ones, in order.
             position = i - paired if r.positional(g) else start(r, g, len(ids)) + i
             row = d_buf[b * r.row : (b + 1) * r.row]
-            if r.positional(g) and i >= paired:
-                assert (row == SENTINEL).all() and written[b] == 0, f"group {g} block {b}, {r}"
-                continue
             if position < p_first:
                 assert (row == 0).all() and written[b] == 0, f"group {g} block {b}, {r}"
                 continue
