@@ -79,6 +79,15 @@ def test_qwen4exp(zygote: Zygote, pair: str, mode: str) -> None:
 
 
 @pytest.mark.parametrize("mode", ["pull", "push"])
+def test_qwen4exp_tensor_parallel(zygote: Zygote, mode: str) -> None:
+    """TP 2 to 2 between kvwire engines: each rank's rows are its own (its attention
+    heads, its shard of every GDN state; the embeddings' state the same on both), and D
+    rank r holds, byte for byte, what P rank r computed (content differs by rank)."""
+    state, _ = pair_moved(zygote, "kvwire-nixl", "2-2", mode, PROMPTS, geo=GEO, **Q4)
+    assert_moved(state, PROMPTS, 2)
+
+
+@pytest.mark.parametrize("mode", ["pull", "push"])
 def test_qwen4exp_without_prefix_caching(zygote: Zygote, mode: str) -> None:
     """Prefix caching off: one state a request (``mamba_cache_mode`` "none"), in blocks
     of the model's whole length, longer than any block of tokens."""
