@@ -17,6 +17,7 @@ page there, and a stock peer is refused at the handshake, by one side or the oth
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import pytest
@@ -45,9 +46,11 @@ the first; both leave a ring of 4 half open."""
 STOCK = ["stock-P-kvwire-D", "kvwire-P-stock-D"]
 
 
+@functools.cache
 def checked_bytes(prompt: int, tp: int = 1) -> int:
     """What one D rank checks of a prompt whose last token D computes (a state's rule):
-    from the specs of the model's own classes and vLLM's own grouping."""
+    from the specs of the model's own classes and vLLM's own grouping (built once per
+    prompt and TP size: a vLLM config and two rounds of specs each time)."""
     import qwen4exp
     import vllm_engine
 
