@@ -49,6 +49,9 @@ class PeerAgent:
         self.timeout = timeout
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         self._chan = ours
+        self._in_step = False
+        """A command was sent, or a reply read, only in part or not answered yet: Ctrl-C
+        landed mid-call, the channel is out of step, and :meth:`close` only kills."""
         cmd = [
             sys.executable,
             "-m",
@@ -91,6 +94,7 @@ class PeerAgent:
             code = self.process.poll()
             raise PeerAgentError("Gone", f"no answer ({exc}); exit status {code}") from exc
         reply = p.reply_decoder.decode(raw)
+        self._in_step = False
         if "error" in reply:
             raise PeerAgentError(*reply["error"])
         return reply["ok"]
@@ -102,6 +106,7 @@ class PeerAgent:
 
     def start(self, request: Any) -> None:
         """Send a command without waiting; :meth:`finish` collects its answer."""
+        self._in_step = True
         send_frame(self._chan, p.request_encoder.encode(request))
 
     def finish(self, timeout: float | None = None) -> Any:
@@ -150,7 +155,7 @@ class PeerAgent:
 
     def close(self, timeout: float = 30.0) -> None:
         """Close the peer's transport, let it exit, and reap it (killed after ``timeout``)."""
-        if self.process.poll() is None:
+        if self.process.poll() is None and not self._in_step:
             try:
                 self.call(p.Close(), timeout=timeout)
                 self.process.wait(timeout=timeout)

@@ -3,6 +3,7 @@ helpers, errors handed to ``finish``, and a stop that leaves nothing running."""
 
 from __future__ import annotations
 
+import random
 import threading
 from collections.abc import Callable
 
@@ -308,3 +309,74 @@ def test_start_now_wakes_a_drain_when_it_leaves_a_private_split_to_the_worker() 
     starter.join(30)
     drained.join(30)
     assert not drained.is_alive(), "drain was not woken when start_now let go of the executor"
+
+
+class _Interrupt(KeyboardInterrupt):
+    """Ctrl-C as Python raises it in the main thread: in the middle of whatever ran."""
+
+
+@pytest.mark.parametrize("seed", range(24))
+def test_an_interrupted_chunk_ends_its_split_and_frees_the_executor(seed: int) -> None:
+    """Ctrl-C raised in a chunk (on the thread that ran it: a helper in ``wait``, or a
+    small transfer run in ``read``) goes on up, and still ends the split: ``finish`` gets
+    it, nothing more is claimed, the next job starts, and ``drain`` returns."""
+    rng = random.Random(seed)
+    how = rng.choice(["helped", "run_now", "worker"])
+    count = rng.randint(2 if how == "helped" else 1, 6)  # one chunk is never handed out
+    cut = rng.randrange(count)
+    ran: list[int] = []
+    ended: list[BaseException | None] = []
+
+    def chunk(i: int) -> Callable[[], None]:
+        def run() -> None:
+            ran.append(i)
+            if i == cut:
+                raise _Interrupt
+
+        return run
+
+    split = Split([chunk(i) for i in range(count)], ended.append, shared=how == "helped")
+    executor = Executor()
+    with pytest.raises(_Interrupt):
+        if how == "run_now":
+            assert executor.run_now(lambda: split)
+        else:
+            executor.submit(lambda: split)
+            if how == "helped":
+                assert executor.step(), "the worker's turn starts the job and hands it out"
+            while executor.step() if how == "worker" else executor.help():
+                pass
+            pytest.fail(f"the interrupt in chunk {cut} was lost")
+    assert ran == list(range(cut + 1)), "a chunk ran after the interrupt"
+    assert len(ended) == 1 and isinstance(ended[0], _Interrupt)
+    assert not executor.help(), "a chunk was claimed after the interrupt"
+    assert executor.exclusive(lambda: None), "the interrupt left the executor busy"
+    executor.stop()
+    executor.drain()
+
+
+def test_an_interrupted_helper_leaves_finish_to_the_chunk_still_running() -> None:
+    executor = Executor()
+    worker_in = threading.Event()
+    go_on = threading.Event()
+    ended: list[BaseException | None] = []
+
+    def slow() -> None:
+        worker_in.set()
+        assert go_on.wait(30)
+
+    def interrupted() -> None:
+        raise _Interrupt
+
+    executor.submit(lambda: Split([slow, interrupted, slow], ended.append))
+    worker = _Worker(executor)
+    try:
+        assert worker_in.wait(30)
+        with pytest.raises(_Interrupt):
+            executor.help()
+        assert not ended, "finished while the worker's chunk still ran"
+        go_on.set()
+    finally:
+        worker.stop()
+        executor.drain()
+    assert len(ended) == 1 and isinstance(ended[0], _Interrupt)

@@ -485,3 +485,52 @@ def test_a_bug_fails_that_transfer_and_the_worker_lives_on(
     finally:
         a.close()
         b.close()
+
+
+@pytest.mark.parametrize("where", ["few", "inline", "helped"])
+def test_ctrl_c_in_a_copy_fails_that_transfer_and_close_returns(
+    monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    """Ctrl-C lands in the copy the main thread is running (a small transfer in ``read``,
+    or a chunk it helps with in ``wait``): the interrupt goes on up, that transfer FAILS,
+    the next one moves, and ``close`` returns (it once waited forever for the chunk)."""
+    a, b = _pair()
+    try:
+        rows = {"few": 2, "inline": 16, "helped": 128}[where]
+        src = np.full(rows * 4096, 5, dtype=np.uint8)
+        dst = np.zeros(rows * 4096, dtype=np.uint8)
+        a.register([region_of_array(dst)])
+        b.register([region_of_array(src)])
+        peer = a.add_peer(b.local_metadata())
+        offsets = np.arange(rows, dtype=np.int64) * 4096
+        lengths = np.full(rows, 2048, dtype=np.int64)  # half of each row: nothing coalesces
+        local = _descs(dst.ctypes.data, offsets, lengths)
+        remote = _descs(src.ctypes.data, offsets, lengths)
+        interrupted = threading.Event()
+
+        def copy(*_: object, **__: object) -> None:
+            if threading.current_thread() is threading.main_thread():
+                interrupted.set()
+                raise KeyboardInterrupt  # where Python raises a real Ctrl-C
+            assert interrupted.wait(30), "the main thread never helped"
+
+        with monkeypatch.context() as patch:
+            patch.setattr("kvwire_shm._cma.copy_few", copy)
+            for name in ("chunks", "native_chunks", "planned_chunks"):
+                patch.setattr(f"kvwire_shm._cma.{name}", lambda *_, **__: [copy] * 4)
+            with pytest.raises(KeyboardInterrupt):
+                handle = a.read(peer, local, remote)
+                assert where == "helped", "a small transfer is copied in read"
+                wait_for(a, handle, timeout=30)
+        (cut,) = a._xfers  # the handle read never returned, for the small ones
+        assert wait_for(a, cut, timeout=30) is XferState.FAILED
+        assert "interrupted (KeyboardInterrupt)" in (a.failure_reason(cut) or "")
+        a.release(cut)
+        assert wait_for(a, a.read(peer, local, remote), timeout=30) is XferState.DONE
+        assert (dst.reshape(rows, 4096)[:, :2048] == 5).all()
+    finally:
+        closing = threading.Thread(target=a.close, daemon=True)
+        closing.start()
+        closing.join(30)
+        assert not closing.is_alive(), "close waited for a chunk nobody runs"
+        b.close()

@@ -53,6 +53,14 @@ class Split:
 Job = Callable[[], Split | None]
 
 
+def _raise_interrupt(exc: BaseException) -> None:
+    """Re-raise a Ctrl-C or SIGTERM (a helper is often the main thread, where Python raises
+    them): the chunk it cut short still ends its split, so ``finish`` reports the transfer
+    and a later :meth:`Executor.drain` cannot wait forever for a chunk nobody runs."""
+    if not isinstance(exc, Exception):
+        raise exc
+
+
 def _started(split: Split) -> Split:
     """A job whose start already ran (see :meth:`Executor.start_now`)."""
     return split
@@ -198,30 +206,33 @@ class Executor:
 
     def _run_whole(self, split: Split) -> None:
         """Run ``split``'s chunks here, back to back (nothing to hand out), then finish."""
-        for chunk in split.chunks:
-            try:
+        try:
+            for chunk in split.chunks:
                 chunk()
-            except Exception as exc:  # handed to finish, as from a shared chunk
-                split.error = exc
-                break
-        self._finish(split)
+        except BaseException as exc:  # handed to finish, as from a shared chunk
+            split.error = exc
+            _raise_interrupt(exc)
+        finally:
+            self._finish(split)
 
     def _run(self, split: Split, chunk: Chunk) -> None:
         error: BaseException | None = None
         try:
             chunk()
-        except Exception as exc:  # handed to finish; the job decides what it means
+        except BaseException as exc:  # handed to finish; the job decides what it means
             error = exc
-        with self._cond:
-            split.running -= 1
-            if error is not None and split.error is None:
-                split.error = error
-                split.next = len(split.chunks)  # claim nothing more
-            last = split.next >= len(split.chunks) and split.running == 0
+            _raise_interrupt(exc)
+        finally:
+            with self._cond:
+                split.running -= 1
+                if error is not None and split.error is None:
+                    split.error = error
+                    split.next = len(split.chunks)  # claim nothing more
+                last = split.next >= len(split.chunks) and split.running == 0
+                if last:
+                    self._split = None
             if last:
-                self._split = None
-        if last:
-            self._finish(split)
+                self._finish(split)
 
     def _finish(self, split: Split) -> None:
         try:

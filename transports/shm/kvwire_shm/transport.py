@@ -501,6 +501,9 @@ class ShmTransport:
                 _memcopy.copy_few(dst, src, length)
         except Exception as exc:  # expected or a bug: either way this transfer FAILS
             error = exc
+        except BaseException as exc:  # Ctrl-C on the caller's thread: it FAILS, and goes on
+            self._end(xfer, exc)
+            raise
         self._end(xfer, error)
 
     def _xfer(self, handle: object) -> _Xfer:
@@ -708,6 +711,8 @@ class ShmTransport:
         FAILED with the reason; nothing for a transfer released or closed midway."""
         if isinstance(error, _Aborted) or xfer.released:
             return
+        if error is not None and not isinstance(error, Exception):  # the copy was cut short
+            error = TransferFailedError(f"interrupted ({type(error).__name__})")
         try:
             if error is not None:
                 raise error
