@@ -12,7 +12,7 @@ I/O; the machines and the runtime sit above it.
 
 from __future__ import annotations
 
-from kvwire.layout.alignment import PeerPolicy, validate_peer
+from kvwire.layout.alignment import PeerPolicy, check_producer, validate_peer
 from kvwire.layout.descs import (
     BlockIds,
     Descs,
@@ -54,5 +54,6 @@ __all__ = [
     "parse_layout",
     "plan_read",
     "plan_write",
+    "check_producer",
     "validate_peer",
 ]

@@ -482,3 +482,15 @@ def validate_peer(
         _check_pair(local, remote, pair, problems)
     problems.raise_if_any()
     return pairs
+
+
+def check_producer(consumer: KVGeometry, producer: RemoteGeometry) -> None:
+    """What a consumer that posts nothing (pushed to) checks of its producer: the pairing a
+    pulling consumer would make, the bytes flowing the same way, so a producer that writes
+    by its own rules (vLLM's) cannot end a request done with bytes that are not its own.
+    A producer of another pipeline split is left to its own plan: only the stage side
+    finds its window among a peer's regions (:func:`_stage_window`), and from here a
+    stage's fewer regions would be refused though its plan pairs them. Raises
+    :class:`IncompatiblePeerError` listing every problem."""
+    if producer.pp_size == consumer.pp_size:
+        validate_peer(consumer, producer, mode="pull")

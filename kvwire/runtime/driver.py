@@ -46,7 +46,13 @@ from kvwire.errors import (
     UnpreparedTablesError,
     WireDecodeError,
 )
-from kvwire.layout import PeerLayout, TransferPlan, empty_descs, topology
+from kvwire.layout import (
+    PeerLayout,
+    TransferPlan,
+    check_producer,
+    empty_descs,
+    topology,
+)
 from kvwire.layout.geometry import KVGeometry, RemoteGeometry
 from kvwire.logs import get_logger
 from kvwire.machine import (
@@ -641,6 +647,7 @@ class Driver:
                 layouts = self._peer_layouts(action, result)
                 self._check_vllm_consumer(action.engine_id, result, layouts)
                 self._check_vllm_pusher(action, result)
+                self._check_producer(action, result)
                 if not used or self._store_unchanged(action.engine_id, used):
                     break
         except KVWireError as exc:
@@ -762,6 +769,19 @@ class Driver:
                     f"tokens, and this consumer's hold {ours}: vLLM's push producer writes "
                     "only into blocks of its own size; give both engines one block size"
                 )
+
+    def _check_producer(self, action: StartHandshake, result: PeerHandshake) -> None:
+        """A push consumer posts nothing, so no plan of its own checks the producer's
+        geometry: a kvwire producer's plan does, but a vLLM producer writes by its own
+        rules whatever it pairs with (measured: vLLM 0.32.0 pushing Glm5Next's rows from
+        TP 1 into TP 2 ended the request done with most of its bytes wrong). So this
+        consumer checks every producer rank (``check_producer``) and refuses, by name,
+        before it registers any block."""
+        if self.role != "consumer" or self.config.mode != "push":
+            return
+        assert self.geometry is not None
+        for rank, md in result.metadata.items():
+            check_producer(self.geometry, _remote_geometry(action, rank, md))
 
     def _fetch_peer(
         self, action: StartHandshake, ranks: Sequence[RemoteRank]
