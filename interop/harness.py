@@ -354,6 +354,7 @@ class SchedulerEngine:
         v4_bf16: bool = False,
         v41: bool = False,
         qwen4exp: bool = False,
+        glm5next: bool = False,
     ) -> None:
         """``engine_id`` and ``port``: a restarted engine keeps its predecessor's;
         ``scheduler``: ``batch_tokens`` (tokens per step) and ``chunk_tokens`` (per request
@@ -387,7 +388,8 @@ class SchedulerEngine:
         bf16 rather than the ``fp8_ds_mla`` V4 resolves to on CPU and FlashMLA;
         ``qwen4exp``: Qwen4Exp's caches over ``geo``'s layers (vLLM's own classes,
         alignment, grouping and allocation; ``layout`` BLHNC or BLNHC), each page filled and
-        checked whole, each TP rank's its own."""
+        checked whole, each TP rank's its own; ``glm5next``: Glm5Next's caches likewise
+        (``layout`` BLHNC, the one its indexer's tail ring takes in vLLM 0.32.0)."""
         self.role = role
         self.tp = tp
         extra_config = dict(extra_config or {})
@@ -418,7 +420,7 @@ class SchedulerEngine:
             "kernel_block": kernel_block, "layerwise": layerwise, "prefix_caching": prefix_caching,
             "kv_role": kv_role, "multimodal": multimodal, "deepseek_v4": deepseek_v4,
             "bf16": v4_bf16, "v41": v41, "qwen4exp": qwen4exp,
-            **(scheduler or {}),
+            "glm5next": glm5next, **(scheduler or {}),
         }  # fmt: skip
         self.peer = Peer(start, zygote, env)
         self.state: dict[str, Any] = {}

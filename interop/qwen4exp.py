@@ -17,6 +17,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
+from built_caches import resolve_layout
 
 GDN, QSA = "linear_attention", "qwen_sparse_attention"
 """Layer types as Qwen4Exp's HF config names them (``layer_types``)."""
@@ -208,20 +209,6 @@ def align_block_size(vllm_config: Any, caches: dict[str, Any], by_cache: dict[st
         ModelRegistry.resolve_model_cls = resolve
 
 
-def resolve_layout(vllm_config: Any, caches: dict[str, Any], by_cache: dict[str, Any]) -> str:
-    """The layout vLLM's engine core resolves from the backends and the specs (the
-    indexers' backend takes block-outermost layouts only), recorded on the cache config."""
-    from vllm.v1.attention.backends.utils import (
-        get_supported_kv_cache_layouts,
-        resolve_kv_cache_layout,
-    )
-
-    distinct = list(dict.fromkeys(by_cache.values()))
-    names = [layout.name for layout in get_supported_kv_cache_layouts(distinct)]
-    layout = resolve_kv_cache_layout(vllm_config, [names], list(caches.values()))
-    return str(layout.name)
-
-
 def build(vllm_config: Any, layers: int, kv_heads: int, head_dim: int) -> tuple[dict, dict]:
     """The model's specs and backends, configured, aligned and laid out as vLLM does: the
     specs are made twice, once to size the block and once at the aligned size."""
@@ -232,29 +219,3 @@ def build(vllm_config: Any, layers: int, kv_heads: int, head_dim: int) -> tuple[
     caches = specs(vllm_config)
     resolve_layout(vllm_config, caches, by_cache)
     return caches, by_cache
-
-
-def checked_pages(vllm_config: Any, caches: dict[str, Any]) -> tuple[list, int]:
-    """(per token group vLLM makes of the caches: block tokens, 0 (no window), each
-    layer's page bytes; the bytes of every ring's and state's page, moved whole), from
-    the specs and vLLM's own grouping: what a D rank checks of a prompt."""
-    import math
-
-    from vllm.v1.core.kv_cache_utils import get_kv_cache_groups
-    from vllm.v1.kv_cache_interface import CircularBufferSpec, MambaSpec
-
-    def real(spec: Any) -> int:
-        if isinstance(spec, MambaSpec):
-            sizes = zip(spec.shapes, spec.dtypes, strict=True)
-            return sum(math.prod(shape) * dtype.itemsize for shape, dtype in sizes)
-        return int(spec.real_page_size_bytes)
-
-    tokens, running = [], 0
-    for group in get_kv_cache_groups(vllm_config, caches):
-        first = caches[group.layer_names[0]]
-        pages = [real(caches[name]) for name in group.layer_names]
-        if isinstance(first, CircularBufferSpec | MambaSpec):
-            running += sum(pages)
-        else:
-            tokens.append((int(first.block_size), 0, pages))
-    return tokens, running

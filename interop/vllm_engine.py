@@ -34,6 +34,7 @@ from dataclasses import dataclass, replace
 from types import SimpleNamespace
 from typing import Any
 
+import glm5next
 import numpy as np
 import qwen4exp
 import torch
@@ -148,10 +149,10 @@ def deepseek_v4_start(start: dict[str, Any]) -> dict[str, Any]:
 
 
 def rows_unfit(start: dict[str, Any], **more: bool) -> list[str]:
-    """The keys of ``start`` a model of rows (DeepSeek-V4's, Qwen4Exp's) does not run with,
-    of a block-outermost layout (their indexers' backends take no other), the hybrid
-    manager (without which vLLM cannot keep their groups apart), not layerwise, and
-    ``more`` (each key: whether it fits)."""
+    """The keys of ``start`` a model of rows (DeepSeek-V4's, Qwen4Exp's, Glm5Next's) does
+    not run with, of a block-outermost layout (their indexers' backends take no other),
+    the hybrid manager (without which vLLM cannot keep their groups apart), not layerwise,
+    and ``more`` (each key: whether it fits)."""
     fits = {
         "layout": start.get("layout") in ("BLHNC", "BLNHC"),
         "hma": start.get("hma") is not False,
@@ -495,7 +496,7 @@ def engine_core_block_size(vllm_config: Any, kv_cache_config: Any) -> None:
 
 @dataclass
 class PagedGroup:
-    """One KV-cache group of an engine whose groups are rows (DeepSeek-V4, Qwen4Exp),
+    """One KV-cache group of an engine whose groups are rows (DeepSeek-V4, Qwen4Exp, Glm5Next),
     filled and checked page by page: each layer's page of a block id (its bytes in the
     block's row) holds content of its own."""
 
@@ -1077,13 +1078,15 @@ class EnginePart:
         if start.get("deepseek_v4"):
             start = deepseek_v4_start(start)
         v4 = start.get("deepseek_v4")
-        q4 = bool(start.get("qwen4exp"))
-        if q4 and (wrong := rows_unfit(start)):
+        by_classes = next((m for m in ("qwen4exp", "glm5next") if start.get(m)), "")
+        """Qwen4Exp or Glm5Next: caches built by the model's own classes (the module of
+        that name)."""
+        if by_classes and (wrong := rows_unfit(start)):
             raise ValueError(
-                f"a Qwen4Exp engine runs BLHNC or BLNHC, the hybrid manager, not layerwise: "
-                f"not {wrong}"
+                f"a {by_classes} engine runs BLHNC or BLNHC, the hybrid manager, not "
+                f"layerwise: not {wrong}"
             )
-        rows = bool(v4) or q4
+        rows = bool(v4 or by_classes)
         """The model's groups are rows of one buffer, filled and checked page by page."""
         if start.get("host_buffer"):
             from kvwire.integrations.vllm import staging
@@ -1102,7 +1105,9 @@ class EnginePart:
         self.vllm_config.parallel_config.tensor_parallel_size = tp
         self.layout = start["layout"]
         backends: dict[str, Any] | None = None
-        if q4:
+        if by_classes == "glm5next":
+            row_specs, backends = glm5next.build(self.vllm_config, self.spec.layers)
+        elif by_classes == "qwen4exp":
             model = self.spec.model
             row_specs, backends = qwen4exp.build(
                 self.vllm_config, self.spec.layers, model.kv_heads, model.head_dim

@@ -456,8 +456,8 @@ def _spec(kind: str) -> Any:
         "ring": lambda: CircularBufferSpec(block_size=32, **page),
         "ring-8": lambda: CircularBufferSpec(block_size=8, **{**page, "head_size": 512}),
         "ring-keys": lambda: CircularBufferSpec(block_size=32, head_size_v=0, **page),
-        # stock moves this; kvwire not yet (docs/vllm.md, hybrid models)
-        "static-sinks": lambda: SinkFullAttentionSpec(block_size=32, sink_len=4, **page),
+        # vLLM 0.31.0 and 0.32.0 cannot schedule it (test_vllm_cannot_schedule_static_sinks)
+        "static-sinks": lambda: SinkFullAttentionSpec(block_size=32, sink_len=32, **page),
         # R-SWA: the whole prompt when a prefill ends, as full attention
         "rswa": lambda: RSWASpec(block_size=32, rswa_window=64, **page),
         "chunked": lambda: ChunkedLocalAttentionSpec(
@@ -564,3 +564,34 @@ def test_groups_kvwire_cannot_move_are_refused_by_name(
     finally:
         monkeypatch.undo()
         mamba_utils.get_conv_state_layout.cache_clear()
+
+
+@pytest.mark.parametrize("caching", [True, False], ids=["prefix-caching", "no-prefix-caching"])
+def test_vllm_cannot_schedule_static_sinks(caching: bool) -> None:
+    """Why kvwire may refuse static sinks (openpangu's ``SinkFullAttentionSpec``) while
+    claiming every model stock serves: vLLM's own KV-cache manager, which its scheduler
+    builds at startup, cannot be made for such a group in these releases (its manager's
+    constructor lacks an argument vLLM passes every manager), so no engine of this vLLM
+    serves one, with either connector. Should a release mend it, this fails, and kvwire's
+    refusal (``static-sinks`` above) is to be replaced by moving them."""
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
+
+    groups = [KVCacheGroupSpec(["layer0", "layer1"], _spec("static-sinks"))]
+    config = KVCacheConfig(num_blocks=16, kv_cache_tensors=[], kv_cache_groups=groups)
+    with pytest.raises(TypeError, match="needs_kv_cache_zeroing"):
+        KVCacheManager(
+            config,
+            max_model_len=1024,
+            scheduler_block_size=32,
+            hash_block_size=32,
+            enable_caching=caching,
+        )
+    dense = [KVCacheGroupSpec(["layer0", "layer1"], _spec("full"))]
+    KVCacheManager(  # the same call for full attention starts
+        KVCacheConfig(num_blocks=16, kv_cache_tensors=[], kv_cache_groups=dense),
+        max_model_len=1024,
+        scheduler_block_size=32,
+        hash_block_size=32,
+        enable_caching=caching,
+    )

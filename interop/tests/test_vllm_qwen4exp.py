@@ -27,7 +27,6 @@ from harness import (
     Geometry,
     Zygote,
     engines,
-    held_bytes,
     move_all,
     pair_moved,
 )
@@ -48,9 +47,9 @@ STOCK = ["stock-P-kvwire-D", "kvwire-P-stock-D"]
 
 @functools.cache
 def checked_bytes(prompt: int, tp: int = 1) -> int:
-    """What one D rank checks of a prompt whose last token D computes (a state's rule):
-    from the specs of the model's own classes and vLLM's own grouping (built once per
-    prompt and TP size: a vLLM config and two rounds of specs each time)."""
+    """What one D rank checks of a prompt (built once per prompt and TP size: a vLLM
+    config and two rounds of specs each time)."""
+    import built_caches
     import qwen4exp
     import vllm_engine
 
@@ -59,12 +58,12 @@ def checked_bytes(prompt: int, tp: int = 1) -> int:
         "block_size": GEO.block_size, "connector": "NixlConnector", "role": "P",
         "engine_id": "q4-expected", **Q4,
     }  # fmt: skip
-    config = vllm_engine.build_vllm_config(start)
-    config.parallel_config.tensor_parallel_size = tp
     model = vllm_engine.preset(GEO.model)
-    caches, _ = qwen4exp.build(config, GEO.layers, model.kv_heads, model.head_dim)
-    tokens, running = qwen4exp.checked_pages(config, caches)
-    return held_bytes(tokens, prompt - 1) + running
+    return built_caches.checked_bytes(
+        start,
+        lambda config: qwen4exp.build(config, GEO.layers, model.kv_heads, model.head_dim)[0],
+        prompt,
+    )
 
 
 def assert_moved(state: dict[str, Any], prompts: dict[str, tuple[int, int]], tp: int = 1) -> None:
@@ -123,12 +122,12 @@ def test_qwen4exp_prefix_hits(zygote: Zygote, pair: str, mode: str) -> None:
     assert_moved(state, {"req-again": (45, 330)})
 
 
-def kvwire_refuses(pair: str, mode: str) -> bool:
-    """Whether the kvwire side refuses a pair that cannot move: the side that plans does,
-    D pulling, P pushing; but a pushed-to stock D refuses at its registration, before a
-    kvwire P hears of the request, and a pushed-to kvwire D plans nothing."""
-    p_conn, d_conn, _ = PAIRS[pair]
-    return d_conn == "KVWireConnector" and (mode == "pull" or p_conn == "KVWireConnector")
+def kvwire_refuses(pair: str) -> bool:
+    """Whether the kvwire side refuses a pair that cannot move: a kvwire D does, at its
+    handshake, pulling or pushed to (before it registers); a kvwire P pushing to a stock D
+    does not get to, the stock D refusing at its registration before P hears of the
+    request."""
+    return PAIRS[pair][1] == "KVWireConnector"
 
 
 def refused(zygote: Zygote, pair: str, p_tp: int, d_tp: int, mode: str) -> tuple[dict, str]:
@@ -164,7 +163,7 @@ def test_qwen4exp_beside_stock(zygote: Zygote, pair: str, tp: str, mode: str) ->
         return
     state, log = refused(zygote, pair, size, size, mode)
     assert state["failed"] == ["req-77"]
-    if kvwire_refuses(pair, mode):
+    if kvwire_refuses(pair):
         assert "region 0 (model.layers.0.ple) <-> remote 0 (model.layers.0.ple)" in log, log
     else:
         assert "PLE pages require identical P/D geometry" in log, log
@@ -177,13 +176,13 @@ def test_qwen4exp_between_unequal_tp_is_refused_at_the_handshake(
     zygote: Zygote, pair: str, tp: str, mode: str
 ) -> None:
     """A row holds a rank's own heads and state shards and moves whole: between unequal
-    TP sizes the pair is refused at the handshake, by name: by a kvwire side that plans
-    (D pulling, P pushing) as by a stock one (stock: heads split in a layout whose heads
-    are not contiguous; pushed, a stock D refuses at its registration), and D loads
-    nothing."""
+    TP sizes the pair is refused at the handshake, by name: by a kvwire D (pulling or
+    pushed to) or a kvwire P pushing, as by a stock side (stock: heads split in a layout
+    whose heads are not contiguous; pushed, a stock D refuses at its registration), and D
+    loads nothing."""
     p_tp, d_tp = (int(n) for n in tp.split("-"))
     _, log = refused(zygote, pair, p_tp, d_tp, mode)
-    if kvwire_refuses(pair, mode):
+    if kvwire_refuses(pair):
         assert "only between equal TP sizes" in log, log
     else:
         assert "Heterogeneous TP head-dimension splitting requires contiguous heads" in log, log
