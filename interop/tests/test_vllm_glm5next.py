@@ -164,16 +164,17 @@ def refused_031(zygote: Zygote, pair: str, p_tp: int, d_tp: int, mode: str) -> N
 
 
 def unequal(
-    zygote: Zygote, p_conn: str, d_conn: str, tp: str, mode: str, transport: str
-) -> tuple[dict, str]:
-    """D's state and log once a prompt went between engines of unequal TP sizes (short
-    timers: a refused P frees the prompt when its lease ends, a pushed-to D fails the
-    request when no registration came)."""
+    zygote: Zygote, p_conn: str, d_conn: str, tp: str, mode: str, transport: str,
+    timer: int = 5,
+) -> tuple[dict, str]:  # fmt: skip
+    """D's state and log once a prompt went between engines of unequal TP sizes; short
+    timers (``timer`` seconds) for a refused pair: a refused P frees the prompt when its
+    lease ends, a pushed-to D fails the request when no registration came."""
     p_tp, d_tp = (int(n) for n in tp.split("-"))
-    extra = {"transport": transport, "push_registration_timeout": 5}
+    extra = {"transport": transport, "push_registration_timeout": timer}
     with engines(
         zygote, p_conn, d_conn, {"tp": p_tp}, {"tp": d_tp}, geo=GEO, extra_config=extra,
-        mode=mode, lease=5, **G5,
+        mode=mode, lease=timer, **G5,
     ) as (p, d):  # fmt: skip
         state = move_all(p, d, {"req-77": PROMPTS["req-77"]})
         return state, "\n".join(d.peer.log)
@@ -216,8 +217,10 @@ def test_glm5next_from_a_kvwire_p_to_a_stock_d_of_another_tp_is_stocks_own_read(
     if PROTOCOL_VERSION < 14:
         refused_031(zygote, "kvwire-P-stock-D", 1, 2, "pull")
         return
-    from_stock, _ = unequal(zygote, "NixlConnector", "NixlConnector", "1-2", "pull", "nixl")
-    from_kvwire, _ = unequal(zygote, "KVWireConnector", "NixlConnector", "1-2", "pull", "nixl")
+    # The harness's usual lease: these reads succeed and must end inside it, under load too.
+    pair = ("1-2", "pull", "nixl", 30)
+    from_stock, _ = unequal(zygote, "NixlConnector", "NixlConnector", *pair)
+    from_kvwire, _ = unequal(zygote, "KVWireConnector", "NixlConnector", *pair)
     wrong, checked = from_stock["checked"]["req-77"]
     assert 0 < wrong < checked
     assert from_kvwire["checked"] == from_stock["checked"]
