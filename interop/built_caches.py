@@ -8,6 +8,24 @@ from collections.abc import Callable
 from typing import Any
 
 
+def align_hybrid_block_size(
+    vllm_config: Any, model_cls: Any, architecture: str, backend: Any
+) -> None:
+    """vLLM's own hybrid alignment (the attention block grows until its page holds the
+    largest state, every state page padded to it), with ``backend`` the first non-state
+    one, the model class answered by ``model_cls`` (the real class's module needs a
+    package the CPU venvs lack)."""
+    from vllm.model_executor.models import ModelRegistry
+    from vllm.platforms.interface import Platform
+
+    resolve = ModelRegistry.resolve_model_cls
+    ModelRegistry.resolve_model_cls = lambda *_a, **_k: (model_cls, architecture)
+    try:
+        Platform._align_hybrid_block_size(vllm_config, backend)
+    finally:
+        ModelRegistry.resolve_model_cls = resolve
+
+
 def resolve_layout(vllm_config: Any, caches: dict[str, Any], by_cache: dict[str, Any]) -> str:
     """The layout vLLM's engine core resolves from the backends and the specs (each of
     these models has a backend that takes block-outermost layouts only, or one), recorded

@@ -25,7 +25,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
-from built_caches import resolve_layout
+from built_caches import align_hybrid_block_size, resolve_layout
 
 KDA, MLA = "linear_attention", "full_attention"
 """Layer types as the checkpoint names them (``layer_types``); vLLM tells only KDA apart."""
@@ -221,7 +221,6 @@ def align_block_size(vllm_config: Any) -> None:
     pools of 4 tokens, the 128-token floor MLA sets is the 32 pools the indexer's kernel
     pages take; 0.31.0 aligns to larger pools on CUDA only, which this is not."""
     from vllm.model_executor.layers.mamba.abstract import MambaBase
-    from vllm.model_executor.models import ModelRegistry
     from vllm.platforms.interface import Platform
 
     layers = vllm_config.compilation_config.static_forward_context.values()
@@ -231,12 +230,7 @@ def align_block_size(vllm_config: Any) -> None:
         get_mamba_state_dtype_from_config=lambda _config: state.get_state_dtype(),
     )
     first = Platform._find_non_ssm_backends(vllm_config)[0]
-    resolve = ModelRegistry.resolve_model_cls
-    ModelRegistry.resolve_model_cls = lambda *_a, **_k: (model_cls, "Glm5NextForCausalLM")
-    try:
-        Platform._align_hybrid_block_size(vllm_config, first)
-    finally:
-        ModelRegistry.resolve_model_cls = resolve
+    align_hybrid_block_size(vllm_config, model_cls, "Glm5NextForCausalLM", first)
 
 
 def build(vllm_config: Any, layers: int, kpool: int = 4) -> tuple[dict, dict]:

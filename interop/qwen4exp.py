@@ -17,7 +17,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
-from built_caches import resolve_layout
+from built_caches import align_hybrid_block_size, resolve_layout
 
 GDN, QSA = "linear_attention", "qwen_sparse_attention"
 """Layer types as Qwen4Exp's HF config names them (``layer_types``)."""
@@ -195,18 +195,10 @@ def align_block_size(vllm_config: Any, caches: dict[str, Any], by_cache: dict[st
     """vLLM's own hybrid alignment (the attention block grows until its page holds the
     largest state, every state page padded to it), the model class's state specs answered
     from ``caches`` (its module imports ``compressed_tensors``)."""
-    from vllm.model_executor.models import ModelRegistry
-    from vllm.platforms.interface import Platform
-
     states = tuple(s for s in caches.values() if type(s).__name__ == "MambaSpec")
     model_cls = SimpleNamespace(get_mamba_specs_from_config=lambda _config: states)
     first = next(b for b in by_cache.values() if not b.is_ssm())
-    resolve = ModelRegistry.resolve_model_cls
-    ModelRegistry.resolve_model_cls = lambda *_a, **_k: (model_cls, "Qwen4ExpForCausalLM")
-    try:
-        Platform._align_hybrid_block_size(vllm_config, first)
-    finally:
-        ModelRegistry.resolve_model_cls = resolve
+    align_hybrid_block_size(vllm_config, model_cls, "Qwen4ExpForCausalLM", first)
 
 
 def build(vllm_config: Any, layers: int, kv_heads: int, head_dim: int) -> tuple[dict, dict]:
