@@ -48,7 +48,8 @@ def checked_pages(vllm_config: Any, caches: dict[str, Any]) -> tuple[list, int]:
     import math
 
     from vllm.v1.core.kv_cache_utils import get_kv_cache_groups
-    from vllm.v1.kv_cache_interface import CircularBufferSpec, MambaSpec
+    from vllm.v1.kv_cache_interface import MambaSpec
+    from vllm_engine import ring_specs
 
     def real(spec: Any) -> int:
         if isinstance(spec, MambaSpec):
@@ -60,7 +61,7 @@ def checked_pages(vllm_config: Any, caches: dict[str, Any]) -> tuple[list, int]:
     for group in get_kv_cache_groups(vllm_config, caches):
         first = caches[group.layer_names[0]]
         pages = [real(caches[name]) for name in group.layer_names]
-        if isinstance(first, CircularBufferSpec | MambaSpec):
+        if isinstance(first, (*ring_specs(), MambaSpec)):
             running += sum(pages)
         else:
             tokens.append((int(first.block_size), 0, pages))

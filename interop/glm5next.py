@@ -236,11 +236,17 @@ def align_block_size(vllm_config: Any) -> None:
 def build(vllm_config: Any, layers: int, kpool: int = 4) -> tuple[dict, dict]:
     """The model's specs and backends, configured, aligned and laid out as vLLM does: the
     layers are made before the block is aligned and their specs read after, as vLLM's
-    worker does (0.31.0's indexer refuses a block that is not a multiple of 32 pools)."""
+    worker does (0.31.0's indexer refuses a block that is not a multiple of 32 pools).
+    The layout is the one vLLM resolves (a configured other one is refused)."""
     configure(vllm_config, hf_config(layers, kpool))
     _layers(vllm_config)
     align_block_size(vllm_config)
     caches = specs(vllm_config)
     by_cache = backends(caches)
-    resolve_layout(vllm_config, caches, by_cache)
+    # vLLM takes a configured layout as it is, the tail's backend taking one only.
+    configured = vllm_config.cache_config.kv_cache_layout
+    vllm_config.cache_config.kv_cache_layout = None
+    layout = resolve_layout(vllm_config, caches, by_cache)
+    if configured is not None and str(getattr(configured, "name", configured)) != layout:
+        raise ValueError(f"Glm5Next's tail ring takes {layout} in this vLLM, not {configured}")
     return caches, by_cache

@@ -389,7 +389,8 @@ class SchedulerEngine:
         ``qwen4exp``: Qwen4Exp's caches over ``geo``'s layers (vLLM's own classes,
         alignment, grouping and allocation; ``layout`` BLHNC or BLNHC), each page filled and
         checked whole, each TP rank's its own; ``glm5next``: Glm5Next's caches likewise
-        (``layout`` BLHNC, the one its indexer's tail ring takes in vLLM 0.32.0)."""
+        (``layout`` the one its indexer's tail takes: BLHNC in vLLM 0.32.0, LBHNC in
+        0.31.0, whose latents vLLM splits into kernel blocks)."""
         self.role = role
         self.tp = tp
         extra_config = dict(extra_config or {})

@@ -467,20 +467,31 @@ def deepseek_v4_backends(specs: dict[str, Any]) -> dict[str, Any]:
 
 
 def allocate_rows(
-    vllm_config: Any, specs: dict[str, Any], num_blocks: int
+    vllm_config: Any, specs: dict[str, Any], num_blocks: int, backends: dict[str, Any]
 ) -> tuple[Any, dict[str, torch.Tensor]]:
-    """vLLM's plan and allocation of a model whose groups are rows (DeepSeek-V4's,
-    Qwen4Exp's), as its engine core and model runner make them: its own grouping (V4: five
-    groups of four block sizes; every group's layers over one row a block id), each
-    group's kernel block its own block (vLLM splits none of a block-outermost layout)."""
+    """vLLM's plan and allocation of a model of several block sizes (DeepSeek-V4's,
+    Qwen4Exp's, Glm5Next's), as its engine core and model runner make them: its own
+    grouping (V4: five groups of four block sizes; in a block-outermost layout every
+    group's layers over one row a block id) and each group's kernel block as its model
+    runner chooses it from the group's backends (vLLM splits none of a block-outermost
+    layout; 0.31.0 splits Glm5Next's layer-outermost latents)."""
+    from types import SimpleNamespace
+
     from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups, get_kv_cache_groups
-    from vllm.v1.worker.utils import allocate_kv_cache
+    from vllm.v1.worker.utils import allocate_kv_cache, prepare_kernel_block_sizes
 
     groups = get_kv_cache_groups(vllm_config, dict(specs))
     memory = num_blocks * sum(spec.page_size_bytes for spec in specs.values())
     kv_cache_config = get_kv_cache_config_from_groups(vllm_config, groups, memory)
     layout = vllm_config.cache_config.get_resolved_kv_cache_layout()
-    sizes = [g.kv_cache_spec.block_size for g in kv_cache_config.kv_cache_groups]
+    runner_groups = [
+        [
+            SimpleNamespace(backend=backend, kv_cache_spec=g.kv_cache_spec)
+            for backend in dict.fromkeys(backends[name] for name in g.layer_names)
+        ]
+        for g in kv_cache_config.kv_cache_groups
+    ]
+    sizes = prepare_kernel_block_sizes(kv_cache_config, runner_groups)
     caches = allocate_kv_cache(kv_cache_config, torch.device("cpu"), layout, sizes)
     return kv_cache_config, caches
 
@@ -496,9 +507,9 @@ def engine_core_block_size(vllm_config: Any, kv_cache_config: Any) -> None:
 
 @dataclass
 class PagedGroup:
-    """One KV-cache group of an engine whose groups are rows (DeepSeek-V4, Qwen4Exp, Glm5Next),
-    filled and checked page by page: each layer's page of a block id (its bytes in the
-    block's row) holds content of its own."""
+    """One KV-cache group of an engine whose groups are filled and checked page by page
+    (DeepSeek-V4's, Qwen4Exp's, Glm5Next's): each layer's page of a block id (its bytes in
+    the block's row, or in its layer's slab) holds content of its own."""
 
     group: int
     block_tokens: int
@@ -514,6 +525,11 @@ class PagedGroup:
     rank: int = 0
     """The TP rank whose content the pages hold: 0 where every rank holds the same (MLA
     pages, rings of them), the rank's own where its pages are (GQA heads, states)."""
+    parts: tuple[int, ...] = ()
+    """A TP-sharded state's: this rank's bytes of each part of its page, each part the
+    rank's slice of the whole model's (GDN's or KDA's conv columns of q, k and v, then the
+    temporal state, sharded by head); empty: the page is the rank's own, whole."""
+    tp: int = 1
 
 
 def paged_groups(
@@ -521,11 +537,11 @@ def paged_groups(
     caches: dict[str, torch.Tensor],
     buffer: np.ndarray[Any, Any],
     rank: int = 0,
+    tp: int = 1,
 ) -> list[PagedGroup]:
     """A rank's groups of rows, each layer's pages read through vLLM's own view of it (a
     block's page is ``view[block]``, its bytes one span, less than the padded page)."""
     from vllm.v1.kv_cache_interface import (
-        CircularBufferSpec,
         MambaSpec,
         MLAAttentionSpec,
         SlidingWindowMLASpec,
@@ -534,18 +550,49 @@ def paged_groups(
 
     out = []
     for g, group in enumerate(kv_cache_config.kv_cache_groups):
-        layers = group.kv_cache_spec.kv_cache_specs
+        spec = group.kv_cache_spec
+        layers = getattr(spec, "kv_cache_specs", None) or dict.fromkeys(group.layer_names, spec)
         first = layers[group.layer_names[0]]
         window = int(first.sliding_window) if isinstance(first, SlidingWindowSpec) else 0
-        pages = [page_view(caches[name], buffer) for name in group.layer_names]
-        running = isinstance(first, CircularBufferSpec | MambaSpec)
-        mla = (MLAAttentionSpec, SlidingWindowMLASpec, CircularBufferSpec)
+        blocks = kv_cache_config.num_blocks
+        pages = [page_view(caches[name], buffer, blocks) for name in group.layer_names]
+        running = isinstance(first, (*ring_specs(), MambaSpec))
+        mla = (MLAAttentionSpec, SlidingWindowMLASpec, *ring_specs())
         replicated = all(isinstance(s, mla) for s in layers.values())
-        owner = 0 if replicated or getattr(first, "tp_replicated", False) else rank
+        shared = replicated or getattr(first, "tp_replicated", False)
+        owner = 0 if shared else rank
         state = isinstance(first, MambaSpec)
         size = int(first.block_size)
-        out.append(PagedGroup(g, size, window, pages, running, state, owner))
+        parts = sharded_parts(first) if state and not shared else ()
+        out.append(PagedGroup(g, size, window, pages, running, state, owner, parts, tp))
     return out
+
+
+def sharded_parts(spec: Any) -> tuple[int, ...]:
+    """A GDN-kind state's parts on this rank (vLLM's GDN and KDA layers): its conv state,
+    dim-first (``VLLM_SSM_CONV_STATE_LAYOUT=DS``), q's, k's and v's columns (v as wide as
+    the value heads times their dim), then its temporal state; () for other kinds."""
+    if getattr(spec.mamba_type, "name", "") != "GDN_ATTN":
+        return ()
+    (columns, taps), temporal = spec.shapes
+    conv, state = (torch.empty((), dtype=d).element_size() for d in spec.dtypes)
+    v = temporal[0] * temporal[1]
+    qk = (columns - v) // 2
+    return (qk * taps * conv, qk * taps * conv, v * taps * conv, int(np.prod(temporal)) * state)
+
+
+def running_content(paged: PagedGroup, index: int, layer: int, tokens: int, size: int) -> Any:
+    """A ring's or a state's page after ``tokens`` tokens: a sharded state's parts each
+    this rank's slice of the whole part (a rank of another TP size holds other slices of
+    the same), any other page :func:`page_content`."""
+    if not paged.parts:
+        return page_content(index, paged.group, layer, tokens, size, paged.rank)
+    out = []
+    for part, width in enumerate(paged.parts):
+        rng = np.random.default_rng((index, paged.group, layer, tokens, part))
+        whole = np.frombuffer(rng.bytes(width * paged.tp), np.uint8)
+        out.append(whole[paged.rank * width : (paged.rank + 1) * width])
+    return np.concatenate(out)
 
 
 def running_block(paged: PagedGroup, blocks: list[int], tokens: int) -> int:
@@ -554,16 +601,22 @@ def running_block(paged: PagedGroup, blocks: list[int], tokens: int) -> int:
     return state_block(blocks, tokens, paged.block_tokens) if paged.state else blocks[0]
 
 
-def page_view(view: torch.Tensor, buffer: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
-    """One layer's pages as ``[blocks, bytes]`` uint8 over ``buffer``: a block's page is
-    one span whatever order its axes take in it (a BLNHC attention page's tokens before
-    its K/V halves)."""
+def page_view(
+    view: torch.Tensor, buffer: np.ndarray[Any, Any], blocks: int
+) -> np.ndarray[Any, Any]:
+    """One layer's pages of its ``blocks`` blocks as ``[blocks, bytes]`` uint8 over
+    ``buffer``: a block's page is one span whatever order its axes take in it (a BLNHC
+    attention page's tokens before its K/V halves), and where vLLM split each block into
+    kernel blocks (the view's first axis a multiple of ``blocks``), they abut and the page
+    is all of them."""
     page = view[0]
     span = sum((n - 1) * st for n, st in zip(page.shape, page.stride(), strict=True)) + 1
     assert span * view.element_size() == page.nbytes, "a page that is not one span"
     start = view.data_ptr() - buffer.ctypes.data
     row = view.stride(0) * view.element_size()
-    shape = (view.shape[0], page.nbytes)
+    kernels, rest = divmod(view.shape[0], blocks)
+    assert not rest and (kernels == 1 or row == page.nbytes), "kernel blocks that do not abut"
+    row, shape = row * kernels, (blocks, page.nbytes * kernels)
     assert start + (shape[0] - 1) * row + shape[1] <= buffer.nbytes
     return np.lib.stride_tricks.as_strided(buffer[start:], shape, (row, 1), writeable=True)
 
@@ -587,7 +640,7 @@ def fill_pages(paged: PagedGroup, index: int, blocks: list[int], start: int, sto
     if paged.running:  # the ring or the state after ``stop`` tokens, whatever it held
         block = running_block(paged, blocks, stop)
         for layer, pages in enumerate(paged.pages):
-            pages[block] = page_content(index, paged.group, layer, stop, pages.shape[1], paged.rank)
+            pages[block] = running_content(paged, index, layer, stop, pages.shape[1])
         return
     for position in range(start // size, -(-stop // size)):
         block = blocks[position]
@@ -612,7 +665,7 @@ def check_pages(paged: PagedGroup, index: int, blocks: list[int], prompt: int) -
         wrong = checked = 0
         block = running_block(paged, blocks, prompt)
         for layer, pages in enumerate(paged.pages):
-            want = page_content(index, paged.group, layer, prompt, pages.shape[1], paged.rank)
+            want = running_content(paged, index, layer, prompt, pages.shape[1])
             wrong += int(np.count_nonzero(pages[block] != want))
             checked += want.size
         return wrong, checked
@@ -670,15 +723,22 @@ def state_groups(kv_cache_config: Any) -> list[bool]:
     return _of_kind(kv_cache_config, MambaSpec)
 
 
+def ring_specs() -> tuple[type, ...]:
+    """vLLM's specs of rings: ``CircularBufferSpec``, and 0.31.0's ``KpoolTailSpec`` (a
+    sliding window of one block a request, Glm5Next's indexer's tail)."""
+    from vllm.v1 import kv_cache_interface
+
+    names = ("CircularBufferSpec", "KpoolTailSpec")
+    return tuple(getattr(kv_cache_interface, n) for n in names if hasattr(kv_cache_interface, n))
+
+
 def ring_groups(kv_cache_config: Any) -> list[bool]:
     """Per KV-cache group, whether it is a ring (one block a request, slot ``t % block``
     holding token ``t``'s keys: the latest ``block`` tokens')."""
-    from vllm.v1.kv_cache_interface import CircularBufferSpec
-
-    return _of_kind(kv_cache_config, CircularBufferSpec)
+    return _of_kind(kv_cache_config, ring_specs())
 
 
-def _of_kind(kv_cache_config: Any, kind: type) -> list[bool]:
+def _of_kind(kv_cache_config: Any, kind: type | tuple[type, ...]) -> list[bool]:
     """Per group, whether its (first layer's) spec is a ``kind``."""
     out = []
     for group in kv_cache_config.kv_cache_groups:
@@ -1081,13 +1141,16 @@ class EnginePart:
         by_classes = next((m for m in ("qwen4exp", "glm5next") if start.get(m)), "")
         """Qwen4Exp or Glm5Next: caches built by the model's own classes (the module of
         that name)."""
-        if by_classes and (wrong := rows_unfit(start)):
+        # Glm5Next's layout is the one its vLLM resolves (glm5next.build checks it).
+        resolved = {"layout": True} if by_classes == "glm5next" else {}
+        if by_classes and (wrong := rows_unfit(start, **resolved)):
             raise ValueError(
                 f"a {by_classes} engine runs BLHNC or BLNHC, the hybrid manager, not "
                 f"layerwise: not {wrong}"
             )
         rows = bool(v4 or by_classes)
-        """The model's groups are rows of one buffer, filled and checked page by page."""
+        """The model's groups are filled and checked page by page: rows of one buffer, or
+        (Glm5Next in vLLM 0.31.0) slabs of layers."""
         if start.get("host_buffer"):
             from kvwire.integrations.vllm import staging
 
@@ -1125,8 +1188,9 @@ class EnginePart:
         for r in range(tp):
             at_rank = {**start, "tp_rank": r}
             if rows:
+                assert backends is not None
                 kv_cache_config, caches = allocate_rows(
-                    self.vllm_config, row_specs, self.spec.num_blocks
+                    self.vllm_config, row_specs, self.spec.num_blocks, backends
                 )
                 engine_core_block_size(self.vllm_config, kv_cache_config)
             else:
@@ -1145,7 +1209,7 @@ class EnginePart:
                 )
             if rows:
                 buffer[...] = 0xA5  # no page holds a prompt's content yet
-                paged = paged_groups(kv_cache_config, caches, buffer, r)
+                paged = paged_groups(kv_cache_config, caches, buffer, r, tp)
                 rank = Rank(rank_spec, buffer, caches, [], worker, paged)
             else:
                 groups = group_views(rank_spec, kv_cache_config, caches, buffer)

@@ -4,16 +4,16 @@ the indexer's pooled keys and its tail ring by ``common/attention.py``'s classes
 aligned, grouped, planned and allocated by vLLM.
 
 vLLM 0.32.0 lays them out as five groups over one buffer of rows (three of states, one of
-latents and pooled keys, one of tail rings), each TP rank's rows its own; kvwire moves
-them between kvwire engines and with stock engines both ways. P fills each page of each
-of its blocks with content of its own (request, group, layer, block position, rank; a
-ring's and a state's by the tokens computed), and D checks, byte for byte, every page its
-next token reads: the latents and pooled keys of the prompt, each tail ring and each
-state whole.
-
-vLLM 0.31.0 makes the tail a ``KpoolTailSpec`` over the pooled keys' own bytes, in the
-layer-outermost layout its tail's backend takes; kvwire refuses it at startup, by name,
-and each test here asserts that refusal instead."""
+latents and pooled keys, one of tail rings), each TP rank's rows its own. vLLM 0.31.0
+lays them out layer-outermost (``LBHNC``, the one layout its tail's backend takes): a slab
+per MLA layer holding its latents, split into kernel blocks of 64 tokens, and the KDA
+states of one layer of each state group, and a slab per indexer holding its pooled keys
+with its tail (a ``KpoolTailSpec`` ring, a group of its own) laid over their bytes. kvwire
+moves either between kvwire engines and with stock engines both ways. P fills each page
+of each of its blocks with content of its own (request, group, layer, block position,
+rank; a ring's and a state's by the tokens computed), and D checks, byte for byte, every
+page its next token reads: the latents and pooled keys of the prompt, each tail ring and
+each state whole."""
 
 from __future__ import annotations
 
@@ -25,8 +25,6 @@ from harness import (
     PAIRS,
     PROTOCOL_VERSION,
     Geometry,
-    PeerError,
-    SchedulerEngine,
     Zygote,
     engines,
     move_all,
@@ -34,17 +32,18 @@ from harness import (
 )
 
 GEO = Geometry(model="mla", layers=8, num_blocks=32, block_size=256)
-"""Eight layers (KDA three times, then sparse MLA attention, twice); vLLM aligns the block
-to 256 tokens at TP 1 (a latent page holds a KDA state), 128 at TP 2."""
-G5: dict[str, Any] = {"glm5next": True, "layout": "BLHNC", "hma": True}
+"""Eight layers (KDA three times, then sparse MLA attention, twice) in 256-token blocks,
+which vLLM's hybrid alignment keeps at TP 1 and 2 (a latent page holds a KDA state)."""
+LAYOUT = "BLHNC" if PROTOCOL_VERSION >= 14 else "LBHNC"
+"""The layout the installed vLLM resolves for Glm5Next: its tail ring's backend takes that
+one alone (the harness refuses another)."""
+G5: dict[str, Any] = {"glm5next": True, "layout": LAYOUT, "hma": True}
 """vLLM's defaults: the hybrid manager, prefix caching (states kept at block boundaries),
-the layout vLLM 0.32.0 resolves (its tail ring's backend takes only BLHNC)."""
+the layout vLLM resolves."""
 PROMPTS = {"req-300": (41, 300), "req-77": (43, 77)}
 """Per request, its content index and tokens: 300 ends inside a second block, 77 inside
 the first; both leave a tail ring of 4 half open."""
 STOCK = ["stock-P-kvwire-D", "kvwire-P-stock-D"]
-REFUSED_031 = "beside KpoolTailSpec: KVWireConnector moves such groups as rows"
-"""How a kvwire engine of vLLM 0.31.0 refuses Glm5Next at its startup."""
 
 
 @functools.cache
@@ -67,12 +66,8 @@ def moved(
     zygote: Zygote, pair: str, tp: str, mode: str, prompts: dict[str, tuple[int, int]],
     **options: Any,
 ) -> None:  # fmt: skip
-    """vLLM 0.32.0: the pair moves ``prompts`` and D rank r holds, byte for byte, what P
-    rank r computed. vLLM 0.31.0: the pair's kvwire engine refuses at its startup."""
-    if PROTOCOL_VERSION < 14:
-        p_tp, d_tp = (int(n) for n in tp.split("-"))
-        refused_031(zygote, pair, p_tp, d_tp, mode)
-        return
+    """The pair moves ``prompts`` and D rank r holds, byte for byte, what P rank r
+    computed."""
     state, _ = pair_moved(zygote, pair, tp, mode, prompts, geo=GEO, **{**G5, **options})
     size = int(tp.split("-")[1])
     for rid, (_, tokens) in prompts.items():
@@ -87,10 +82,20 @@ def test_glm5next(zygote: Zygote, pair: str, mode: str) -> None:
     moved(zygote, pair, "1-1", mode, PROMPTS)
 
 
-@pytest.mark.parametrize(("pair", "mode"), [("kvwire-shm", "push"), *((p, "pull") for p in STOCK)])
+TENSOR_PARALLEL = [
+    ("kvwire-shm", "push"),
+    ("stock-P-kvwire-D", "pull"),
+    ("kvwire-P-stock-D", "pull" if PROTOCOL_VERSION >= 14 else "push"),
+]
+"""TP 2 to 2 cells. A stock D of vLLM 0.31.0 with TP 2 pulling reads its rank 0's pages
+wrong from any P (:func:`test_glm5next_stock_d_reads_alike_from_either_p`), so there the
+stock D is pushed to."""
+
+
+@pytest.mark.parametrize(("pair", "mode"), TENSOR_PARALLEL)
 def test_glm5next_tensor_parallel(zygote: Zygote, pair: str, mode: str) -> None:
-    """TP 2 to 2: each rank's rows are its own (its shard of every KDA state beside the
-    latents), and D rank r holds what P rank r computed (content differs by rank)."""
+    """TP 2 to 2: each rank's rows, or slabs, are its own (its shard of every KDA state
+    beside the latents), and D rank r holds what P rank r computed."""
     moved(zygote, pair, "2-2", mode, PROMPTS)
 
 
@@ -104,9 +109,6 @@ def test_glm5next_prefix_hits(zygote: Zygote, pair: str, mode: str) -> None:
     """A prompt repeated with 200 tokens more: P finds its first 512 in its own prefix
     cache (two whole blocks, a state kept at the boundary), D as many, and D holds every
     page its next token reads."""
-    if PROTOCOL_VERSION < 14:
-        moved(zygote, pair, "1-1", mode, {"req-first": (45, 600)})
-        return
     p_conn, d_conn, transport = PAIRS[pair]
     with engines(
         zygote, p_conn, d_conn, geo=GEO, extra_config={"transport": transport}, mode=mode, **G5
@@ -119,15 +121,18 @@ def test_glm5next_prefix_hits(zygote: Zygote, pair: str, mode: str) -> None:
 
 
 def test_the_layout_and_the_groups_are_vllms_own() -> None:
-    """What the tests above start engines with is what vLLM resolves for Glm5Next: in
-    0.32.0 the layout ``BLHNC`` and groups kvwire moves (states, latents and pooled keys,
-    rings); in 0.31.0 ``LBHNC`` (its tail's backend takes no other) and the ``KpoolTailSpec``
-    group kvwire refuses, with the message the engines' startup gives, on vLLM's own
-    config (the engines above run the check in ``BLHNC``, where it reads only the specs)."""
+    """What the tests above start engines with is what vLLM resolves for Glm5Next, and the
+    groups kvwire makes of it: in 0.32.0 the layout ``BLHNC``, rows of states, latents and
+    pooled keys, rings; in 0.31.0 ``LBHNC``, latents and pooled keys split into kernel
+    blocks of 64 tokens (the latents' views, by vLLM's model runner), the tail ring and
+    the states. A 0.31.0 tail laid out block-outermost (which vLLM takes when configured,
+    though the tail's backend does not) is refused by name at the worker's startup."""
     import glm5next
     import vllm_engine
 
     from kvwire.errors import ConfigError
+    from kvwire.integrations.vllm.config import kvwire_config
+    from kvwire.integrations.vllm.geometry import layer_geometry
     from kvwire.integrations.vllm.groups import group_kinds
     from kvwire.layout import RegionKind
 
@@ -138,29 +143,21 @@ def test_the_layout_and_the_groups_are_vllms_own() -> None:
     }  # fmt: skip
     config = vllm_engine.build_vllm_config(start)
     config.cache_config.kv_cache_layout = None  # vLLM resolves it
-    caches, _ = glm5next.build(config, GEO.layers)
-    planned, _ = vllm_engine.allocate_rows(config, caches, GEO.num_blocks)
+    caches, backends = glm5next.build(config, GEO.layers)
+    planned, views = vllm_engine.allocate_rows(config, caches, GEO.num_blocks, backends)
     layout = config.cache_config.get_resolved_kv_cache_layout().name
-    if PROTOCOL_VERSION < 14:
-        assert layout == "LBHNC"
-        with pytest.raises(ConfigError, match=REFUSED_031):
-            group_kinds(planned, GEO.block_size)
-        return
-    assert layout == G5["layout"]
+    assert layout == LAYOUT
     kinds = group_kinds(planned, GEO.block_size)
     ssm, attention, ring = RegionKind.SSM, RegionKind.ATTENTION, RegionKind.RING
-    assert kinds == (ssm, ssm, ssm, attention, ring)
-
-
-def refused_031(zygote: Zygote, pair: str, p_tp: int, d_tp: int, mode: str) -> None:
-    """vLLM 0.31.0: the pair's kvwire engine refuses Glm5Next at its startup, by name."""
-    _, d_conn, transport = PAIRS[pair]
-    role = "D" if d_conn == "KVWireConnector" else "P"
-    with pytest.raises(PeerError, match=REFUSED_031):
-        SchedulerEngine(
-            role, "KVWireConnector", zygote, geo=GEO, mode=mode,
-            tp=d_tp if role == "D" else p_tp, extra_config={"transport": transport}, **G5,
-        ).close()  # fmt: skip
+    if PROTOCOL_VERSION >= 14:
+        assert kinds == (ssm, ssm, ssm, attention, ring)
+        return
+    assert kinds == (attention, ring, ssm, ssm, ssm)
+    assert views["model.layers.3.self_attn.attn"].shape[:3] == (GEO.num_blocks * 4, 1, 64)
+    config.cache_config.kv_cache_layout = "BLHNC"
+    _, rows = vllm_engine.allocate_rows(config, caches, GEO.num_blocks, backends)
+    with pytest.raises(ConfigError, match=r"BLHNC with vLLM 0\.31\.0's Glm5Next tail"):
+        layer_geometry(rows, planned, kvwire_config(config), config)
 
 
 def unequal(
@@ -180,47 +177,47 @@ def unequal(
         return state, "\n".join(d.peer.log)
 
 
-@pytest.mark.parametrize(
-    ("pair", "tp", "mode"),
-    [
-        ("kvwire-nixl", "1-2", "pull"),
-        ("kvwire-nixl", "2-1", "push"),
-        ("stock-P-kvwire-D", "1-2", "pull"),
-        ("stock-P-kvwire-D", "1-2", "push"),
-        ("stock-P-kvwire-D", "2-1", "push"),
-    ],
-)
-def test_glm5next_between_unequal_tp_is_refused_by_a_kvwire_d(
-    zygote: Zygote, pair: str, tp: str, mode: str
-) -> None:
-    """A row holds a rank's own shard of each KDA state and moves whole: between unequal
-    TP sizes a kvwire D refuses the producer at the handshake, by name, pulling or pushed
-    to (a stock P pushing would write whole rows of another TP size: measured, done with
-    most bytes wrong), and loads nothing; the engine computes the prompt itself."""
-    p_tp, d_tp = (int(n) for n in tp.split("-"))
-    if PROTOCOL_VERSION < 14:
-        refused_031(zygote, pair, p_tp, d_tp, mode)
-        return
-    p_conn, d_conn, transport = PAIRS[pair]
-    state, log = unequal(zygote, p_conn, d_conn, tp, mode, transport)
-    assert "req-77" not in state["checked"] and state["failed"] == ["req-77"]
-    assert "only between equal TP sizes" in log, log
+UNEQUAL = [
+    ("kvwire-nixl", "1-2", "pull"),
+    ("kvwire-nixl", "2-1", "pull"),
+    ("kvwire-nixl", "1-2", "push"),
+    ("kvwire-nixl", "2-1", "push"),
+    ("stock-P-kvwire-D", "1-2", "pull"),
+    ("stock-P-kvwire-D", "2-1", "pull"),
+    ("stock-P-kvwire-D", "1-2", "push"),
+    ("stock-P-kvwire-D", "2-1", "push"),
+    ("kvwire-P-stock-D", "2-1", "pull"),
+    ("kvwire-P-stock-D", "1-2", "push"),
+    ("kvwire-P-stock-D", "2-1", "push"),
+]
+"""Every pair of TP 1 and 2 but a stock D pulling at TP 1 to 2, which reads by its own
+rule (:func:`test_glm5next_stock_d_reads_alike_from_either_p`)."""
 
 
-def test_glm5next_from_a_kvwire_p_to_a_stock_d_of_another_tp_is_stocks_own_read(
-    zygote: Zygote,
-) -> None:
-    """Pulling, a stock D plans its reads itself and never says its TP size to P, so no
-    kvwire P can refuse it: vLLM 0.32.0's D reads Glm5Next's rows between TP 1 and 2 by
-    its own rule and ends the request done with bytes not its own, from a kvwire P exactly
-    as from a stock P (the same pages wrong), which is stock's to refuse."""
-    if PROTOCOL_VERSION < 14:
-        refused_031(zygote, "kvwire-P-stock-D", 1, 2, "pull")
-        return
+@pytest.mark.parametrize(("pair", "tp", "mode"), UNEQUAL)
+def test_glm5next_between_unequal_tp(zygote: Zygote, pair: str, tp: str, mode: str) -> None:
+    """Latents, pooled keys and tails are every rank's, read from one producer rank; each
+    D rank holds its slice of every KDA state (its part of each of q's, k's and v's conv
+    columns and of the temporal state's heads), read from the producer ranks that hold it:
+    in vLLM 0.32.0's rows (a row moved as its block's group's kind: a state sliced, any
+    other page whole; kvwire refused such pairs before, moving rows whole) as in 0.31.0's
+    slabs (where a kvwire D of TP 1 read a request from one producer rank only, as for
+    MLA alone, and was done with half of every state not its own)."""
+    moved(zygote, pair, tp, mode, PROMPTS)
+
+
+@pytest.mark.parametrize("tp", ["1-2", "2-2"])
+def test_glm5next_stock_d_reads_alike_from_either_p(zygote: Zygote, tp: str) -> None:
+    """Pulling, a stock D plans its reads itself and never says its TP size to P, so a
+    kvwire P registers what stock registers and serves its reads as a stock P does: D
+    holds the same bytes from either. vLLM 0.32.0's D reads every byte right, TP 1 to 2
+    as 2 to 2; 0.31.0's D of TP 2 reads its rank 0's latents, pooled keys and tails wrong
+    (from a P of TP 1 or 2 alike; pushed to, it holds them right) and ends the request
+    done with bytes not its own, which is stock's to mend."""
     # The harness's usual lease: these reads succeed and must end inside it, under load too.
-    pair = ("1-2", "pull", "nixl", 30)
+    pair = (tp, "pull", "nixl", 30)
     from_stock, _ = unequal(zygote, "NixlConnector", "NixlConnector", *pair)
     from_kvwire, _ = unequal(zygote, "KVWireConnector", "NixlConnector", *pair)
     wrong, checked = from_stock["checked"]["req-77"]
-    assert 0 < wrong < checked
+    assert checked > 0 and (wrong == 0 if PROTOCOL_VERSION >= 14 else 0 < wrong < checked)
     assert from_kvwire["checked"] == from_stock["checked"]

@@ -209,12 +209,17 @@ def test_mamba_prefix_hits_on_both_sides(zygote: Zygote, pair: str, mode: str) -
         (["v4-compressed", "v4-window", "v4-compressor"], True),
         (["v4-compressed", "full"], False),
         (["v4-compressed", "mla", "mamba-replicated"], False),
+        (["v4-compressed", "mla", "gdn"], True),
+        (["v4-compressed", "mla", "gdn", "gdn-wide"], False),
+        (["v4-compressed", "mla", "mamba"], False),
     ],
 )  # fmt: skip
 def test_rows_of_gqa_pages_or_states_are_each_ranks_own(kinds: list[str], replicated: bool) -> None:
-    """Rows of MLA pages alone are the same on every TP rank (read from one producer
-    rank between any TP sizes); a row holding a GQA page or a state, even one replicated
-    across ranks beside them, is each rank's own (moved rank to rank, equal TP sizes)."""
+    """Rows of MLA pages are the same on every TP rank (read from one producer rank
+    between any TP sizes), and so are they beside one TP-sharded state whose parts kvwire
+    knows (Glm5Next's KDA, a GDN-kind state: sliced between unequal TP sizes); a row
+    holding a GQA page, a state replicated across ranks, states of two shapes or one
+    kvwire cannot slice is each rank's own (moved rank to rank, equal TP sizes)."""
     from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
 
     from kvwire.integrations.vllm.groups import row_block_sizes, rows_replicated
@@ -491,6 +496,14 @@ def _spec(kind: str) -> Any:
                     block_size=32, shapes=((4, 64), (8, 16)), dtypes=(torch.bfloat16,) * 2,
                 ),
             },
+        ),
+        "gdn": lambda: MambaSpec(
+            block_size=32, shapes=((48, 4), (2, 8, 8)), dtypes=(torch.bfloat16, torch.float32),
+            mamba_type=MambaAttentionBackendEnum.GDN_ATTN,
+        ),
+        "gdn-wide": lambda: MambaSpec(
+            block_size=32, shapes=((96, 4), (4, 8, 8)), dtypes=(torch.bfloat16, torch.float32),
+            mamba_type=MambaAttentionBackendEnum.GDN_ATTN,
         ),
         "mamba-3-states": lambda: MambaSpec(
             block_size=32, shapes=((4, 64), (8, 16), (2,)), dtypes=(torch.bfloat16,) * 3,

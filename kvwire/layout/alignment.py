@@ -299,16 +299,17 @@ def _check_globals(
     elif (local.group_block_sizes or local.has_rings) and (
         rk,
         remote.physical_blocks_per_logical,
-    ) != (lk, 1):
+    ) != (lk, local.physical_blocks_per_logical):
+        lp = local.physical_blocks_per_logical
         problems.add(
             "block_size",
-            f"{lk} in blocks of 1 kernel block",
+            f"{lk} in blocks of {lp} kernel block{'s' * (lp > 1)}",
             f"{rk} in blocks of {remote.physical_blocks_per_logical}",
             f"the groups' blocks hold {list(local.group_block_sizes)} tokens, moved as whole "
             "rows, which pair only with rows of the same block sizes"
             if local.group_block_sizes
-            else "a ring group's block is the model's ring, one page each side, which pairs "
-            "only with pages of the same block size",
+            else "a ring group's block is the model's ring, one page each side (all its "
+            "kernel blocks), which pairs only with pages of the same block and kernel sizes",
         )
     lt, rt, heads = local.tp_size, remote.tp_size, local.total_kv_heads
     tp_ok = rt > 0 and max(lt, rt) % min(lt, rt) == 0
@@ -321,8 +322,25 @@ def _check_globals(
     elif lt != rt and local.group_block_sizes and not local.is_mla:
         problems.add(
             "tp_size", lt, rt,
-            "rows holding head-sharded pages or a rank's own state move whole, only between "
-            "equal TP sizes",
+            "rows holding head-sharded pages move whole, only between equal TP sizes",
+        )  # fmt: skip
+    elif lt != rt and local.ple_block_len is not None:
+        problems.add(
+            "tp_size", lt, rt,
+            "the TP-replicated state's page (ple_block_len) moves whole, only between equal "
+            "TP sizes",
+        )  # fmt: skip
+    elif (
+        local.has_rings
+        and local.physical_blocks_per_logical > 1
+        and not local.is_mla
+        and (lt != rt or remote_layout is not local.layout)
+    ):
+        problems.add(
+            "tp_size and kv_cache_layout", f"{lt} and {local.layout.value}",
+            f"{rt} and {remote.kv_cache_layout}",
+            "a ring of head-sharded pages in kernel blocks moves whole, only between equal "
+            "TP sizes and one layout",
         )  # fmt: skip
     if None not in (local.ple_block_len, remote.ple_block_len) and (
         local.ple_block_len != remote.ple_block_len
@@ -386,8 +404,8 @@ def _check_state_shards(local: KVGeometry, remote: RemoteGeometry, problems: _Pr
             "every part of a state must shard evenly across TP ranks; a model that "
             "replicates part of its state on every rank does not scale",
         )
-    if lt != rt and local.group_block_sizes:
-        return  # rows: refused whole above, or replicated
+    if lt != rt and local.group_block_sizes and RegionKind.SSM not in local.group_kinds:
+        return  # rows of pages every rank holds alike (others refused above)
     if lt != rt and any(local.kind_of(i) is RegionKind.SSM for i in range(len(local.regions))):
         problems.add("tp_size", lt, rt, "a region of whole SSM pages moves only between equal TP")
     elif lt != rt and not local.ssm_parts:
@@ -410,6 +428,17 @@ def _check_pair(
         problems.add(
             f"remote region {rv.label} block_stride", f">= {region.block_len}", region.block_stride
         )
+    rings = [g for g, k in enumerate(local.group_kinds) if k is RegionKind.RING]
+    split = remote.physical_blocks_per_logical > 1
+    if (
+        split
+        and region.block_stride != region.block_len
+        and any(local.holds(lv.index, g) for g in rings)
+    ):
+        problems.add(
+            f"remote region {rv.label} block_stride", region.block_len, region.block_stride,
+            "a ring's block is its kernel blocks, moved as one span: they must abut",
+        )  # fmt: skip
     if region.mem_kind not in VALID_MEM_KINDS:
         problems.add(f"remote region {rv.label} mem type", "VRAM or DRAM", repr(region.mem_kind))
     if region.num_blocks < 0:

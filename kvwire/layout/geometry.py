@@ -182,8 +182,16 @@ class BlockRegion:
     of them (the last MLA page registered there), moving the longer ones, a state's,
     apart; a kvwire engine advertises the same and moves the longest page there whole.
     A peer's extent is ours: the model and its allocation are the same on both sides."""
+    groups: tuple[int, ...] = ()
+    """The KV-cache groups whose pages this region holds, where that is not what
+    ``group_id`` says (empty: its group, or every group when it is shared). Never
+    advertised, and a peer's are ours, as its ``extent`` is. A vLLM 0.31.0 engine lays
+    Glm5Next's indexer tail (a group of its own) over the bytes of the indexer's keys and
+    advertises that region as the keys' group, and the slabs its hybrid manager shares
+    among the latents and the states hold no tail."""
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "groups", tuple(int(g) for g in self.groups))
         if self.block_stride == 0:
             object.__setattr__(self, "block_stride", self.block_len)
         if self.extent == 0:
@@ -212,6 +220,15 @@ class BlockRegion:
         if self.mem_kind not in VALID_MEM_KINDS:
             raise ConfigError(
                 f"region {label}: mem_kind must be VRAM or DRAM, got {self.mem_kind!r}"
+            )
+        if self.groups and (
+            min(self.groups) < 0
+            or len(set(self.groups)) != len(self.groups)
+            or self.group_id not in (SHARED_GROUP_ID, *self.groups)
+        ):
+            raise ConfigError(
+                f"region {label}: groups {list(self.groups)} must be distinct group ids and "
+                f"include its group {self.group_id}"
             )
         for member, (offset, page) in self.packed_members.items():
             if not 0 <= offset < offset + page <= self.block_len:
@@ -270,12 +287,14 @@ class KVGeometry:
     a request, holds no tokens of the prompt: Qwen4Exp's states have blocks of the model's
     whole length). Empty: every group's blocks hold ``block_size``.
 
-    A row of MLA pages alone (``is_mla``) is the same on every TP rank and moves from one
-    producer rank between any TP sizes. A row holding head-sharded pages or a rank's own
-    state (Qwen4Exp's GQA attention, GDN and embedding states beside its indexers' rings)
-    is each rank's own, so it moves whole only between equal TP sizes, rank to rank. A
-    state group's (``group_kinds`` SSM) or a ring's blocks there pair by position, its
-    running state or its ring, never by token."""
+    A row of MLA pages and rings (``is_mla``) is the same on every TP rank and moves from
+    one producer rank between any TP sizes; a state group's row beside them (Glm5Next's
+    KDA) is each rank's own, sliced between unequal TP sizes by ``ssm_parts``. A row
+    holding head-sharded pages or a TP-replicated state (Qwen4Exp's GQA attention and
+    embedding state beside its GDN states and indexers' rings) is each rank's own, so it
+    moves whole only between equal TP sizes, rank to rank. A state group's (``group_kinds``
+    SSM) or a ring's blocks there pair by position, its running state or its ring, never
+    by token."""
     ple_block_len: int | None = None
     """What metadata v14 (vLLM 0.32.0) advertises as ``ple_block_len``: the bytes of the one
     TP-replicated state page (Qwen4Exp's per-layer embeddings'), which a vLLM engine moves
@@ -292,12 +311,9 @@ class KVGeometry:
         state_slabs = RegionKind.SSM in self.group_kinds and not self.group_block_sizes
         if state_slabs and sum(self.ssm_sizes) <= 0:
             raise ConfigError("a geometry with an SSM group needs its ssm_sizes")
-        rings_split = self.has_rings and self.physical_blocks_per_logical != 1
-        if rings_split or any(r.kind is RegionKind.RING for r in self.regions):
-            raise ConfigError(
-                "ring is a KV-cache group's kind (group_kinds), in regions of attention "
-                "pages of one kernel block a block (a ring's page is one block, never split)"
-            )
+        if any(r.kind is RegionKind.RING for r in self.regions):
+            raise ConfigError("ring is a KV-cache group's kind (group_kinds), not a region's")
+        self._check_split_rings()
         parts = tuple(int(p) for p in self.ssm_parts)
         object.__setattr__(self, "ssm_parts", parts)
         ends = np.cumsum(parts).tolist()
@@ -368,6 +384,31 @@ class KVGeometry:
                         f"region {self.region_label(index)}: block_len {page} is not a multiple "
                         f"of heads x kernel tokens = {unit}"
                     )
+
+    def _check_split_rings(self) -> None:
+        """A ring's block in regions of kernel blocks is all of its kernel blocks, moved as
+        one span: they must abut."""
+        if not self.has_rings or self.physical_blocks_per_logical == 1:
+            return
+        rings = [g for g, kind in enumerate(self.group_kinds) if kind is RegionKind.RING]
+        apart = [
+            self.region_label(i)
+            for i, region in enumerate(self.regions)
+            if region.block_stride != region.block_len and any(self.holds(i, g) for g in rings)
+        ]
+        if apart:
+            raise ConfigError(
+                f"regions {apart} hold a ring group's pages in kernel blocks that do not "
+                "abut: a ring's block is its kernel blocks, moved as one span"
+            )
+
+    def holds(self, index: int, group: int) -> bool:
+        """Whether region ``index`` holds pages of group ``group``
+        (:attr:`BlockRegion.groups`)."""
+        region = self.regions[index]
+        if region.groups:
+            return group in region.groups
+        return region.group_id in (group, SHARED_GROUP_ID)
 
     def _check_group_block_sizes(self) -> None:
         sizes = tuple(int(size) for size in self.group_block_sizes)
@@ -449,6 +490,13 @@ class KVGeometry:
     def has_ssm(self) -> bool:
         kinds = (self.kind_of(i) for i in range(len(self.regions)))
         return RegionKind.SSM in self.group_kinds or RegionKind.SSM in kinds
+
+    @property
+    def replicated_whole(self) -> bool:
+        """Every page is the same on every TP rank (MLA without a TP-sharded state beside
+        it: vLLM 0.31.0's Glm5Next keeps KDA states in its latents' slabs), so a consumer
+        reads each request from one producer rank."""
+        return self.is_mla and not self.has_ssm
 
     def heads_in_region(self, index: int) -> int:
         if self.kind_of(index) is not RegionKind.ATTENTION:

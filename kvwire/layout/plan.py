@@ -470,8 +470,9 @@ class _Entry:
     state: bool
     pattern: _Pattern
     slab: bool = False
-    """An SSM group's state page in a region laid out for attention (addressed by logical
-    id across the region's kernel blocks)."""
+    """An SSM group's state page in a region laid out for attention, or a ring's block in
+    regions of kernel blocks (addressed by logical id across the region's kernel
+    blocks)."""
 
 
 @dataclass(frozen=True)
@@ -607,33 +608,57 @@ class PeerLayout:
         one sequence moved a sliding window's or an SSM group's blocks as if they were the
         full-attention group's next tokens. An SSM group's page in a region laid out for
         attention (a slab of vLLM's one allocation) is its states at the page's start; in
-        rows of several block sizes it is the row, moved whole as every row is. A ring
+        rows of several block sizes it is the row, moved whole as every row is between
+        equal TP sizes, each rank's slice of the state otherwise. A ring
         group's block is an attention page paired by position, as a state is."""
         attention: list[_Entry] = []
         states: list[_Entry] = []
+        split = self.local.physical_blocks_per_logical > 1
         for pair in self.pairs:
             if regions is not None and not regions[0] <= pair.local.index < regions[1]:
                 continue
-            pv, cv = self._sides(pair)
-            shared = SHARED_GROUP_ID in (pv.group_id, cv.group_id)
-            fixed = max(pv.group_id, cv.group_id)
-            groups = [fixed] if fixed != SHARED_GROUP_ID else list(range(num_groups))
-            for g in groups:
-                # A shared region moves group g on both sides; any other keeps each side's
-                # own group id, as advertised.
-                p_group, c_group = (g, g) if shared else (pv.group_id, cv.group_id)
+            for g, p_group, c_group in self._groups_in(pair, num_groups):
                 if pair.kind is RegionKind.SSM:
                     states.append(_Entry(pair, p_group, c_group, True, self._pattern(pair)))
+                elif self._is_ring(g) and split:
+                    ring = self._split_ring_pattern(pair)
+                    attention.append(_Entry(pair, p_group, c_group, True, ring, True))
                 elif self._is_ring(g):
                     attention.append(_Entry(pair, p_group, c_group, True, self._pattern(pair)))
                 elif self.local.group_kind(g, pair.local.index) is not RegionKind.SSM:
                     attention.append(_Entry(pair, p_group, c_group, False, self._pattern(pair)))
                 elif self.local.group_block_sizes:
-                    states.append(_Entry(pair, p_group, c_group, True, self._pattern(pair)))
+                    # A row's state is its rank's own: whole between equal TP sizes, each
+                    # rank's slice of it otherwise (from the page's start, as in a slab).
+                    equal = self._producer.tp_size == self._consumer.tp_size
+                    row_state = self._pattern(pair) if equal else self._slab_state_pattern()
+                    states.append(_Entry(pair, p_group, c_group, True, row_state))
                 else:
                     slab_state = self._slab_state_pattern()
                     states.append(_Entry(pair, p_group, c_group, True, slab_state, True))
         return attention + states
+
+    def _groups_in(self, pair: RegionPair, num_groups: int) -> list[tuple[int, int, int]]:
+        """(group, the producer's id of it, the consumer's) of each group whose pages the
+        pair's regions hold. A shared region (group -1 on either side) or one that names
+        its groups (:attr:`BlockRegion.groups`, ours and so the peer's) moves group g on
+        both sides; any other keeps each side's own group id, as advertised."""
+        held = self.local.regions[pair.local.index].groups
+        if held:
+            return [(g, g, g) for g in held if g < num_groups]
+        pv, cv = self._sides(pair)
+        if SHARED_GROUP_ID in (pv.group_id, cv.group_id):
+            return [(g, g, g) for g in range(num_groups)]
+        return [(max(pv.group_id, cv.group_id), pv.group_id, cv.group_id)]
+
+    def _split_ring_pattern(self, pair: RegionPair) -> _Pattern:
+        """A ring's block in regions of kernel blocks: all of them, one span of the
+        logical block, from the producer rank a replicated page is read from (the pairing
+        held the two sides to one kernel split, and a sharded ring to equal TP sizes)."""
+        page = pair.local.block_len * self.local.physical_blocks_per_logical
+        if pair.kind is RegionKind.REPLICATED and not self._replicated_moves():
+            return _no_move_pattern(page)
+        return _whole_block_pattern(page)
 
     def _is_ring(self, group: int) -> bool:
         kinds = self.local.group_kinds
@@ -685,8 +710,8 @@ class PeerLayout:
         clusters = []
         for (_, p_group, c_group, state, slab), members in buckets.items():
             views = [self._sides(entry.pair) for _, entry in members]
-            # An SSM page in a slab sits at a logical block id in a region that advertises
-            # kernel blocks: one page spans a logical block's kernel blocks.
+            # An SSM page in a slab, or a ring's, sits at a logical block id in a region
+            # that advertises kernel blocks: one page spans a logical block's kernel blocks.
             p_scale = self._producer.ppl if slab else 1
             c_scale = self._consumer.ppl if slab else 1
             clusters.append(

@@ -166,7 +166,8 @@ class ConsumerMachine(MachineCore):
     def __init__(
         self, config: KVWireConfig, *, mla: bool = False, host: str = "", port: int = 0
     ) -> None:
-        """``mla``: the KV cache is MLA's (replicated on every TP rank, read from one).
+        """``mla``: every page of the KV cache is the same on every TP rank (MLA's, no
+        TP-sharded state beside it), so each request is read from one producer rank.
         ``host``/``port``: this engine's side channel as producers dial it, sent in push
         registrations (the runtime passes its listener's real address)."""
         super().__init__(config)

@@ -271,7 +271,9 @@ class Driver:
             self.machine = (
                 ProducerMachine(cfg)
                 if self.role == "producer"
-                else ConsumerMachine(cfg, mla=geometry.is_mla, host=advertise[0], port=advertise[1])
+                else ConsumerMachine(
+                    cfg, mla=geometry.replicated_whole, host=advertise[0], port=advertise[1]
+                )
             )
             self._pool = concurrent.futures.ThreadPoolExecutor(
                 max_workers=4, thread_name_prefix=f"kvwire-{self.role}-handshake"
@@ -773,10 +775,9 @@ class Driver:
     def _check_producer(self, action: StartHandshake, result: PeerHandshake) -> None:
         """A push consumer posts nothing, so no plan of its own checks the producer's
         geometry: a kvwire producer's plan does, but a vLLM producer writes by its own
-        rules whatever it pairs with (measured: vLLM 0.32.0 pushing Glm5Next's rows from
-        TP 1 into TP 2 ended the request done with most of its bytes wrong). So this
-        consumer checks every producer rank (``check_producer``) and refuses, by name,
-        before it registers any block."""
+        rules whatever it pairs with, into pairings kvwire may not describe (rows of
+        another TP size, which kvwire moves whole). So this consumer checks every producer
+        rank (``check_producer``) and refuses, by name, before it registers any block."""
         if self.role != "consumer" or self.config.mode != "push":
             return
         assert self.geometry is not None

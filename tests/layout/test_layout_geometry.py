@@ -245,3 +245,29 @@ def test_rows_stay_region_major_when_kv_cache_groups_alternate_by_layer() -> Non
         (1 << 44) + (2 << 20) + 4 * block_len,
         (1 << 44) + (3 << 20) + 6 * block_len,
     ]
+
+
+def test_a_consumer_reads_one_producer_rank_only_where_no_page_is_a_ranks_own() -> None:
+    """MLA pages are every rank's, so one producer rank serves a request; a TP-sharded
+    state beside them (vLLM 0.31.0's Glm5Next: KDA states in its latents' slabs) is each
+    rank's own, and then every producer rank holding a slice must be read."""
+    slab = BlockRegion(1 << 30, 8192, 64, group_id=-1, name="slab")
+    mla = KVGeometry([slab], block_size=16, is_mla=True)
+    states = KVGeometry(
+        [slab], block_size=16, is_mla=True, ssm_sizes=(1024, 4096),
+        group_kinds=(RegionKind.ATTENTION, RegionKind.SSM),
+    )  # fmt: skip
+    heads = KVGeometry([slab], block_size=16, total_kv_heads=8)
+    assert [g.replicated_whole for g in (mla, states, heads)] == [True, False, False]
+
+
+def test_a_region_names_only_groups_it_can_hold() -> None:
+    """``groups`` (a region's own, never advertised) are distinct ids and include the
+    group it advertises; a shared region may name any."""
+    from kvwire.errors import ConfigError
+
+    assert BlockRegion(1 << 30, 64, 4, group_id=0, groups=(0, 1)).groups == (0, 1)
+    assert BlockRegion(1 << 30, 64, 4, group_id=-1, groups=(0, 2)).groups == (0, 2)
+    for group_id, groups in ((0, (1, 2)), (0, (0, 0)), (-1, (-1, 0))):
+        with pytest.raises(ConfigError, match="must be distinct group ids"):
+            BlockRegion(1 << 30, 64, 4, group_id=group_id, groups=groups)

@@ -11,11 +11,17 @@ window's blocks and the state moved as if they were the next tokens of the full 
 
 A ring group (vLLM's ``CircularBufferSpec``) has one block per request whose slot
 ``t % block`` holds token ``t``'s rows, the latest ``block`` tokens': it pairs by position
-and moves whole, for the one token count it was written at.
+and moves whole, for the one token count it was written at; in regions of kernel blocks,
+all of its block's kernel blocks.
+
+A region may name the groups it holds (``BlockRegion.groups``) while it advertises one
+group's id, as a vLLM 0.31.0 engine advertises Glm5Next's indexer keys, its tail ring
+(a group of its own) laid over them: only those groups move there.
 
 The oracle below writes and reads slabs with plain numpy, no kvwire code; Hypothesis draws
 the groups, layers per group, block sizes either way (equal beside a ring, whose capacity
-is the model's), kernel blocks, prompt lengths, prefix hits and the mode.
+is the model's, as is its kernel split), kernel blocks, prompt lengths, prefix hits, the
+mode, and whether regions name their groups.
 """
 
 from __future__ import annotations
@@ -59,6 +65,8 @@ class Hybrid:
     hits: int
     window: int
     mode: str
+    named: bool = False
+    """Each slab names the groups it holds and advertises the first one's id."""
 
     def block(self, who: int) -> int:
         return self.p_block if who == 0 else self.d_block
@@ -86,8 +94,8 @@ def make_side(h: Hybrid, who: int) -> Side:
 
     def slab_group(j: int) -> int:
         """vLLM's region_group_ids: -1 where layers of several groups share the slab."""
-        groups = [g for g, n in enumerate(h.layers) if j < n]
-        return groups[0] if len(groups) == 1 else SHARED_GROUP_ID
+        groups = held(h, j)
+        return groups[0] if len(groups) == 1 or h.named else SHARED_GROUP_ID
 
     regions = [
         BlockRegion(
@@ -97,6 +105,7 @@ def make_side(h: Hybrid, who: int) -> Side:
             group_id=slab_group(j),
             mem_kind="DRAM",
             name=f"slab.{j}",
+            groups=held(h, j) if h.named else (),
         )
         for j in range(slabs)
     ]
@@ -112,6 +121,11 @@ def make_side(h: Hybrid, who: int) -> Side:
     )
     buf = np.full(slabs * slab, SENTINEL, dtype=np.uint8)
     return Side(buf, base, page, geometry)
+
+
+def held(h: Hybrid, slab: int) -> tuple[int, ...]:
+    """The groups with a layer in slab ``slab``."""
+    return tuple(g for g, n in enumerate(h.layers) if slab < n)
 
 
 def lists(h: Hybrid, rng: np.random.Generator) -> tuple[list[np.ndarray], list[np.ndarray]]:
@@ -197,10 +211,13 @@ def check_consumer(
     want = Side(np.full_like(d.buf, SENTINEL), d.base, d.page, d.geometry)
     write_side(h, want, 1, d_groups)
     # The request's own pages in D, in every slab: a group with no layer in a slab owns
-    # its ids there too (stock reads every group's ids from every shared slab).
+    # its ids there too (stock reads every group's ids from every shared slab), unless
+    # the slab names the groups it holds.
     touched = np.zeros(d.buf.size, dtype=bool)
     for g, kind in enumerate(h.kinds):
         for layer in range(max(h.layers)):
+            if h.named and g not in held(h, layer):
+                continue
             for b in d_groups[g].tolist():
                 start = layer * POOL * d.page + b * d.page
                 touched[start : start + (sum(SSM) if kind == "ssm" else d.page)] = True
@@ -274,9 +291,10 @@ def hybrids(draw: st.DrawFn) -> Hybrid:
         )
     )
     kinds = ("full", *extra)
-    ring = "ring" in kinds  # its capacity is the model's: one block size, never split
+    ring = "ring" in kinds  # its capacity is the model's: one block size, one kernel split
     p_block = draw(st.sampled_from([8, 16, 32]))
     d_block = p_block if ring else draw(st.sampled_from([8, 16, 32]))
+    p_ppl = draw(st.sampled_from([1, 2]))
     tokens = draw(st.integers(1, 96))
     d_total = -(-tokens // d_block)
     return Hybrid(
@@ -284,19 +302,32 @@ def hybrids(draw: st.DrawFn) -> Hybrid:
         layers=tuple(draw(st.integers(1, 2)) for _ in kinds),
         p_block=p_block,
         d_block=d_block,
-        p_ppl=1 if ring else draw(st.sampled_from([1, 2])),
-        d_ppl=1 if ring else draw(st.sampled_from([1, 2])),
+        p_ppl=p_ppl,
+        d_ppl=p_ppl if ring else draw(st.sampled_from([1, 2])),
         tokens=tokens,
         hits=draw(st.integers(0, d_total - 1)),
         window=draw(st.sampled_from([5, 20, 40])),
         mode=draw(st.sampled_from(["pull", "push"])),
+        named=draw(st.booleans()),
     )
 
 
-@settings(max_examples=200, deadline=None, derandomize=True)
+@settings(max_examples=300, deadline=None, derandomize=True)
 @given(h=hybrids())
 def test_shared_regions_move_each_group_as_its_own_kind(h: Hybrid) -> None:
     run(h)
+
+
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_a_ring_over_another_groups_region_moves_there_alone(mode: str) -> None:
+    """vLLM 0.31.0's Glm5Next in small, in kernel blocks of half a block, each slab
+    advertised as its first group's and naming the groups it holds: a slab of the full
+    group, a state and a ring, beside one of the full group and the ring alone (the state
+    moves in the first only); then a slab of all three beside one of the full group alone
+    (the ring and the state are written nowhere in it). A ring moves where it lies, all of
+    its kernel blocks."""
+    run(Hybrid(("full", "ssm", "ring"), (2, 1, 2), 16, 16, 2, 2, 40, 0, 20, mode, True))
+    run(Hybrid(("full", "ring", "ssm"), (2, 1, 1), 16, 16, 2, 2, 9, 0, 20, mode, True))
 
 
 @pytest.mark.parametrize("mode", ["pull", "push"])
@@ -331,16 +362,35 @@ def test_a_state_for_another_count_is_refused(producer_tokens: int, kind: str) -
 
 
 def test_a_ring_pairs_only_with_rings_of_its_own_block() -> None:
-    """A ring's capacity is the model's, one page a side: kernel blocks smaller than the
-    block, a peer of another block size, or a region of ring kind are refused by name."""
+    """A ring's capacity is the model's, one page a side: its kernel blocks apart, a peer
+    of another block size or kernel split, or a region of ring kind are refused by name."""
+    from dataclasses import replace
+
     from kvwire.errors import ConfigError, IncompatiblePeerError
 
     h = Hybrid(("full", "ring"), (1, 1), 16, 16, 1, 1, 40, 0, 20, "pull")
     d = make_side(h, 1).geometry
-    with pytest.raises(ConfigError, match="ring is a KV-cache group's kind"):
+    apart = [replace(r, block_len=r.block_len // 2, num_blocks=r.num_blocks * 2) for r in d.regions]
+    apart = [replace(r, block_stride=r.block_len * 2) for r in apart]
+    with pytest.raises(ConfigError, match="kernel blocks that do not abut"):
         KVGeometry(
-            d.regions, block_size=32, physical_blocks_per_logical=2, group_kinds=d.group_kinds
-        )
+            apart, block_size=16, physical_blocks_per_logical=2, group_kinds=d.group_kinds,
+            total_kv_heads=HEADS,
+        )  # fmt: skip
+    split = make_side(replace(h, p_ppl=2, d_ppl=2), 0)
+    with pytest.raises(IncompatiblePeerError, match="same block and kernel sizes"):
+        PeerLayout(d, RemoteGeometry.from_local(split.geometry), mode="pull")
+    # In kernel blocks a ring of head-sharded pages moves as bytes: one layout a side, and
+    # the peer's kernel blocks abutting too.
+    ours = make_side(replace(h, p_ppl=2, d_ppl=2), 1).geometry
+    nhd = RemoteGeometry.from_local(replace(split.geometry, kv_cache_layout="NHD"))
+    with pytest.raises(IncompatiblePeerError, match="only between equal TP sizes and one layout"):
+        PeerLayout(ours, nhd, mode="pull")
+    remote = RemoteGeometry.from_local(split.geometry)
+    spaced = [replace(r, block_stride=r.block_len * 2) for r in remote.regions]
+    remote = replace(remote, regions=spaced)
+    with pytest.raises(IncompatiblePeerError, match="they must abut"):
+        PeerLayout(ours, remote, mode="pull")
     ring_region = BlockRegion(base_addr=1 << 20, block_len=256, num_blocks=4, kind=RegionKind.RING)
     with pytest.raises(ConfigError, match="ring is a KV-cache group's kind"):
         KVGeometry([ring_region], block_size=16, total_kv_heads=HEADS)

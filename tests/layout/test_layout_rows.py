@@ -13,7 +13,8 @@ attention, whose rows are each TP rank's own.
 The oracle below moves rows with plain numpy by position in the prompt (a ring's or a
 state's by position from its list's end); Hypothesis draws the groups' kinds and block
 sizes, how many layers each overlays, the prompt, each side's tails, a leading null block
-in P's windowed lists, replicated (MLA) or rank-own rows, the TP sizes and the mode.
+in P's windowed lists, replicated (MLA) or rank-own rows, the TP sizes and the mode. (A
+state between unequal TP sizes is sliced: ``test_layout_row_states.py``.)
 """
 
 from __future__ import annotations
@@ -256,7 +257,10 @@ def rows(draw: st.DrawFn) -> Rows:
         # (and reads the null block's row, as stock does).
         nulls.append(g > 0 and p > 0 and draw(st.booleans()))
     sharded = draw(st.booleans())
-    pairs = [(1, 1), (2, 2)] if sharded else [(1, 1), (1, 2), (2, 1), (2, 2)]
+    # A state is each rank's own, replicated rows or not; between unequal TP sizes beside
+    # MLA pages it is sliced (tests/layout/test_layout_row_states.py).
+    own = sharded or RegionKind.SSM in kinds
+    pairs = [(1, 1), (2, 2)] if own else [(1, 1), (1, 2), (2, 1), (2, 2)]
     p_tp, d_tp = draw(st.sampled_from(pairs))
     return Rows(
         sizes=sizes,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -20,6 +20,7 @@ from kvwire.config import KVWireConfig
 from kvwire.errors import ConfigError
 from kvwire.integrations.vllm.groups import (
     group_kinds,
+    is_kpool_tail,
     layer_specs,
     row_block_sizes,
     rows_replicated,
@@ -118,25 +119,92 @@ def layer_order(name: str) -> tuple[tuple[int, int | str], ...]:
     )
 
 
-def kernel_ratio(kv_caches: Mapping[str, torch.Tensor], num_blocks: int) -> int:
+def kernel_ratio(
+    kv_caches: Mapping[str, torch.Tensor], num_blocks: int, pooled: frozenset[str] = frozenset()
+) -> int:
     """Kernel blocks per block vLLM hands out ids for: an attention backend that cannot use
     the engine's block size gets the largest it supports that divides it, and every layer's
     view then has that many times the blocks (a stock engine reads the same ratio from the
-    backends; kvwire reads it from the views it registers)."""
-    ratios = set()
+    backends; kvwire reads it from the views it registers). A ``pooled`` layer's view of
+    whole blocks, each one run, splits into as many kernel pages as the others have: an
+    indexer's pooled keys (one head, a key per several tokens, token-major) beside split
+    latents, vLLM 0.31.0's Glm5Next, which a stock engine splits so too."""
+    ratios: dict[int, str] = {}
+    whole: dict[str, torch.Tensor] = {}
     for name, view in kv_caches.items():
         if view.dim() < 2 or view.shape[0] % num_blocks or not view.shape[0]:
             raise ConfigError(
                 f"layer {name}: its view {tuple(view.shape)} does not have vLLM's "
                 f"{num_blocks} blocks, or a whole number of kernel blocks per block, first"
             )
-        ratios.add(view.shape[0] // num_blocks)
+        ratio = view.shape[0] // num_blocks
+        if ratio == 1 and view.is_contiguous() and name in pooled:
+            whole[name] = view
+        else:
+            ratios.setdefault(ratio, name)
     if len(ratios) > 1:
         raise ConfigError(
             f"the layers' views split a block into different numbers of kernel blocks "
             f"({sorted(ratios)}): KVWireConnector needs one kernel block size"
         )
-    return ratios.pop() if ratios else 1
+    ratio = next(iter(ratios), 1)
+    for name, view in whole.items():
+        if view[0].numel() % ratio:
+            raise ConfigError(
+                f"layer {name}: its blocks of {view[0].numel()} values do not split into "
+                f"the {ratio} kernel blocks per block of layer {ratios[ratio]}"
+            )
+    return ratio
+
+
+def _kernel_pages(view: torch.Tensor, num_blocks: int) -> torch.Tensor:
+    """``view`` with ``num_blocks`` blocks first: a view of fewer, whole blocks, each one
+    run, split into as many kernel pages (:func:`kernel_ratio`)."""
+    blocks = int(view.shape[0]) if view.dim() >= 2 else 0
+    if not (0 < blocks < num_blocks and num_blocks % blocks == 0 and view.is_contiguous()):
+        return view
+    split = num_blocks // blocks
+    return view.reshape(num_blocks, -1) if view[0].numel() % split == 0 else view
+
+
+def _ring_holder(
+    name: str, view: torch.Tensor, spans: Mapping[int, tuple[str, int, int, torch.Tensor]],
+    num_blocks: int,
+) -> int:  # fmt: skip
+    """The region a ring layer laid over another layer's pages lies in (its base): one
+    whose logical blocks, its kernel blocks abutting, hold the ring's pages."""
+    base = int(view.data_ptr())
+    blocks = int(view.shape[0]) if view.dim() >= 2 else 0
+    found = spans.get(base)
+    if found is not None and blocks and num_blocks % blocks == 0:
+        _, block_len, stride, _ = found
+        logical = block_len * (num_blocks // blocks)
+        row = int(view.stride(0)) * view.element_size()
+        fits = int(view[0].nbytes) <= logical and _one_run(view[0])
+        if stride == block_len and row == logical and fits:
+            return base
+    raise ConfigError(
+        f"layer {name}: a ring over another layer's pages ({tuple(view.shape)} at "
+        f"{base:#x}) must lie inside the logical blocks of a region registered there"
+    )
+
+
+def _check_state_slab(
+    name: str, view: torch.Tensor, slab: tuple[str, int, int, torch.Tensor], num_blocks: int
+) -> None:
+    """A state's pages are its slab's logical blocks: a state view of whole blocks, strided
+    as the slab's kernel blocks of one block together (vLLM pads the state page to the
+    attention page it shares the slab with)."""
+    _, block_len, stride, _ = slab
+    blocks = int(view.shape[0]) if view.dim() >= 2 else 0
+    row = int(view.stride(0)) * view.element_size() if blocks else 0
+    if not blocks or num_blocks % blocks or row != stride * (num_blocks // blocks):
+        raise ConfigError(
+            f"layer {name}: its state pages ({tuple(view.shape)}, {row} bytes apart) are "
+            f"not its slab's blocks ({num_blocks} of {block_len} bytes, {stride} apart): "
+            "KVWireConnector moves state groups only in slabs they share with attention, "
+            "one page a block (vLLM's hybrid manager pads them to one page)"
+        )
 
 
 def layer_regions(
@@ -146,6 +214,7 @@ def layer_regions(
     group_of: Mapping[str, int] | None = None,
     state_layers: frozenset[str] = frozenset(),
     allocation_order: bool = False,
+    ring_layers: frozenset[str] = frozenset(),
 ) -> list[BlockRegion]:
     """The worker's regions, read from each layer's own view of ``num_blocks`` region
     blocks (kernel blocks: :func:`kernel_ratio` times vLLM's block count).
@@ -167,17 +236,27 @@ def layer_regions(
 
     ``allocation_order``: regions in the order vLLM allocated the layers (``kv_caches``'),
     not in model-layer order: a stock engine registers a model with ring groups so.
+
+    ``ring_layers`` lie over another layer's pages in its region (vLLM 0.31.0's Glm5Next
+    tail over its indexer keys), each a logical block's kernel pages: the region, named
+    and advertised as its own layer's, as stock registers it, then names every group it
+    holds (``BlockRegion.groups``), and so does every region, the ring held by none but
+    those it lies in.
     """
     spans: dict[int, tuple[str, int, int, torch.Tensor]] = {}
     rows: dict[int, dict[str, tuple[int, int]]] = {}
     groups: dict[int, int] = {}
+    held: dict[int, set[int]] = {}
     states: dict[int, str] = {}
     first: dict[int, str] = {}
     """Per span, the first layer of any kind on it, in stock's order."""
     names = list(kv_caches) if allocation_order else sorted(kv_caches, key=layer_order)
     for name in names:
-        view = kv_caches[name]
+        view = _kernel_pages(kv_caches[name], num_blocks)
         group = group_of.get(name, 0) if group_of is not None else 0
+        if name in ring_layers:
+            continue
+        held.setdefault(int(view.data_ptr()), set()).add(group)
         if name in state_layers:
             states.setdefault(int(view.data_ptr()), name)
             first.setdefault(int(view.data_ptr()), name)
@@ -204,7 +283,11 @@ def layer_regions(
                 f"layer {name}: its state is in a slab no attention layer shares: "
                 "KVWireConnector moves state groups only beside attention so far"
             )
+        _check_state_slab(name, kv_caches[name], spans[base], num_blocks)
         groups[base] = SHARED_GROUP_ID
+    for name in ring_layers:
+        base = _ring_holder(name, kv_caches[name], spans, num_blocks)
+        held[base].add(group_of.get(name, 0) if group_of is not None else 0)
     regions = []
     # A region is where the first layer (in stock's order) of any kind on it puts it, and
     # is named after that layer, a state layer's too, as stock names it.
@@ -212,9 +295,10 @@ def layer_regions(
     for base in sorted(spans, key=order.__getitem__):
         _, block_len, stride, view = spans[base]
         packed = rows.get(base, {})
-        regions.append(
-            _region(view, base, block_len, stride, num_blocks, groups[base], first[base], packed)
+        region = _region(
+            view, base, block_len, stride, num_blocks, groups[base], first[base], packed
         )
+        regions.append(replace(region, groups=tuple(sorted(held[base]))) if ring_layers else region)
     return regions
 
 
@@ -376,9 +460,18 @@ def layer_geometry(
     sizes = row_block_sizes(kv_cache_config)
     moved = {name: view for name, view in kv_caches.items() if name in group_of}
     states = frozenset(n for n in moved if kinds[group_of[n]] is RegionKind.SSM)
-    ratio = kernel_ratio({n: v for n, v in moved.items() if n not in states}, num_blocks)
+    tails = frozenset(n for n, spec in layer_specs(kv_cache_config).items() if is_kpool_tail(spec))
+    if tails and parse_layout(layout_name).block_outermost:
+        raise ConfigError(
+            f"KV cache layout {layout_name} with vLLM 0.31.0's Glm5Next tail (KpoolTailSpec), "
+            "whose backend takes LBHNC only: KVWireConnector moves it as vLLM lays it there"
+        )
+    own = {n: v for n, v in moved.items() if n not in states | tails}
+    specs = layer_specs(kv_cache_config)
+    pooled = frozenset(n for n in own if getattr(specs.get(n), "tokens_per_state", 1) > 1)
+    ratio = kernel_ratio(own, num_blocks, pooled)
     rings = RegionKind.RING in kinds
-    if rings and ratio != 1:
+    if rings and ratio != 1 and not tails:
         raise ConfigError(
             f"a ring group (CircularBufferSpec) with kernel blocks of "
             f"{int(vllm_config.cache_config.block_size) // ratio} tokens, {ratio} a block: a "
@@ -401,7 +494,10 @@ def layer_geometry(
         regions = row_regions(moved, num_blocks * ratio, layout_name, group_of)
     else:
         n = num_blocks * ratio
-        regions = layer_regions(moved, n, layout_name, group_of, states, allocation_order=rings)
+        regions = layer_regions(
+            moved, n, layout_name, group_of, states, allocation_order=rings and not tails,
+            ring_layers=tails,
+        )  # fmt: skip
     # Rows of MLA pages are every rank's (one head); rows of GQA pages or states its own.
     replicated = rows_replicated(kv_cache_config) if sizes else bool(model.use_mla)
     return KVGeometry(

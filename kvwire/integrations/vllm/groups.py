@@ -26,6 +26,13 @@ def transfer_groups(kv_cache_config: Any) -> tuple[Any, ...]:
     return tuple(getattr(kv_cache_config, "transfer_groups", kv_cache_config.kv_cache_groups))
 
 
+def is_kpool_tail(spec: Any) -> bool:
+    """Whether ``spec`` is vLLM 0.31.0's ``KpoolTailSpec`` (Glm5Next's indexer tail: a
+    ring of the last pool's raw keys, one block a request, laid over the bytes of its
+    indexer's pooled keys; 0.32.0 makes it a ``CircularBufferSpec`` in rows)."""
+    return type(spec).__name__ == "KpoolTailSpec"
+
+
 def group_kinds(kv_cache_config: Any, block_size: int) -> tuple[RegionKind, ...]:
     """What each transfer group stores, refusing by name what kvwire does not move yet.
 
@@ -46,11 +53,17 @@ def group_kinds(kv_cache_config: Any, block_size: int) -> tuple[RegionKind, ...]
     moves its block whole, as a state for the prompt's count (:attr:`RegionKind.RING`).
     Anything else (static sinks, rings of another page beside attention, groups whose
     pages vLLM resized or padded otherwise) would be planned with the wrong page, so it
-    fails the engine's startup instead. (Rows of several block sizes, DeepSeek-V4's,
-    V4.1's and Qwen4Exp's, move whole pages, their rings and states too, a state group
-    there kind SSM whatever its state: :func:`row_block_sizes`.) So does a model
-    whose every attention group has a window: no list then holds the whole prompt, which is
-    where the planner places the others.
+    fails the engine's startup instead. So does a model whose every attention group has a
+    window: no list then holds the whole prompt, which is where the planner places the
+    others.
+
+    Rows of several block sizes (DeepSeek-V4's, V4.1's, Qwen4Exp's, Glm5Next's in vLLM
+    0.32.0) move whole pages, their rings and states too (a state group there is kind SSM
+    whatever its state; between unequal TP sizes a state is sliced where its parts are
+    known): :func:`row_block_sizes`. vLLM 0.31.0's Glm5Next keeps its MLA latents and
+    indexer keys in one group of per-layer specs, its KDA states in the latents' slabs,
+    and its indexer tail (:func:`is_kpool_tail`) in a group of its own, a ring over the
+    keys' pages: the geometry finds each tail page inside its keys' region.
     """
     from vllm.v1.kv_cache_interface import (
         ChunkedLocalAttentionSpec,
@@ -91,10 +104,14 @@ def group_kinds(kv_cache_config: Any, block_size: int) -> tuple[RegionKind, ...]
         return rows
     first: tuple[Any, ...] | None = None
     kinds = []
-    attention_page = 0
+    attention_pages: set[int] = set()
     for group_id, group in zip(ids, groups, strict=True):
         spec = group.kv_cache_spec
+        if all(is_kpool_tail(s) for s in _layer_specs(spec)):
+            kinds.append(RegionKind.RING)  # over the keys' pages: the geometry checks them
+            continue
         if type(spec) is UniformTypeKVCacheSpecs:
+            attention_pages |= {int(s.page_size_bytes) for s in _layer_specs(spec)}
             spec = _replicated_pages(group_id, spec)
         if type(spec) is MambaSpec:
             _check_state_group(group_id, spec)
@@ -118,7 +135,7 @@ def group_kinds(kv_cache_config: Any, block_size: int) -> tuple[RegionKind, ...]
                 "KVWireConnector moves groups of one page shape so far"
             )
         first = page
-        attention_page = int(spec.page_size_bytes)
+        attention_pages.add(int(spec.page_size_bytes))
         ring = type(spec) is CircularBufferSpec
         kinds.append(RegionKind.RING if ring else RegionKind.ATTENTION)
     attention = [g for g, k in zip(groups, kinds, strict=True) if k is RegionKind.ATTENTION]
@@ -129,13 +146,23 @@ def group_kinds(kv_cache_config: Any, block_size: int) -> tuple[RegionKind, ...]
             "holds the whole prompt so far (every group has a sliding window, attention "
             "chunks or a state)"
         )
+    # An indexer's pooled keys share a group with latents of another page, which the
+    # scheduler's config shows by its first layer alone: the worker's geometry checks
+    # each state's slab (a state view strided as no region there is, refused by name).
+    pooled = any(
+        getattr(s, "tokens_per_state", 1) > 1
+        for g in groups
+        for s in _layer_specs(g.kv_cache_spec)
+        if not isinstance(s, MambaSpec)
+    )
     for group_id, group, kind in zip(ids, groups, kinds, strict=True):
         state_page = int(group.kv_cache_spec.page_size_bytes)
-        if kind is RegionKind.SSM and state_page != attention_page:
+        if kind is RegionKind.SSM and state_page not in attention_pages and not pooled:
             raise ConfigError(
                 f"KV-cache group {group_id}'s state pages are {state_page} bytes and the "
-                f"attention pages {attention_page}: KVWireConnector moves state groups only "
-                "in slabs they share with attention (vLLM's hybrid manager pads them to one page)"
+                f"attention pages {sorted(attention_pages)}: KVWireConnector moves state "
+                "groups only in slabs they share with attention (vLLM's hybrid manager pads "
+                "them to one page)"
             )
     return tuple(kinds)
 
@@ -215,6 +242,8 @@ def row_block_sizes(kv_cache_config: Any) -> tuple[int, ...]:
 
     groups = transfer_groups(kv_cache_config)
     layers = [spec for g in groups for spec in _layer_specs(g.kv_cache_spec)]
+    if any(is_kpool_tail(spec) for spec in layers):
+        return ()  # 0.31.0's Glm5Next: per-layer slabs (its tail's backend takes LBHNC only)
     if not any(
         isinstance(spec, AttentionSpec)  # a Mamba spec has no tokens a state (-1)
         and (
@@ -238,17 +267,27 @@ def row_block_sizes(kv_cache_config: Any) -> tuple[int, ...]:
 
 def rows_replicated(kv_cache_config: Any) -> bool:
     """Whether rows of several block sizes (:func:`row_block_sizes`) hold MLA pages and
-    rings alone, the same bytes on every TP rank (``KVGeometry.is_mla``), so that a row
-    moves between any TP sizes; GQA attention and states are each rank's own."""
+    rings, the same bytes on every TP rank (``KVGeometry.is_mla``), and beside them at
+    most TP-sharded states whose parts are known (:func:`ssm_parts`: Glm5Next's KDA in
+    vLLM 0.32.0), each rank's slice of a state: such rows move between any TP sizes, a
+    state sliced. GQA attention and a TP-replicated state are each rank's own rows."""
     from vllm.v1.kv_cache_interface import (
         CircularBufferSpec,
+        MambaSpec,
         MLAAttentionSpec,
         SlidingWindowMLASpec,
     )
 
     replicated = (MLAAttentionSpec, SlidingWindowMLASpec, CircularBufferSpec)
     groups = transfer_groups(kv_cache_config)
-    return all(type(spec) in replicated for g in groups for spec in _layer_specs(g.kv_cache_spec))
+    specs = [spec for g in groups for spec in _layer_specs(g.kv_cache_spec)]
+    states = [spec for spec in specs if type(spec) is MambaSpec]
+    # One state of one kind, sharded by TP, which ssm_parts describes.
+    shapes = {(tuple(s.shapes), tuple(s.dtypes), s.mamba_type, s.tp_replicated) for s in states}
+    sliced = not states or (
+        len(shapes) == 1 and not states[0].tp_replicated and bool(ssm_parts(kv_cache_config))
+    )
+    return sliced and all(type(spec) in (*replicated, MambaSpec) for spec in specs)
 
 
 def layer_specs(kv_cache_config: Any) -> dict[str, Any]:
@@ -343,15 +382,18 @@ def ssm_parts(kv_cache_config: Any) -> tuple[int, ...]:
     """This rank's bytes of each TP-sharded part of one Mamba layer's state, in page order
     (``KVGeometry.ssm_parts``): the conv state dim-first (``VLLM_SSM_CONV_STATE_LAYOUT=DS``,
     as stock's transfer requires), so each sub-projection's columns are one run, then the
-    temporal state, sharded by its first (heads) axis. None in rows, which move whole."""
+    temporal state, sharded by its first (heads) axis. None for a kind of state kvwire
+    does not slice (in rows, which then move whole between equal TP sizes only)."""
     spec = _mamba_spec(kv_cache_config)
-    if spec is None or row_block_sizes(kv_cache_config):
+    split = _CONV_SPLITS.get(getattr(spec.mamba_type, "name", "")) if spec is not None else None
+    if spec is None or split is None or len(spec.shapes) != 2:
         return ()
     conv_shape, temporal = tuple(spec.shapes[0]), tuple(spec.shapes[1])
-    split = _CONV_SPLITS[getattr(spec.mamba_type, "name", "")]
     row = math.prod(conv_shape[1:]) * _itemsize(spec.dtypes[0])
     columns = split(conv_shape[0], temporal)
     if sum(columns) != conv_shape[0] or min(columns) <= 0:
+        if row_block_sizes(kv_cache_config):
+            return ()  # rows move it whole, between equal TP sizes only
         raise ConfigError(
             f"a MambaSpec's conv state of {conv_shape[0]} columns does not split into "
             f"its sub-projections ({columns}) as its kind's do"
@@ -454,7 +496,9 @@ def exchanged(kv_cache_config: Any, vllm_config: Any) -> tuple[Exchanged, ...]:
     for group in transfer_groups(kv_cache_config):
         spec = group.kv_cache_spec
         size = int(spec.block_size) if sizes else 0
-        if isinstance(spec, SlidingWindowSpec):
+        if all(is_kpool_tail(s) for s in _layer_specs(spec)):
+            rules.append(Exchanged(ring=True))
+        elif isinstance(spec, SlidingWindowSpec):
             tail = -(-int(spec.sliding_window) // int(spec.block_size)) + 1
             rules.append(Exchanged(tail=tail, block_size=size))
         elif isinstance(spec, MambaSpec):
