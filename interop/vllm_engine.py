@@ -27,6 +27,7 @@ commands the harness sends share that engine's state, and each is a few short me
 
 from __future__ import annotations
 
+import copy
 import os
 import threading
 import time
@@ -1339,7 +1340,6 @@ class EnginePart:
         from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
         out = self.scheduler.schedule()
-        meta = out.kv_connector_metadata
         self.scheduled = dict(out.num_scheduled_tokens)
         for rid, inputs in out.scheduled_encoder_inputs.items():
             self.encoded.setdefault(rid, []).extend(inputs)
@@ -1354,8 +1354,11 @@ class EnginePart:
             # sampled once the whole prompt has been (a partial prefill samples none).
             sampled.append([7] if req.num_computed_tokens >= req.num_tokens else [])
         outputs = []
-        for rank in self.ranks:
+        for r, rank in enumerate(self.ranks):
             w = rank.worker
+            # vLLM's executor hands each worker process its own copy of the metadata
+            # (stock 0.31.0's pull worker rewrites a request's block ids in place).
+            meta = copy.deepcopy(out.kv_connector_metadata) if r else out.kv_connector_metadata
             w.bind_connector_metadata(meta)
             # vLLM starts the step's loads after the forward, off its critical path, unless
             # a load must finish before it (has_sync_kv_loads).

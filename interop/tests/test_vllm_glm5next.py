@@ -82,14 +82,8 @@ def test_glm5next(zygote: Zygote, pair: str, mode: str) -> None:
     moved(zygote, pair, "1-1", mode, PROMPTS)
 
 
-TENSOR_PARALLEL = [
-    ("kvwire-shm", "push"),
-    ("stock-P-kvwire-D", "pull"),
-    ("kvwire-P-stock-D", "pull" if PROTOCOL_VERSION >= 14 else "push"),
-]
-"""TP 2 to 2 cells. A stock D of vLLM 0.31.0 with TP 2 pulling reads its rank 0's pages
-wrong from any P (:func:`test_glm5next_stock_d_reads_alike_from_either_p`), so there the
-stock D is pushed to."""
+TENSOR_PARALLEL = [("kvwire-shm", "push"), *((p, "pull") for p in STOCK)]
+"""TP 2 to 2 cells."""
 
 
 @pytest.mark.parametrize(("pair", "mode"), TENSOR_PARALLEL)
@@ -160,21 +154,15 @@ def test_the_layout_and_the_groups_are_vllms_own() -> None:
         layer_geometry(rows, planned, kvwire_config(config), config)
 
 
-def unequal(
-    zygote: Zygote, p_conn: str, d_conn: str, tp: str, mode: str, transport: str,
-    timer: int = 5,
-) -> tuple[dict, str]:  # fmt: skip
-    """D's state and log once a prompt went between engines of unequal TP sizes; short
-    timers (``timer`` seconds) for a refused pair: a refused P frees the prompt when its
-    lease ends, a pushed-to D fails the request when no registration came."""
+def pulled_by_stock(zygote: Zygote, p_conn: str, tp: str) -> dict[str, Any]:
+    """A stock D's state once it pulled a prompt from a P of ``p_conn``, at TP sizes
+    ``P-D``."""
     p_tp, d_tp = (int(n) for n in tp.split("-"))
-    extra = {"transport": transport, "push_registration_timeout": timer}
     with engines(
-        zygote, p_conn, d_conn, {"tp": p_tp}, {"tp": d_tp}, geo=GEO, extra_config=extra,
-        mode=mode, lease=timer, **G5,
+        zygote, p_conn, "NixlConnector", {"tp": p_tp}, {"tp": d_tp}, geo=GEO, mode="pull",
+        extra_config={"transport": "nixl"}, **G5,
     ) as (p, d):  # fmt: skip
-        state = move_all(p, d, {"req-77": PROMPTS["req-77"]})
-        return state, "\n".join(d.peer.log)
+        return move_all(p, d, {"req-77": PROMPTS["req-77"]})
 
 
 UNEQUAL = [
@@ -190,8 +178,8 @@ UNEQUAL = [
     ("kvwire-P-stock-D", "1-2", "push"),
     ("kvwire-P-stock-D", "2-1", "push"),
 ]
-"""Every pair of TP 1 and 2 but a stock D pulling at TP 1 to 2, which reads by its own
-rule (:func:`test_glm5next_stock_d_reads_alike_from_either_p`)."""
+"""Every pair of TP 1 and 2 but a stock D pulling at TP 1 to 2
+(:func:`test_glm5next_stock_d_reads_alike_from_either_p`)."""
 
 
 @pytest.mark.parametrize(("pair", "tp", "mode"), UNEQUAL)
@@ -209,15 +197,9 @@ def test_glm5next_between_unequal_tp(zygote: Zygote, pair: str, tp: str, mode: s
 @pytest.mark.parametrize("tp", ["1-2", "2-2"])
 def test_glm5next_stock_d_reads_alike_from_either_p(zygote: Zygote, tp: str) -> None:
     """Pulling, a stock D plans its reads itself and never says its TP size to P, so a
-    kvwire P registers what stock registers and serves its reads as a stock P does: D
-    holds the same bytes from either. vLLM 0.32.0's D reads every byte right, TP 1 to 2
-    as 2 to 2; 0.31.0's D of TP 2 reads its rank 0's latents, pooled keys and tails wrong
-    (from a P of TP 1 or 2 alike; pushed to, it holds them right) and ends the request
-    done with bytes not its own, which is stock's to mend."""
-    # The harness's usual lease: these reads succeed and must end inside it, under load too.
-    pair = (tp, "pull", "nixl", 30)
-    from_stock, _ = unequal(zygote, "NixlConnector", "NixlConnector", *pair)
-    from_kvwire, _ = unequal(zygote, "KVWireConnector", "NixlConnector", *pair)
-    wrong, checked = from_stock["checked"]["req-77"]
-    assert checked > 0 and (wrong == 0 if PROTOCOL_VERSION >= 14 else 0 < wrong < checked)
+    kvwire P registers what stock registers and serves its reads as a stock P does: a
+    stock D of TP 2 holds every byte right, from either P of TP 1 or 2."""
+    from_stock = pulled_by_stock(zygote, "NixlConnector", tp)
+    from_kvwire = pulled_by_stock(zygote, "KVWireConnector", tp)
+    assert from_stock["checked"]["req-77"] == [0, 2 * checked_bytes(77, 2)]
     assert from_kvwire["checked"] == from_stock["checked"]

@@ -34,19 +34,11 @@ PAIRS = {
 }
 
 
-NOT_STOCKS = {
-    ("kvwire-P-stock-D", "pull", "1-2"): (
-        "a stock D of TP 2 pulling MLA from a TP-1 P leaves its rank 1's latent unread, "
-        "from a stock P as well (the same check fails between two stock engines)"
-    ),
-}
-"""Cells left out because stock itself does not deliver them here, and why."""
 CASES = [
     (pair, mode, tp)
     for pair in sorted(PAIRS)
     for mode in ("pull", "push")
     for tp in ("1-1", "1-2", "2-1")
-    if (pair, mode, tp) not in NOT_STOCKS
 ]
 
 
