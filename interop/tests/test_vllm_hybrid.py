@@ -542,6 +542,8 @@ REFUSED = {
         "holds MambaSpec layers beside others",
     ),
     "mamba-short-conv": (["full", "mamba-short-conv"], "is a SHORT_CONV MambaSpec"),
+    # HiSparse's host pool (vLLM runs it on CUDA only): refused by name, not by its views
+    "host-resident": (["full", "mla@host"], "group 1 is host-resident"),
 }
 
 
@@ -565,7 +567,12 @@ def test_groups_kvwire_cannot_move_are_refused_by_name(
     kinds, message = REFUSED[case]
     conv_layout("SD" if case.endswith("state-first") else "DS")
     try:
-        groups = [KVCacheGroupSpec([f"layer{i}"], _spec(kind)) for i, kind in enumerate(kinds)]
+        groups = [
+            KVCacheGroupSpec(
+                [f"layer{i}"], _spec(kind.removesuffix("@host")), host_resident="@" in kind
+            )
+            for i, kind in enumerate(kinds)
+        ]
         config = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=groups)
         with pytest.raises(ConfigError, match=message):
             group_kinds(config, 32)

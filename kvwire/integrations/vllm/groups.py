@@ -88,6 +88,13 @@ def group_kinds(kv_cache_config: Any, block_size: int) -> tuple[RegionKind, ...]
     )
     groups = transfer_groups(kv_cache_config)
     ids = getattr(kv_cache_config, "transfer_group_ids", range(len(groups)))
+    for group_id, group in zip(ids, groups, strict=True):
+        if getattr(group, "host_resident", False):
+            raise ConfigError(
+                f"KV-cache group {group_id} is host-resident (vLLM's HiSparse): its blocks "
+                "are a pool of their own, on the host; KVWireConnector moves the groups of "
+                "the engine's one pool so far"
+            )
     if row_block_sizes(kv_cache_config):
         layers = [_layer_specs(g.kv_cache_spec) for g in groups]
         partial = (SlidingWindowSpec, CircularBufferSpec, MambaSpec)
