@@ -428,13 +428,8 @@ def _check_pair(
         problems.add(
             f"remote region {rv.label} block_stride", f">= {region.block_len}", region.block_stride
         )
-    rings = [g for g, k in enumerate(local.group_kinds) if k is RegionKind.RING]
     split = remote.physical_blocks_per_logical > 1
-    if (
-        split
-        and region.block_stride != region.block_len
-        and any(local.holds(lv.index, g) for g in rings)
-    ):
+    if split and region.block_stride != region.block_len and local.holds_ring(lv.index):
         problems.add(
             f"remote region {rv.label} block_stride", region.block_len, region.block_stride,
             "a ring's block is its kernel blocks, moved as one span: they must abut",

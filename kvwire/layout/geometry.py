@@ -388,13 +388,12 @@ class KVGeometry:
     def _check_split_rings(self) -> None:
         """A ring's block in regions of kernel blocks is all of its kernel blocks, moved as
         one span: they must abut."""
-        if not self.has_rings or self.physical_blocks_per_logical == 1:
+        if self.physical_blocks_per_logical == 1:
             return
-        rings = [g for g, kind in enumerate(self.group_kinds) if kind is RegionKind.RING]
         apart = [
             self.region_label(i)
             for i, region in enumerate(self.regions)
-            if region.block_stride != region.block_len and any(self.holds(i, g) for g in rings)
+            if region.block_stride != region.block_len and self.holds_ring(i)
         ]
         if apart:
             raise ConfigError(
@@ -409,6 +408,11 @@ class KVGeometry:
         if region.groups:
             return group in region.groups
         return region.group_id in (group, SHARED_GROUP_ID)
+
+    def holds_ring(self, index: int) -> bool:
+        """Whether region ``index`` holds pages of a ring group."""
+        rings = (g for g, kind in enumerate(self.group_kinds) if kind is RegionKind.RING)
+        return any(self.holds(index, g) for g in rings)
 
     def _check_group_block_sizes(self) -> None:
         sizes = tuple(int(size) for size in self.group_block_sizes)

@@ -584,10 +584,7 @@ class PeerLayout:
         if self.local.group_block_sizes:
             # Rows of several groups' pages: a row moves whole, from one producer rank,
             # each region its longest page (its extent).
-            extent = self.local.regions[pair.local.index].extent
-            if pair.kind is RegionKind.REPLICATED and not self._replicated_moves():
-                return _no_move_pattern(extent)
-            return _whole_block_pattern(extent)
+            return self._whole_page(pair, self.local.regions[pair.local.index].extent)
         if pair.kind is RegionKind.REPLICATED:
             p_heads: tuple[int, ...] = (0,)
             c_heads: tuple[int, ...] = (0,)
@@ -613,7 +610,8 @@ class PeerLayout:
         group's block is an attention page paired by position, as a state is."""
         attention: list[_Entry] = []
         states: list[_Entry] = []
-        split = self.local.physical_blocks_per_logical > 1
+        ppl = self.local.physical_blocks_per_logical
+        split = ppl if ppl > 1 else 0
         for pair in self.pairs:
             if regions is not None and not regions[0] <= pair.local.index < regions[1]:
                 continue
@@ -621,7 +619,9 @@ class PeerLayout:
                 if pair.kind is RegionKind.SSM:
                     states.append(_Entry(pair, p_group, c_group, True, self._pattern(pair)))
                 elif self._is_ring(g) and split:
-                    ring = self._split_ring_pattern(pair)
+                    # A ring's block in kernel blocks: all of them, one span of the logical
+                    # block (the pairing held both sides to one kernel split).
+                    ring = self._whole_page(pair, pair.local.block_len * split)
                     attention.append(_Entry(pair, p_group, c_group, True, ring, True))
                 elif self._is_ring(g):
                     attention.append(_Entry(pair, p_group, c_group, True, self._pattern(pair)))
@@ -651,14 +651,13 @@ class PeerLayout:
             return [(g, g, g) for g in range(num_groups)]
         return [(max(pv.group_id, cv.group_id), pv.group_id, cv.group_id)]
 
-    def _split_ring_pattern(self, pair: RegionPair) -> _Pattern:
-        """A ring's block in regions of kernel blocks: all of them, one span of the
-        logical block, from the producer rank a replicated page is read from (the pairing
-        held the two sides to one kernel split, and a sharded ring to equal TP sizes)."""
-        page = pair.local.block_len * self.local.physical_blocks_per_logical
+    def _whole_page(self, pair: RegionPair, length: int) -> _Pattern:
+        """``length`` bytes of a block moved whole: a replicated page from the one producer
+        rank it is read from (nothing from the others), any other from its own rank (the
+        pairing held such pages to equal TP sizes)."""
         if pair.kind is RegionKind.REPLICATED and not self._replicated_moves():
-            return _no_move_pattern(page)
-        return _whole_block_pattern(page)
+            return _no_move_pattern(length)
+        return _whole_block_pattern(length)
 
     def _is_ring(self, group: int) -> bool:
         kinds = self.local.group_kinds

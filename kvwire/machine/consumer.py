@@ -164,14 +164,14 @@ class ConsumerMachine(MachineCore):
     _end_actions = (RequestDone, RequestFailed)
 
     def __init__(
-        self, config: KVWireConfig, *, mla: bool = False, host: str = "", port: int = 0
+        self, config: KVWireConfig, *, one_source: bool = False, host: str = "", port: int = 0
     ) -> None:
-        """``mla``: every page of the KV cache is the same on every TP rank (MLA's, no
+        """``one_source``: every page of the KV cache is the same on every TP rank (MLA's, no
         TP-sharded state beside it), so each request is read from one producer rank.
         ``host``/``port``: this engine's side channel as producers dial it, sent in push
         registrations (the runtime passes its listener's real address)."""
         super().__init__(config)
-        self.mla = mla
+        self.one_source = one_source
         self.host = host
         self.port = port
         self._reqs: dict[str, _Req] = {}
@@ -519,7 +519,7 @@ class ConsumerMachine(MachineCore):
             cfg = self.config
             try:
                 peers = topology.remote_ranks(cfg.tp_rank, cfg.tp_size, *key)
-                if self.mla:
+                if self.one_source:
                     src = [topology.replicated_source(cfg.tp_rank, cfg.tp_size, key[0])]
                 else:
                     src = topology.remote_tp_ranks(cfg.tp_rank, cfg.tp_size, key[0])

@@ -272,7 +272,7 @@ class Driver:
                 ProducerMachine(cfg)
                 if self.role == "producer"
                 else ConsumerMachine(
-                    cfg, mla=geometry.replicated_whole, host=advertise[0], port=advertise[1]
+                    cfg, one_source=geometry.replicated_whole, host=advertise[0], port=advertise[1]
                 )
             )
             self._pool = concurrent.futures.ThreadPoolExecutor(

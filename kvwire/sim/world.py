@@ -254,7 +254,7 @@ class World:
             machine = (
                 ProducerMachine(config)
                 if spec.role == "P"
-                else ConsumerMachine(config, mla=cluster.mla, host=spec.name, port=1)
+                else ConsumerMachine(config, one_source=cluster.mla, host=spec.name, port=1)
             )
             width = engine.slice_of(i)[1]
             layered = self.stream and cluster.mode is TransferMode.PUSH

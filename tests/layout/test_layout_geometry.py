@@ -9,6 +9,8 @@ from typing import Any
 import msgspec
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvwire import wire
 from kvwire.errors import IncompatiblePeerError
@@ -261,13 +263,25 @@ def test_a_consumer_reads_one_producer_rank_only_where_no_page_is_a_ranks_own() 
     assert [g.replicated_whole for g in (mla, states, heads)] == [True, False, False]
 
 
-def test_a_region_names_only_groups_it_can_hold() -> None:
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(
+    group_id=st.integers(-1, 3),
+    groups=st.lists(st.integers(-2, 4), max_size=4),
+)
+def test_a_region_names_only_groups_it_can_hold(group_id: int, groups: list[int]) -> None:
     """``groups`` (a region's own, never advertised) are distinct ids and include the
-    group it advertises; a shared region may name any."""
+    group it advertises; a shared region (-1) may name any; none names what ``group_id``
+    says."""
     from kvwire.errors import ConfigError
 
-    assert BlockRegion(1 << 30, 64, 4, group_id=0, groups=(0, 1)).groups == (0, 1)
-    assert BlockRegion(1 << 30, 64, 4, group_id=-1, groups=(0, 2)).groups == (0, 2)
-    for group_id, groups in ((0, (1, 2)), (0, (0, 0)), (-1, (-1, 0))):
+    valid = not groups or (
+        min(groups) >= 0 and len(set(groups)) == len(groups) and group_id in (-1, *groups)
+    )
+    if not valid:
         with pytest.raises(ConfigError, match="must be distinct group ids"):
-            BlockRegion(1 << 30, 64, 4, group_id=group_id, groups=groups)
+            BlockRegion(1 << 30, 64, 4, group_id=group_id, groups=tuple(groups))
+        return
+    region = BlockRegion(1 << 30, 64, 4, group_id=group_id, groups=tuple(groups))
+    geometry = KVGeometry([region], block_size=16, group_kinds=("attention",) * 5)
+    named = groups or ([group_id] if group_id >= 0 else list(range(5)))
+    assert [g for g in range(5) if geometry.holds(0, g)] == sorted(named)

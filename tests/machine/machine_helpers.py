@@ -52,7 +52,7 @@ def machine_config(**kw: Any) -> KVWireConfig:
 
 def consumer(*, mla: bool = False, host: str = "", port: int = 0, **kw: Any) -> ConsumerMachine:
     kw.setdefault("engine_id", "D")
-    return ConsumerMachine(machine_config(**kw), mla=mla, host=host, port=port)
+    return ConsumerMachine(machine_config(**kw), one_source=mla, host=host, port=port)
 
 
 def producer(**kw: Any) -> ProducerMachine:

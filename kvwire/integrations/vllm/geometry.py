@@ -157,16 +157,6 @@ def kernel_ratio(
     return ratio
 
 
-def _kernel_pages(view: torch.Tensor, num_blocks: int) -> torch.Tensor:
-    """``view`` with ``num_blocks`` blocks first: a view of fewer, whole blocks, each one
-    run, split into as many kernel pages (:func:`kernel_ratio`)."""
-    blocks = int(view.shape[0]) if view.dim() >= 2 else 0
-    if not (0 < blocks < num_blocks and num_blocks % blocks == 0 and view.is_contiguous()):
-        return view
-    split = num_blocks // blocks
-    return view.reshape(num_blocks, -1) if view[0].numel() % split == 0 else view
-
-
 def _ring_holder(
     name: str, view: torch.Tensor, spans: Mapping[int, tuple[str, int, int, torch.Tensor]],
     num_blocks: int,
@@ -252,7 +242,7 @@ def layer_regions(
     """Per span, the first layer of any kind on it, in stock's order."""
     names = list(kv_caches) if allocation_order else sorted(kv_caches, key=layer_order)
     for name in names:
-        view = _kernel_pages(kv_caches[name], num_blocks)
+        view = kv_caches[name]
         group = group_of.get(name, 0) if group_of is not None else 0
         if name in ring_layers:
             continue
@@ -460,16 +450,19 @@ def layer_geometry(
     sizes = row_block_sizes(kv_cache_config)
     moved = {name: view for name, view in kv_caches.items() if name in group_of}
     states = frozenset(n for n in moved if kinds[group_of[n]] is RegionKind.SSM)
-    tails = frozenset(n for n, spec in layer_specs(kv_cache_config).items() if is_kpool_tail(spec))
+    specs = layer_specs(kv_cache_config)
+    tails = frozenset(n for n, spec in specs.items() if is_kpool_tail(spec))
     if tails and parse_layout(layout_name).block_outermost:
         raise ConfigError(
             f"KV cache layout {layout_name} with vLLM 0.31.0's Glm5Next tail (KpoolTailSpec), "
             "whose backend takes LBHNC only: KVWireConnector moves it as vLLM lays it there"
         )
     own = {n: v for n, v in moved.items() if n not in states | tails}
-    specs = layer_specs(kv_cache_config)
     pooled = frozenset(n for n in own if getattr(specs.get(n), "tokens_per_state", 1) > 1)
     ratio = kernel_ratio(own, num_blocks, pooled)
+    for name in pooled:  # a pooled view of whole blocks, as its kernel pages
+        if ratio > 1 and moved[name].shape[0] == num_blocks:
+            moved[name] = moved[name].reshape(num_blocks * ratio, -1)
     rings = RegionKind.RING in kinds
     if rings and ratio != 1 and not tails:
         raise ConfigError(
@@ -486,7 +479,6 @@ def layer_geometry(
         )
     ple_block_len = None
     if sizes and rings:
-        specs = layer_specs(kv_cache_config)
         ple_block_len = replicated_state_len(specs, config.version)
         apart = states_moved_apart(ssm_sizes(kv_cache_config), ple_block_len)
         regions = page_regions(moved, num_blocks, group_of, specs, apart)
