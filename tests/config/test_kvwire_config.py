@@ -129,7 +129,7 @@ def test_the_machines_run_on_the_same_object() -> None:
     consumer = ConsumerMachine(config, host="10.1.2.3", port=5601)
     producer = ProducerMachine(config)
     assert consumer.config is config and producer.config is config
-    assert (consumer.host, consumer.port, consumer.mla) == ("10.1.2.3", 5601, False)
+    assert (consumer.host, consumer.port, consumer.one_source) == ("10.1.2.3", 5601, False)
     # What the environment set is what the machine runs on: lease 90 s, heartbeat 2.5 s,
     # margins 2 s / 0.5 s, grace 10 s, transfer timeout 45 s, a handshake of 1.5 s + 1 s.
     assert (config.heartbeat_s, config.expiry_margin, config.completion_margin) == (2.5, 2, 0.5)
